@@ -1,0 +1,36 @@
+# Two commands do everything on a fresh machine: `make test` and `make demo`.
+# Both create the project-local virtualenv .venv on first use (idempotent afterwards).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.megaprm-installed
+NPROC  ?= 2
+
+.PHONY: install test test-fast demo bench lint clean
+
+install: $(STAMP)
+
+# torch goes in first: the CPU wheel (2.13.0) unless a CUDA torch is already importable,
+# so that megatron-core/transformers never pull the multi-GB CUDA build of torch.
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() or torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
+		|| $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q -x --timeout=900 tests
+
+demo: install
+	$(VENV)/bin/megaprm demo
+
+bench: install
+	$(PY) -m megaprm.cli bench
+
+lint: install
+	$(VENV)/bin/ruff check megaprm checkpoint_tools eval scripts tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

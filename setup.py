@@ -1,0 +1,36 @@
+"""megaprm: a Megatron-Core backend for RL of reasoning LLMs with process rewards."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megaprm",
+    version="0.1.0",
+    description="Megatron-Core RL backend with process reward models (PRIME, PURE, PROF-GRPO, PAPO)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megaprm*", "checkpoint_tools*", "eval*"]),
+    package_data={"megaprm": ["configs/*.yaml"], "eval": ["data/**/*", "data/*"]},
+    include_package_data=True,
+    install_requires=[
+        # torch 2.13.0 (CPU) is installed first by the Makefile; this range accepts it and the
+        # CUDA builds found on GPU nodes, so pip never swaps torch for another build.
+        "torch>=2.4",
+        "megatron-core>=0.16,<0.17",
+        "transformers>=4.51",
+        "safetensors>=0.4",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+        "psutil",  # megatron-core's dist_checkpointing async writer imports it
+        "wandb",
+        "math-verify[antlr4_13_2]>=0.7",
+        "pyarrow",
+        "matplotlib",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "vllm", "flash-attn"],
+        "ray": ["ray[default]"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
+    },
+    entry_points={"console_scripts": ["megaprm=megaprm.cli:main"]},
+)
