@@ -1,0 +1,248 @@
+"""The single HF <-> Megatron parameter mapping (names and layouts) of megaprm.
+
+Conversion (checkpoint_tools), loading HF weights into a stage, and weight sync into rollout
+engines all go through `rule_for` + `to_megatron_shard` / `to_hf`. Layouts handled here:
+
+* fused QKV with GQA interleaving: Megatron stores, per query group g, [q heads of g | k_g | v_g]
+  along dim 0; tp splits whole groups, so a full tensor is the concatenation of tp shards.
+* fused gate/up: each tp rank holds [gate_r ; up_r] (its slice of each), so the full tensor
+  gathered along dim 0 is [gate_0; up_0; gate_1; up_1; ...].
+* vocab-parallel embedding / output layer: rows padded to `ModelSpec.padded_vocab_size(tp)`.
+* PRM heads: HF `score.*` parameters map to Megatron `score.*` one to one, replicated over tp.
+
+Megatron names are local to a pipeline stage (`decoder.layers.{i}` with i counted from the
+stage's first layer); HF names are global (`model.layers.{offset + i}`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+
+from megaprm.models.hf_spec import ModelSpec
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Megatron suffix inside a layer -> (kind, HF suffixes). Both the local and the TE layer spec.
+_LAYER_RULES = {
+    "input_layernorm.weight": ("replicated", ["input_layernorm.weight"]),
+    "self_attention.linear_qkv.layer_norm_weight": ("replicated", ["input_layernorm.weight"]),
+    "pre_mlp_layernorm.weight": ("replicated", ["post_attention_layernorm.weight"]),
+    "mlp.linear_fc1.layer_norm_weight": ("replicated", ["post_attention_layernorm.weight"]),
+    "self_attention.q_layernorm.weight": ("replicated", ["self_attn.q_norm.weight"]),
+    "self_attention.k_layernorm.weight": ("replicated", ["self_attn.k_norm.weight"]),
+    "self_attention.linear_qkv.weight": (
+        "qkv", ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
+    "self_attention.linear_qkv.bias": (
+        "qkv", ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]),
+    "self_attention.linear_proj.weight": ("row", ["self_attn.o_proj.weight"]),
+    "mlp.linear_fc1.weight": ("gate_up", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+    "mlp.linear_fc2.weight": ("row", ["mlp.down_proj.weight"]),
+}
+# tp split dimension of each kind (None = replicated on every tp rank)
+TP_DIM = {"replicated": None, "qkv": 0, "gate_up": 0, "row": 1, "vocab": 0, "head": None}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one Megatron parameter is made of HF tensors."""
+
+    megatron_name: str
+    kind: str
+    hf_names: tuple
+
+    @property
+    def tp_dim(self) -> Optional[int]:
+        return TP_DIM[self.kind]
+
+
+def layer_offset(spec: ModelSpec, pp: int, pp_rank: int) -> int:
+    return pp_rank * spec.layers_per_stage(pp)
+
+
+def rule_for(name: str, spec: ModelSpec, pp: int = 1, pp_rank: int = 0) -> Optional[Rule]:
+    """The rule of Megatron parameter `name` on stage `pp_rank`; None for parameters that have
+    no HF counterpart of their own (the tied output layer copy, a PRM's unused LM head)."""
+    m = _LAYER.match(name)
+    if m:
+        idx, suffix = int(m.group(1)) + layer_offset(spec, pp, pp_rank), m.group(2)
+        if suffix not in _LAYER_RULES:
+            raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
+        kind, hf = _LAYER_RULES[suffix]
+        return Rule(name, kind, tuple(f"model.layers.{idx}.{s}" for s in hf))
+    if name == "embedding.word_embeddings.weight":
+        return Rule(name, "vocab", ("model.embed_tokens.weight",))
+    if name == "decoder.final_layernorm.weight":
+        return Rule(name, "replicated", ("model.norm.weight",))
+    if name == "output_layer.weight":
+        if spec.head != "lm":
+            return None
+        return Rule(name, "vocab", ("model.embed_tokens.weight" if spec.tie_embeddings
+                                    else "lm_head.weight",))
+    if name.startswith("score."):
+        return Rule(name, "head", (name,))
+    raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
+
+
+def exported(rule: Rule) -> bool:
+    """A tied output layer is a copy of the embedding: export it once (from the embedding)."""
+    return not (rule.megatron_name == "output_layer.weight"
+                and rule.hf_names == ("model.embed_tokens.weight",))
+
+
+def _chunk(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    if t.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of size {t.shape[dim]} does not split over tp={size}")
+    return t.chunk(size, dim=dim)[rank]
+
+
+def _qkv_full(q, k, v, spec: ModelSpec) -> torch.Tensor:
+    """[nq*d, ...], [ng*d, ...], [ng*d, ...] -> Megatron's grouped layout [ng*(nq/ng+2)*d, ...]."""
+    ng, d = spec.num_kv_heads, spec.head_dim
+    per = spec.num_heads // ng
+    rest = q.shape[1:]
+    q = q.reshape(ng, per * d, *rest)
+    k = k.reshape(ng, d, *rest)
+    v = v.reshape(ng, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(ng * (per + 2) * d, *rest)
+
+
+def to_megatron_shard(rule: Rule, get_hf: Callable[[str], torch.Tensor], spec: ModelSpec,
+                      tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This tp rank's shard of `rule.megatron_name`, built from HF tensors fetched by name."""
+    ts = [get_hf(n) for n in rule.hf_names]
+    if rule.kind in ("replicated", "head"):
+        return ts[0]
+    if rule.kind == "qkv":
+        return _chunk(_qkv_full(*ts, spec), 0, tp_rank, tp_size)
+    if rule.kind == "gate_up":
+        return torch.cat([_chunk(ts[0], 0, tp_rank, tp_size), _chunk(ts[1], 0, tp_rank, tp_size)])
+    if rule.kind == "row":
+        return _chunk(ts[0], 1, tp_rank, tp_size)
+    if rule.kind == "vocab":
+        padded = spec.padded_vocab_size(tp_size)
+        full = torch.zeros(padded, *ts[0].shape[1:], dtype=ts[0].dtype)
+        full[: ts[0].shape[0]] = ts[0]
+        return _chunk(full, 0, tp_rank, tp_size)
+    raise AssertionError(rule.kind)
+
+
+def to_hf(rule: Rule, full: torch.Tensor, spec: ModelSpec, tp_size: int) -> list:
+    """HF (name, tensor) pairs from a full Megatron tensor (tp shards concatenated on tp_dim)."""
+    if rule.kind in ("replicated", "head", "row"):
+        return [(rule.hf_names[0], full)]
+    if rule.kind == "vocab":
+        return [(rule.hf_names[0], full[: spec.vocab_size])]
+    if rule.kind == "gate_up":
+        rest = full.shape[1:]
+        halves = full.reshape(tp_size, 2, -1, *rest)
+        gate = halves[:, 0].reshape(-1, *rest)
+        up = halves[:, 1].reshape(-1, *rest)
+        return [(rule.hf_names[0], gate), (rule.hf_names[1], up)]
+    if rule.kind == "qkv":
+        ng, d = spec.num_kv_heads, spec.head_dim
+        per = spec.num_heads // ng
+        rest = full.shape[1:]
+        g = full.reshape(ng, (per + 2) * d, *rest)
+        q = g[:, : per * d].reshape(ng * per * d, *rest)
+        k = g[:, per * d: (per + 1) * d].reshape(ng * d, *rest)
+        v = g[:, (per + 1) * d:].reshape(ng * d, *rest)
+        return list(zip(rule.hf_names, (q, k, v)))
+    raise AssertionError(rule.kind)
+
+
+def stage_rules(model, spec: ModelSpec, pp: int, pp_rank: int) -> Iterator[tuple]:
+    """(rule, parameter) for every parameter of a stage that has an HF counterpart, in order."""
+    for name, param in model.named_parameters():
+        name = name.removeprefix("module.")
+        rule = rule_for(name, spec, pp, pp_rank)
+        if rule is not None:
+            yield rule, param
+
+
+def required_hf_names(model, spec: ModelSpec, pp: int, pp_rank: int) -> list:
+    return [n for rule, _ in stage_rules(model, spec, pp, pp_rank) for n in rule.hf_names]
+
+
+@torch.no_grad()
+def load_stage(model, get_hf: Callable[[str], torch.Tensor], spec: ModelSpec, *,
+               tp_rank: int, tp_size: int, pp: int, pp_rank: int) -> None:
+    """Copy HF tensors into this rank's stage; shape mismatches name the parameter."""
+    for rule, param in stage_rules(model, spec, pp, pp_rank):
+        shard = to_megatron_shard(rule, get_hf, spec, tp_rank, tp_size)
+        if shard.shape != param.shape:
+            raise ValueError(
+                f"shape mismatch for {rule.megatron_name} (from {', '.join(rule.hf_names)}): "
+                f"model expects {tuple(param.shape)}, checkpoint gives {tuple(shard.shape)} "
+                f"at tp={tp_size}; does config.json match the weights?")
+        param.copy_(shard.to(param.dtype))
+
+
+class HFWeights:
+    """Lazy, memory-bounded reader of an HF safetensors checkpoint (single or sharded+index)."""
+
+    def __init__(self, model_dir: str):
+        import json
+        import os
+
+        from safetensors import safe_open
+
+        self.dir = model_dir
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif os.path.exists(os.path.join(model_dir, "model.safetensors")):
+            files, weight_map = ["model.safetensors"], None
+        else:
+            raise FileNotFoundError(
+                f"no model.safetensors or model.safetensors.index.json in {model_dir!r}: "
+                "save the model with save_pretrained(..., safe_serialization=True)")
+        self._handles = {}
+        self._where = {}
+        for fname in files:
+            path = os.path.join(model_dir, fname)
+            try:
+                h = safe_open(path, framework="pt")
+            except Exception as e:  # truncated / corrupt header
+                raise ValueError(f"cannot read safetensors file {path!r} ({e}); "
+                                 "the file is truncated or corrupt: re-download or re-save it")
+            self._handles[fname] = h
+            for k in h.keys():
+                self._where[k] = fname
+        if weight_map is not None:
+            missing = sorted(set(weight_map) - set(self._where))
+            if missing:
+                raise ValueError(f"index.json lists tensors absent from the shards: {missing[:10]}")
+
+    def keys(self) -> list:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(name)
+        return self._handles[self._where[name]].get_tensor(name)
+
+    def check(self, required: Iterable[str], *, allow_unexpected: Iterable[str] = ()) -> None:
+        """Raise listing every missing tensor (and unexpected ones) before any copy happens."""
+        required = set(required)
+        missing = sorted(required - set(self._where))
+        if missing:
+            raise ValueError(
+                f"HF checkpoint {self.dir!r} is missing {len(missing)} tensor(s) the model needs: "
+                f"{missing[:20]}{' ...' if len(missing) > 20 else ''}; the checkpoint does not "
+                "match its config.json (wrong num_hidden_layers / architecture?) or is incomplete")
+
+
+def load_hf_weights(model, model_dir: str, spec: ModelSpec, *, tp_rank: int, tp_size: int,
+                    pp: int, pp_rank: int) -> None:
+    """Load an HF directory into this rank's stage, reading only this stage's tensors."""
+    weights = HFWeights(model_dir)
+    weights.check(required_hf_names(model, spec, pp, pp_rank))
+    load_stage(model, weights, spec, tp_rank=tp_rank, tp_size=tp_size, pp=pp, pp_rank=pp_rank)

@@ -1,0 +1,94 @@
+"""Let megatron-core 0.16 run on a machine without CUDA (tests, the demo, CI).
+
+Installed once by `parallel.init` only when `torch.cuda.is_available()` is False; it never edits
+megatron-core's files. Each redirect below is one CUDA entry point that megatron-core reaches on
+the paths megaprm uses (building GPTModel from the local spec, DDP, pipeline schedules,
+dist_checkpointing). The measured list is in shared/notes/megatron-core-on-cpu.md.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+_CPU = torch.device("cpu")
+
+
+def _is_cuda(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int)  # a bare int means a CUDA ordinal in torch's API
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites `device="cuda..."` arguments to CPU and makes `.cuda()` a no-op.
+
+    Covers megatron-core's literal CUDA allocations: `total_num_tokens` in
+    pipeline_parallel/schedules.py, a warm-up tensor in distributed/param_and_grad_buffer.py,
+    broadcasts in tensor_parallel/data.py, and the causal mask built when attention_mask is None.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            if args[1:] and _is_cuda(args[1]) and not isinstance(args[1], int):
+                args = (args[0], _CPU, *args[2:])
+            elif args[1:] and isinstance(args[1], int) and not isinstance(args[1], bool):
+                args = (args[0], _CPU, *args[2:])
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = _CPU
+        return func(*args, **kwargs)
+
+
+def _cpu_rng_state(device="cuda", clone=False, graph_safe=False):
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def install() -> None:
+    """Idempotently redirect the CUDA entry points megatron-core uses; no-op with CUDA."""
+    global _INSTALLED
+    if _INSTALLED or torch.cuda.is_available():
+        return
+    # 1. Layers and schedules ask for the current CUDA device: answer "cpu".
+    torch.cuda.current_device = lambda: _CPU
+    # 2. Seeding / sync / device queries: the CPU generator stands in for the CUDA one.
+    # (torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = lambda seed: None
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    torch.cuda.empty_cache = lambda: None
+    # 3. Megatron's RNG tracker reads/writes CUDA RNG state through two private helpers.
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = _cpu_rng_state
+    mp_random._set_cuda_rng_state = _set_cpu_rng_state
+    # 4. Literal device="cuda" allocations and .cuda() calls inside megatron-core.
+    _CudaToCpuMode().__enter__()
+    _INSTALLED = True
+
+
+def installed() -> bool:
+    return _INSTALLED
+
+
+@functools.lru_cache(maxsize=None)
+def device() -> torch.device:
+    """The device megaprm computes on: the local CUDA device if present, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return _CPU

@@ -1,0 +1,234 @@
+"""The one seam into Megatron's pipeline schedules: forward-only and training steps.
+
+Callers hand in a list of micro-batches (any objects) and two callables:
+
+* `forward(model, mb) -> output`: runs the stage (`gpt_forward` for the usual causal LM);
+* `post(mb, output) -> (loss_sum | None, payload)`: on the last stage only. For training,
+  `loss_sum` must already be divided by the global normaliser (e.g. the token count of the whole
+  mini-batch over all dp ranks): the config sets `calculate_per_token_loss`, so Megatron neither
+  divides by the micro-batch count nor averages grads over dp, and the normalisation lives in
+  exactly one place, the trainer.
+
+Micro-batches may differ in length when pp == 1; with pp > 1 Megatron's p2p exchange needs one
+[s, b, h] shape, so callers pad to a common `seq_length` (`pad_to` helps).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megaprm.parallel.groups import Groups
+
+
+@dataclass
+class TokenBatch:
+    """Right-padded token sequences of one micro-batch.
+
+    input_ids [b, s] long; loss_mask [b, s] float (1 on tokens whose *next-token* prediction
+    counts, i.e. position t predicts input_ids[t+1]); payload: method-specific tensors [b, ...].
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    payload: Any = None
+
+    @property
+    def seq_length(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def causal_mask(seq_len: int, device=None) -> torch.Tensor:
+    """[1, 1, s, s] bool, True = masked (Megatron's convention for the local attention)."""
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+def gpt_forward(model, mb: TokenBatch) -> torch.Tensor:
+    """GPTModel stage forward on a right-padded batch: logits [b, s, V/tp] on the last stage."""
+    ids = mb.input_ids
+    b, s = ids.shape
+    pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
+    return model(input_ids=ids, position_ids=pos, attention_mask=causal_mask(s, ids.device))
+
+
+def pad_to(t: torch.Tensor, length: int, value=0) -> torch.Tensor:
+    """Right-pad dim 1 of [b, s, ...] to `length`."""
+    if t.shape[1] == length:
+        return t
+    pad = torch.full((t.shape[0], length - t.shape[1], *t.shape[2:]), value,
+                     dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad], dim=1)
+
+
+def _unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+
+def run(model, micro_batches: List[TokenBatch], *, groups: Groups,
+        forward: Callable = gpt_forward,
+        post: Callable[[TokenBatch, torch.Tensor], tuple],
+        forward_only: bool) -> List[Any]:
+    """Run the schedule; returns the payloads `post` produced, on the last stage (else [])."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        return []
+    seq_length = max(mb.seq_length for mb in micro_batches)
+    if groups.pp_size > 1 and any(mb.seq_length != seq_length for mb in micro_batches):
+        raise ValueError("with pp > 1 every micro-batch must have the same length (use pad_to)")
+    mbs = micro_batches[0].input_ids.shape[0]
+    if groups.pp_size > 1 and any(mb.input_ids.shape[0] != mbs for mb in micro_batches):
+        raise ValueError("with pp > 1 every micro-batch must have the same batch size")
+
+    def step(data_iterator, model_chunk):
+        mb = next(data_iterator)
+        output = forward(model_chunk, mb)
+
+        def loss_func(output_tensor):
+            loss, payload = post(mb, output_tensor)
+            if loss is None:
+                loss = output_tensor.sum() * 0.0
+            return loss, torch.tensor(1, dtype=torch.int), {"payload": payload}
+
+        return output, loss_func
+
+    fb = get_forward_backward_func()
+    out = fb(forward_step_func=step, data_iterator=iter(micro_batches), model=[model],
+             num_microbatches=len(micro_batches), seq_length=seq_length,
+             micro_batch_size=mbs, forward_only=forward_only)
+    return [o["payload"] for o in out] if groups.is_last_stage else []
+
+
+def broadcast_from_last_stage(obj: Any, groups: Groups) -> Any:
+    """Give every pp stage the last stage's Python object (results of a forward-only pass)."""
+    if groups.pp_size == 1:
+        return obj
+    box = [obj if groups.is_last_stage else None]
+    src = dist.get_global_rank(groups.pp, groups.pp_size - 1)
+    dist.broadcast_object_list(box, src=src, group=groups.pp)
+    return box[0]
+
+
+# --------------------------------------------------------------------------------- training
+
+def wrap_ddp(model, groups: Groups):
+    """Megatron DDP: contiguous grad buffers in fp32, grads summed (not averaged) over dp."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=torch.cuda.is_available() and groups.dp_size > 1,
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def __post_init__(self):
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"optim.lr={self.lr!r}: must be a positive finite number")
+        if self.clip_grad < 0:
+            raise ValueError(f"optim.clip_grad={self.clip_grad!r}: must be >= 0 (0 disables)")
+
+
+class Optimizer:
+    """Megatron's optimizer on GPU; on CPU a torch AdamW over the DDP module's parameters.
+
+    Megatron's DistributedOptimizer rejects non-CUDA parameters and its fp32 optimizer asserts
+    on CUDA when clipping (shared/notes/megatron-core-on-cpu.md), so on CPU we step torch.optim
+    after `finalize_model_grads`, with the grads Megatron accumulated in `param.main_grad` and a
+    grad norm reduced over the model-parallel group (tp duplicates counted once).
+    """
+
+    def __init__(self, ddp_model, cfg: OptimConfig, groups: Groups):
+        self.model, self.cfg, self.groups = ddp_model, cfg, groups
+        self.params = [p for p in ddp_model.parameters() if p.requires_grad]
+        if torch.cuda.is_available():
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            oc = OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                 adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
+                                 adam_eps=cfg.eps, clip_grad=cfg.clip_grad,
+                                 bf16=ddp_model.config.bf16, use_distributed_optimizer=
+                                 ddp_model.ddp_config.use_distributed_optimizer)
+            self.impl = get_megatron_optimizer(oc, [ddp_model])
+            self.megatron = True
+        else:
+            self.impl = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                          weight_decay=cfg.weight_decay)
+            self.megatron = False
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        if self.megatron:
+            self.impl.zero_grad()
+        else:
+            for p in self.params:
+                p.grad = None
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.impl.param_groups:
+            g["lr"] = lr
+
+    def grad_norm(self) -> float:
+        """L2 norm of the full model's grads: tp duplicates once, shared embedding once."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            g = p.main_grad if hasattr(p, "main_grad") else p.grad
+            if g is None:
+                continue
+            duplicate = (not getattr(p, "tensor_model_parallel", False)) and self.groups.tp_rank > 0
+            shared_copy = getattr(p, "shared_embedding", False) and not self.groups.is_first_stage
+            if not duplicate and not shared_copy:
+                sq += g.double().pow(2).sum().cpu()
+        if self.groups.mp is not None and dist.get_world_size(self.groups.mp) > 1:
+            dist.all_reduce(sq, group=self.groups.mp)
+        return float(sq.sqrt())
+
+    def step(self) -> tuple:
+        """finalize grads over dp/embedding groups, clip, step. Returns (grad_norm, applied)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
+        if self.megatron:
+            ok, norm, _ = self.impl.step()
+            return float(norm or 0.0), bool(ok)
+        for p in self.params:
+            p.grad = p.main_grad.to(p.dtype) if hasattr(p, "main_grad") else p.grad
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            return norm, False
+        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+            scale = self.cfg.clip_grad / (norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        self.impl.step()
+        return norm, True
+
+    def state_dict(self):
+        return self.impl.state_dict()
+
+    def load_state_dict(self, sd):
+        self.impl.load_state_dict(sd)
+
+
+def build_stage(spec, groups: Groups, *, dtype=torch.float32, **kw):
+    """Build this rank's GPTModel stage for `spec` under `groups`."""
+    from megaprm.models.actor import build_gpt
+
+    return build_gpt(spec, tp=groups.tp_size, pp=groups.pp_size, pp_rank=groups.pp_rank,
+                     dtype=dtype, **kw)
+
+
+def optional_group(group) -> Optional[Any]:
+    return group if group is not None and dist.get_world_size(group) > 1 else None
