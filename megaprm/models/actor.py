@@ -5,7 +5,7 @@ has the final norm + output layer. Logits come back vocab-sharded over tp: [b, s
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -14,15 +14,17 @@ from megaprm.models.hf_spec import ModelSpec, layer_spec, llama3_inv_freq, trans
 
 def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
               dtype: torch.dtype = torch.float32, use_te: Optional[bool] = None,
-              seq_length: Optional[int] = None, **config_overrides):
+              seq_length: Optional[int] = None, model_cls: Optional[Callable] = None,
+              **config_overrides):
     """Build this rank's stage of a GPTModel equal to the HF model `spec` describes.
 
     Megatron's own init fills the weights; load real ones with `models.mapping.load_hf_weights`.
+    `model_cls` builds a GPTModel subclass with the same arguments (the PRM: `models.prm`).
     """
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(spec, tp=tp, pp=pp, dtype=dtype, **config_overrides)
-    model = GPTModel(
+    model = (model_cls or GPTModel)(
         config=config,
         transformer_layer_spec=layer_spec(spec, use_te),
         vocab_size=spec.padded_vocab_size(tp),
