@@ -108,6 +108,13 @@ def spec_from_hf(path_or_config) -> ModelSpec:
         raise UnsupportedModelError(
             f"architectures={archs!r} is not supported; supported: {sorted(_FAMILIES)}")
     arch = archs[0]
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "vocab_size")
+    missing = [k for k in required if cfg.get(k) is None]
+    if missing:
+        raise UnsupportedModelError(
+            f"{arch} config is missing {missing}: config.json is incomplete (re-save it with "
+            "transformers' save_pretrained)")
     family = _FAMILIES[arch]
     head = next(v for k, v in _HEADS.items() if arch.endswith(k))
     unsupported = []
