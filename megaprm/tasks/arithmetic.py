@@ -232,6 +232,29 @@ def _delta(rng: random.Random, value: int, allow_negative: bool) -> int:
     return rng.choice(choices)
 
 
+def _propagated_error(
+    problem: Problem, ref: list[tuple[int, str, int, int]], rng: random.Random, kind: str, allow_negative: bool
+) -> list[tuple[int, str, int, int]] | None:
+    """Steps with one wrong result (or operand) at a random step k; later steps continue
+    correctly from it. Only candidates whose error reaches the final answer, and (unless
+    negatives are allowed) that keep every number >= 0 are used; None if there is none."""
+    for k in rng.sample(range(len(ref)), len(ref)):
+        a, op, b, c = ref[k]
+        deltas = rng.sample((-3, -2, -1, 1, 2, 3), 6)
+        if kind == "wrong_result":
+            candidates = [(b, c + d) for d in deltas]
+        else:
+            candidates = [(b + d, _apply(a, op, b + d)) for d in deltas if b + d >= 1]
+        for b_k, c_k in candidates:
+            steps = ref[:k] + [(a, op, b_k, c_k)]
+            for _, op_j, b_j, _ in ref[k + 1 :]:
+                prev = steps[-1][3]
+                steps.append((prev, op_j, b_j, _apply(prev, op_j, b_j)))
+            if steps[-1][3] != problem.answer and (allow_negative or min(st[3] for st in steps) >= 0):
+                return steps
+    return None
+
+
 def corrupt_solution(
     problem: Problem, rng: random.Random, kind: str, allow_negative: bool = False
 ) -> str:
@@ -251,35 +274,17 @@ def corrupt_solution(
         raise ValueError(f"corrupt_solution: kind={kind!r}; valid kinds are {CORRUPTION_KINDS}")
     ref = _reference_steps(problem)
     n = len(ref)
+    allow_negative = allow_negative or min(problem.results) < 0  # it has negatives already
     if kind == "truncated":
         body = _render(ref, None)
         return body[: rng.randint(1, len(body) - 1)]
 
     if kind in ("wrong_result", "wrong_operand"):
-        # try steps in random order until the error survives to the final answer (an operand
-        # error multiplied by a 0 intermediate result vanishes); a result error always survives
-        # because operands are >= 1, so the loop ends with kind "wrong_result" at the latest.
-        for k in rng.sample(range(n), n):
-            a, op, b, c = ref[k]
-            if kind == "wrong_result":
-                c = c + _delta(rng, c, allow_negative)
-            else:
-                legal = [
-                    b + d
-                    for d in (-3, -2, -1, 1, 2, 3)
-                    if b + d >= 1 and (allow_negative or _apply(a, op, b + d) >= 0)
-                ]
-                if not legal:
-                    continue
-                b = rng.choice(legal)
-                c = _apply(a, op, b)
-            steps = ref[:k] + [(a, op, b, c)]
-            for _, op_j, b_j, _ in ref[k + 1 :]:  # later steps: locally valid from the wrong value
-                prev = steps[-1][3]
-                steps.append((prev, op_j, b_j, _apply(prev, op_j, b_j)))
-            if steps[-1][3] != problem.answer:
-                return _render(steps, steps[-1][3])
-        return corrupt_solution(problem, rng, "wrong_result", allow_negative)
+        wrong = _propagated_error(problem, ref, rng, kind, allow_negative)
+        if wrong is None:  # no operand error survives (e.g. every step multiplies a 0)
+            wrong = _propagated_error(problem, ref, rng, "wrong_result", allow_negative)
+        assert wrong is not None  # an upward result error always survives and stays >= 0
+        return _render(wrong, wrong[-1][3])
 
     # flawed_but_correct
     variants = ["boxed_ignores"] + (["restart", "compensate"] if n >= 2 else [])
