@@ -1,0 +1,451 @@
+"""Advantage estimators: GRPO, Dr.GRPO, RLOO, PAPO, Blend (sequence level), PRIME and PURE (token level).
+
+Every estimator takes this rank's samples and `group`, the data-parallel process group
+(`None` = single process). A *group of samples* is the n responses to one prompt, named by
+`group_ids[B]` (int64); its members may sit on different DP ranks, and all per-group and
+per-batch statistics are reduced through `megaprm.parallel.reductions` with a fixed number of
+collectives per call. The result equals the single-process computation on the concatenated
+batch up to floating-point summation order.
+
+Section numbers (§) refer to `shared/research/algorithms.md`; where paper and released code
+differ (⚠ there), the released code is the default and the paper form is a switch.
+
+Shapes: B samples on this rank, T response tokens (right padding), S steps per response.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from megaprm.algorithms.validation import check_choice, check_mask, check_tensor, check_vector
+from megaprm.parallel.reductions import GroupIndex, all_reduce, group_index, group_moments, group_sums
+
+
+# --------------------------------------------------------------------------- group z-scores
+
+def _zscore(x: torch.Tensor, index: GroupIndex, mask: Optional[torch.Tensor], *, eps: float,
+            scale_by_std: bool, zero_if_flat: bool) -> torch.Tensor:
+    """Column-wise group z-score of `x[B, K]` over members `mask[B, K]` -> float64 `[B, K]`.
+
+    Groups (of members) smaller than 2 give 0; with `zero_if_flat` so do groups whose unbiased
+    std is <= eps (PAPO). Non-members give 0. All K columns share one pair of all-reduces.
+    """
+    mom = group_moments(x, index, mask)
+    g = index.dense
+    count, mean, std = mom.count[g], mom.mean[g], mom.unbiased_std()[g]
+    centred = x.to(torch.float64) - mean
+    out = centred / (std + eps) if scale_by_std else centred
+    ok = count >= 2
+    if zero_if_flat:
+        ok &= std > eps
+    if mask is not None:
+        ok &= mask.bool()
+    return torch.where(ok, out, torch.zeros_like(out))
+
+
+def grpo(outcome: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-6,
+         scale_by_std: bool = True, keep: Optional[torch.Tensor] = None,
+         group: Optional[Any] = None) -> torch.Tensor:
+    """GRPO group z-score `(o_i - mean_g) / (std_g + eps)` -> `[B]` (§3.5, §5.7).
+
+    `outcome[B]` is the sequence reward, `group_ids[B]` the prompt id. std is unbiased (Bessel),
+    eps is added to the std as in verl. A group of size 1 gets 0 (verl gives `o/(1+eps)` by
+    using mean 0, std 1; a lone sample carries no group-relative signal, so we return 0).
+    `scale_by_std=False` is Dr.GRPO: mean-centred only. `keep[B]` (bool, optional) leaves the
+    samples a filter dropped out of the group statistics and gives them 0 (PROF-GRPO's "GRPO on
+    the kept responses", §3.5). 4 collectives when distributed.
+    """
+    check_vector(outcome, "outcome")
+    if keep is not None:
+        check_tensor(keep, "keep", (outcome.shape[0],), dims="[B]")
+    index = group_index(group_ids, group, outcome.shape[0])
+    member = None if keep is None else keep.bool()[:, None]
+    adv = _zscore(outcome[:, None], index, member, eps=eps, scale_by_std=scale_by_std,
+                  zero_if_flat=False)
+    return adv[:, 0].to(outcome.dtype)
+
+
+def rloo(outcome: torch.Tensor, group_ids: torch.Tensor, *,
+         group: Optional[Any] = None) -> torch.Tensor:
+    """RLOO `o_i - mean_{j != i} o_j` -> `[B]` (§1.4 outcome part, §2.4 VR term).
+
+    Computed as `(n o_i - sum_g) / (n - 1)`; a group of size 1 gets 0. 3 collectives.
+    """
+    check_vector(outcome, "outcome")
+    index = group_index(group_ids, group, outcome.shape[0])
+    return _rloo(outcome.to(torch.float64), index).to(outcome.dtype)
+
+
+def _rloo(x: torch.Tensor, index: GroupIndex) -> torch.Tensor:
+    s = group_sums(torch.stack([torch.ones_like(x), x], dim=1), index)[index.dense]
+    n, total = s[:, 0], s[:, 1]
+    return torch.where(n >= 2, (n * x - total) / (n - 1).clamp(min=1), torch.zeros_like(x))
+
+
+def papo(outcome: torch.Tensor, process: torch.Tensor, group_ids: torch.Tensor, *,
+         lam: float = 1.0, eps: float = 1e-6, mode: str = "decoupled",
+         group: Optional[Any] = None) -> torch.Tensor:
+    """PAPO decoupled advantage `A_out + lam * A_proc` -> `[B]` (§4.2; ablations §4.3).
+
+    `outcome[B]` in {0,1} (correct = `outcome == 1`), `process[B]` the sequence process score.
+    * `"decoupled"` (released default): A_out = z-score of o over the group, 0 when the group has
+      < 2 samples or std <= eps; A_proc = z-score of p among the correct responses only, 0 when
+      < 2 are correct or their std <= eps, and 0 for wrong responses. λ is fixed (the adaptive
+      λ_safety clipping of one script is not in the released estimator, §4.2 ⚠).
+    * `"fullnorm"`: A_proc = z-score over all G of p with p := 0 for wrong responses, as released
+      (so correctness is counted twice, §4.3 ⚠); same guards as A_out.
+    * `"multiplicative"`: GRPO on the single reward o·p (`lam` unused).
+    """
+    check_choice(mode, "mode", ("decoupled", "fullnorm", "multiplicative"))
+    check_vector(outcome, "outcome")
+    check_vector(process, "process", outcome.shape[0])
+    index = group_index(group_ids, group, outcome.shape[0])
+    o, p = outcome.to(torch.float64), process.to(torch.float64)
+    correct = outcome == 1
+    if mode == "multiplicative":
+        adv = _zscore((o * p)[:, None], index, None, eps=eps, scale_by_std=True, zero_if_flat=False)
+        return adv[:, 0].to(outcome.dtype)
+    if mode == "decoupled":
+        x = torch.stack([o, p], dim=1)
+        mask = torch.stack([torch.ones_like(correct), correct], dim=1)
+    else:
+        x = torch.stack([o, torch.where(correct, p, torch.zeros_like(p))], dim=1)
+        mask = None
+    z = _zscore(x, index, mask, eps=eps, scale_by_std=True, zero_if_flat=True)
+    return (z[:, 0] + lam * z[:, 1]).to(outcome.dtype)
+
+
+def blend(outcome: torch.Tensor, process: torch.Tensor, group_ids: torch.Tensor, *,
+          beta: float = 0.8, group: Optional[Any] = None) -> torch.Tensor:
+    """PROF's Blend-PRM-GRPO baseline: GRPO on `o_i + beta * p_i` -> `[B]` (§3.4).
+
+    The released `blend_grpo` adds `beta * ave_prm` to token 0 of the token rewards and GRPO
+    sums rewards over tokens, so the sequence reward is exactly `o + beta * mean_h s_{i,h}`;
+    `process[B]` is that step-mean PRM score. eps = 1e-6, unbiased std.
+    """
+    check_vector(outcome, "outcome")
+    check_vector(process, "process", outcome.shape[0])
+    return grpo(outcome + beta * process.to(outcome.dtype), group_ids, group=group)
+
+
+# --------------------------------------------------------------------------- token helpers
+
+def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """Index `[B]` of the last valid token of each row of `response_mask[B, T]` (-1 if empty)."""
+    b, t = response_mask.shape
+    if t == 0:
+        return torch.full((b,), -1, dtype=torch.long, device=response_mask.device)
+    pos = torch.arange(t, device=response_mask.device).expand(b, t)
+    return torch.where(response_mask.bool(), pos, torch.full_like(pos, -1)).amax(dim=1)
+
+
+def _put_last(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Place `values[B]` at each row's last valid token of a zero `[B, T]` (empty rows stay 0)."""
+    out = torch.zeros(response_mask.shape, dtype=values.dtype, device=values.device)
+    last = last_token_index(response_mask)
+    rows = torch.nonzero(last >= 0).flatten()
+    out[rows, last[rows]] = values[rows]
+    return out
+
+
+def discounted_returns(rewards: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Return-to-go `G_t = sum_{s>=t} gamma^(s-t) r_s` along T of `rewards[B, T]` (§1.4, §2.5).
+
+    gamma = 1 is a reverse cumsum; otherwise a backward scan over T (no gamma^-t rescaling,
+    which underflows for long responses). Padded rewards must already be 0.
+    """
+    if gamma == 1.0:
+        return rewards.flip(1).cumsum(1).flip(1)
+    out = torch.empty_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        running = rewards[:, t] + gamma * running
+        out[:, t] = running
+    return out
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8,
+                  group: Optional[Any] = None) -> torch.Tensor:
+    """verl's `masked_whiten` over the GLOBAL batch: `(x - mean) * rsqrt(var + eps)`, masked.
+
+    mean and unbiased variance over all valid tokens of `values[B, T]` on every DP rank (two
+    all-reduces; §1.4 "Whiten"). Padded positions are returned as 0.
+    """
+    m = mask.to(torch.float64)
+    x = values.to(torch.float64)
+    s = all_reduce(torch.stack([m.sum(), (x * m).sum()]), "sum", group)
+    n, mean = s[0], s[1] / s[0].clamp(min=1)
+    ss = all_reduce(((x - mean) ** 2 * m).sum().reshape(1), "sum", group)[0]
+    var = ss / (n - 1).clamp(min=1)
+    return ((x - mean) * torch.rsqrt(var + eps) * m).to(values.dtype)
+
+
+# --------------------------------------------------------------------------- PRIME (§1)
+
+def implicit_process_reward(logp_prm: torch.Tensor, logp_ref: torch.Tensor,
+                            response_mask: torch.Tensor) -> torch.Tensor:
+    """Implicit PRM token reward `q_t = log pi_prm(y_t) - log pi_ref(y_t)` -> `[B, T]` (§1.2).
+
+    As in the released code the raw log-ratio is used, without beta: PRIME's batch_norm fixes the
+    scale afterwards (§1.2 ⚠). Padded positions are 0.
+    """
+    check_tensor(logp_prm, "logp_prm", (None, None), dims="[B, T]")
+    check_tensor(logp_ref, "logp_ref", tuple(logp_prm.shape), dims="[B, T]")
+    mask = check_mask(response_mask, "response_mask", tuple(logp_prm.shape), "[B, T]")
+    return (logp_prm - logp_ref) * mask.to(logp_prm.dtype)
+
+
+def prime_step_rewards(q: torch.Tensor, response_mask: torch.Tensor, granularity: str = "token",
+                       step_end_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Process reward per token from `q[B, T]` at the chosen granularity (§1.2).
+
+    * `"token"`: every valid token keeps its own q.
+    * `"whole"`: the last valid token carries `sum_t q_t` (an implicit ORM).
+    * `"step"`: `step_end_mask[B, T]` (bool) marks step-closing tokens; the end e_j carries
+      `sum_{t in (e_{j-1}, e_j]} q_t`. The last valid token always closes a step, so no q is lost.
+    """
+    check_choice(granularity, "granularity", ("token", "whole", "step"))
+    mask = response_mask.to(q.dtype)
+    q = q * mask
+    if granularity == "token":
+        return q
+    ends = torch.zeros(q.shape, dtype=torch.bool, device=q.device)
+    if granularity == "step":
+        if step_end_mask is None:
+            raise ValueError("granularity='step' needs step_end_mask[B, T] (bool, True at each "
+                             "step-closing token); pass it or use granularity='token'|'whole'")
+        check_tensor(step_end_mask, "step_end_mask", tuple(q.shape), dims="[B, T]")
+        ends = step_end_mask.bool() & response_mask.bool()
+    ends |= _put_last(torch.ones(q.shape[0], device=q.device), response_mask).bool()
+    csum = q.cumsum(1)
+    rows, cols = torch.nonzero(ends, as_tuple=True)      # row-major: ends sorted within a row
+    at_end = csum[rows, cols]
+    prev = torch.cat([at_end.new_zeros(1), at_end[:-1]])
+    first_in_row = torch.ones_like(rows, dtype=torch.bool)
+    first_in_row[1:] = rows[1:] != rows[:-1]
+    out = torch.zeros_like(q)
+    out[rows, cols] = at_end - torch.where(first_in_row, torch.zeros_like(prev), prev)
+    return out
+
+
+def prime_batch_norm(scores: torch.Tensor, response_mask: torch.Tensor, *, scope: str = "global",
+                     group: Optional[Any] = None) -> torch.Tensor:
+    """PRIME `batch_norm`: divide by `max_{i,t} |reverse cumsum_t score| + 1e-6` (§1.2).
+
+    `scope="global"` (our default) takes the max over the whole DP batch with one all-reduce
+    MAX; `scope="shard"` is the released behaviour, the max over this rank's shard (§1.2 ⚠).
+    """
+    check_choice(scope, "scope", ("global", "shard"))
+    rtg = discounted_returns(scores * response_mask.to(scores.dtype), 1.0)
+    peak = rtg.abs().amax().to(torch.float64).reshape(1) if rtg.numel() else \
+        torch.zeros(1, dtype=torch.float64, device=scores.device)
+    if scope == "global":
+        peak = all_reduce(peak, "max", group)
+    return (scores / (peak + 1e-6)).to(scores.dtype)
+
+
+def prime(outcome: torch.Tensor, logp_prm: torch.Tensor, logp_ref: torch.Tensor,
+          response_mask: torch.Tensor, group_ids: torch.Tensor, *, granularity: str = "token",
+          step_end_mask: Optional[torch.Tensor] = None, norm: str = "batch_norm",
+          norm_scope: str = "global", rloo_form: str = "code", gamma_outcome: float = 1.0,
+          gamma_process: float = 1.0, outcome_coef: float = 1.0, process_coef: float = 1.0,
+          group: Optional[Any] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PRIME advantage: RLOO on outcome and implicit process reward, returns, whitening (§1.2–1.4).
+
+    Inputs: `outcome[B]`, `logp_prm[B, T]`, `logp_ref[B, T]`, `response_mask[B, T]`,
+    `group_ids[B]`. Returns `(advantages[B, T], returns[B, T])`, returns un-whitened.
+
+    1. q = logp_prm - logp_ref, at `granularity` (token | whole | step via `step_end_mask`).
+    2. `norm="batch_norm"`: scale by the max |process return-to-go| (global or per shard); "none".
+    3. RLOO with K group members (K = 1 gives 0 for both terms: no leave-one-out exists):
+       outcome at the last valid token `(K o_i - sum_j o_j)/(K-1)`; process on every valid token,
+       with mu_j = per-token mean process reward of response j:
+       `rloo_form="code"` (released) `r_t K/(K-1) - sum_j mu_j/(K-1)`;
+       `"paper"` (Algorithm 1) `r_t - sum_{j!=i} mu_j/(K-1)` (§1.4 ⚠).
+    4. `R = outcome_coef * G^o + process_coef * G^p` with discounts gamma_outcome/gamma_process
+       (released: coefficients 1 — its rm_coef/reward_coef never reach the advantage, §1.4 ⚠).
+    5. advantages = masked_whiten(R) over the global batch.
+    """
+    check_choice(norm, "norm", ("batch_norm", "none"))
+    check_choice(rloo_form, "rloo_form", ("code", "paper"))
+    check_vector(outcome, "outcome")
+    b = outcome.shape[0]
+    check_tensor(logp_prm, "logp_prm", (b, None), dims="[B, T]")
+    q = implicit_process_reward(logp_prm, logp_ref, response_mask)
+    mask = response_mask.to(q.dtype)
+    r = prime_step_rewards(q, response_mask, granularity, step_end_mask)
+    index = group_index(group_ids, group, b)
+    if norm == "batch_norm":
+        r = prime_batch_norm(r, response_mask, scope=norm_scope, group=group)
+    r = r.to(torch.float64)
+    n_tok = mask.sum(1).to(torch.float64)
+    mu = (r * mask).sum(1) / n_tok.clamp(min=1)                       # [B] per-token mean
+    o = outcome.to(torch.float64)
+    s = group_sums(torch.stack([torch.ones_like(o), o, mu], dim=1), index)[index.dense]
+    k, sum_o, sum_mu = s[:, 0], s[:, 1], s[:, 2]
+    loo = (k >= 2)
+    km1 = (k - 1).clamp(min=1)
+    out_last = torch.where(loo, (k * o - sum_o) / km1, torch.zeros_like(o))
+    if rloo_form == "code":
+        proc = r * (k / km1)[:, None] - (sum_mu / km1)[:, None]
+    else:
+        proc = r - ((sum_mu - mu) / km1)[:, None]
+    proc = torch.where(loo[:, None], proc, torch.zeros_like(proc)) * mask
+    g_out = discounted_returns(_put_last(out_last, response_mask), gamma_outcome)
+    g_proc = discounted_returns(proc, gamma_process)
+    returns = (outcome_coef * g_out + process_coef * g_proc) * mask
+    adv = masked_whiten(returns, mask, group=group)
+    return adv.to(logp_prm.dtype), returns.to(logp_prm.dtype)
+
+
+# --------------------------------------------------------------------------- PURE (§2)
+
+def step_end_index_from_token_to_step(token_to_step: torch.Tensor, response_mask: torch.Tensor,
+                                      num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_to_step[B, T]` (long, step number of each token, -1 outside the response) ->
+    `(step_end_index[B, S], step_mask[B, S])` with S = `num_steps`: the closing token of step k
+    is the last token mapped to k; steps with no token are masked out (index 0)."""
+    b, t = token_to_step.shape
+    valid = response_mask.bool() & (token_to_step >= 0) & (token_to_step < num_steps)
+    slot = torch.where(valid, token_to_step, torch.full_like(token_to_step, num_steps))
+    pos = torch.arange(t, device=token_to_step.device).expand(b, t)
+    ends = torch.full((b, num_steps + 1), -1, dtype=torch.long, device=token_to_step.device)
+    ends.scatter_reduce_(1, slot, pos, reduce="amax")
+    ends = ends[:, :num_steps]
+    step_mask = ends >= 0
+    return ends.clamp(min=0), step_mask
+
+
+def pure_step_weights(step_scores: torch.Tensor, step_mask: torch.Tensor, *, credit: str = "min",
+                      temperature: float = 0.1) -> torch.Tensor:
+    """Per-step credit weights `w[B, S]` over the valid steps of each response (§2.3).
+
+    * `"min"` (released min-form): `softmax_k(-PR_k / T)`, so `sum_k w_k PR_k -> min_k PR_k`.
+    * `"uniform"` (`--disable_weighted_reward`): `1 / K_i`.
+    * `"sum"` (verl `gamma-decay`): weight 1, the plain sum form.
+    Masked steps get weight 0; a response without steps gets all zeros.
+    """
+    check_choice(credit, "credit", ("min", "uniform", "sum"))
+    m = step_mask.bool()
+    if credit == "sum":
+        return m.to(step_scores.dtype)
+    if credit == "uniform":
+        return m.to(step_scores.dtype) / m.sum(1, keepdim=True).clamp(min=1).to(step_scores.dtype)
+    logits = torch.where(m, -step_scores / temperature, torch.full_like(step_scores, float("-inf")))
+    w = torch.softmax(logits, dim=1)
+    return torch.where(m, w, torch.zeros_like(w))
+
+
+def pure_whiten(adv: torch.Tensor, response_mask: torch.Tensor, *, var_includes_zeros: bool = True,
+                group: Optional[Any] = None) -> torch.Tensor:
+    """PURE's global whitening (§2.5): tokens whose advantage is exactly 0 are left at 0 and not
+    counted; mean = sum / count; `rstd = rsqrt(clamp(var_sum / count, 1e-8))`.
+
+    The released var_sum still includes the zero tokens' `(0 - mean)^2` (§2.5 ⚠,
+    `var_includes_zeros=True`); False sums only over the counted tokens. 2 all-reduces.
+    """
+    valid = response_mask.bool()
+    nz = valid & (adv != 0)
+    x = adv.to(torch.float64)
+    s = all_reduce(torch.stack([(x * valid).sum(), nz.sum().to(torch.float64)]), "sum", group)
+    count = s[1]
+    mean = s[0] / count.clamp(min=1)
+    keep = valid if var_includes_zeros else nz
+    var_sum = all_reduce((((x - mean) ** 2) * keep).sum().reshape(1), "sum", group)[0]
+    rstd = torch.rsqrt((var_sum / count.clamp(min=1)).clamp(min=1e-8))
+    return torch.where(nz, (x - mean) * rstd, torch.zeros_like(x)).to(adv.dtype)
+
+
+def pure(outcome: torch.Tensor, step_scores: torch.Tensor, step_mask: torch.Tensor,
+         step_end_index: torch.Tensor, response_mask: torch.Tensor, group_ids: torch.Tensor, *,
+         credit: str = "min", temperature: float = 0.1, baseline: str = "token",
+         reward_mode: str = "PRMVR", vr_coef: float = 1.0, kl: Optional[torch.Tensor] = None,
+         kl_coef: float = 0.0, mask_separator: bool = True, whiten: bool = True,
+         whiten_var_includes_zeros: bool = True,
+         group: Optional[Any] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PURE min-form token advantages, OpenRLHF branch (§2.3–2.5) -> `(advantages, returns)` `[B, T]`.
+
+    Inputs: `outcome[B]` (solved in {0,1}), `step_scores[B, S]` PR_k in [-1, 1] (= 2 p_good - 1),
+    `step_mask[B, S]` (valid steps, a prefix of each row), `step_end_index[B, S]` (long, token
+    position in [0, T) of the token closing step k, increasing in k; the last step closes at the
+    last valid token), `response_mask[B, T]`, `group_ids[B]`; optional `kl[B, T]` (k1 per token).
+
+    Token reward: at the closing token of step k, `w_k PR_k - baseline_k` (modes PRM, PRMVR);
+    at the last valid token, `vr_coef * RLOO(solved - 1)` (modes VR, PRMVR); at every token
+    `-kl_coef * kl_t`. Returns G = reverse cumsum (gamma = 1); advantages = G, then 0 at every
+    step-closing token (`mask_separator`), then `pure_whiten` over the DP group (`whiten`).
+    With O_j = sum_k w_jk PR_jk, |y_j| the valid tokens and L_k the tokens of step k without its
+    closing token, the baselines (leave-one-out over the group; 0 for a group of size 1) are
+    `"token"` (released script): `b_i L_k`, `b_i = sum_{j!=i} O_j / sum_{j!=i} |y_j|`;
+    `"step"` (the older default): `b_i` at every step end, `b_i = mean_{j!=i} O_j / K_j`; `"none"`.
+    """
+    check_choice(baseline, "baseline", ("token", "step", "none"))
+    check_choice(reward_mode, "reward_mode", ("PRM", "VR", "PRMVR"))
+    check_vector(outcome, "outcome")
+    b = outcome.shape[0]
+    check_tensor(step_scores, "step_scores", (b, None), dims="[B, S]")
+    n_steps = step_scores.shape[1]
+    smask = check_mask(step_mask, "step_mask", (b, n_steps), "[B, S]").bool()
+    check_tensor(step_end_index, "step_end_index", (b, n_steps), dims="[B, S]")
+    tmask = check_mask(response_mask, "response_mask", (b, None), "[B, T]")
+    t = tmask.shape[1]
+    ends = step_end_index.long()
+    if bool(((ends < 0) | (ends >= t))[smask].any()):
+        raise ValueError(f"step_end_index has valid steps outside [0, T={t}); it must hold the "
+                         f"token position of each step's closing token within the response")
+    if kl_coef and kl is None:
+        raise ValueError("kl_coef > 0 needs kl[B, T] (per-token k1 = logp_old - logp_ref); "
+                         "pass it or set kl_coef=0")
+    if kl is not None:
+        check_tensor(kl, "kl", (b, t), dims="[B, T]")
+    ends = torch.where(smask, ends, torch.zeros_like(ends))
+    index = group_index(group_ids, group, b)
+
+    pr = step_scores.to(torch.float64)
+    w = pure_step_weights(pr, smask, credit=credit, temperature=temperature)
+    rew_step = w * pr * smask                                              # [B, S]
+    big_o = rew_step.sum(1)                                                # O_i ~ min PR
+    k_i = smask.sum(1).to(torch.float64)
+    y_len = tmask.sum(1).to(torch.float64)
+    csum = tmask.to(torch.float64).cumsum(1)
+    at_end = torch.gather(csum, 1, ends) * smask                           # tokens up to e_k
+    prev = torch.cat([torch.zeros_like(at_end[:, :1]), at_end.cummax(1).values[:, :-1]], dim=1)
+    l_k = ((at_end - prev - 1).clamp(min=0)) * smask                       # L_k, closing token excluded
+    o = outcome.to(torch.float64)
+    s = group_sums(torch.stack([torch.ones_like(o), big_o, y_len, big_o / k_i.clamp(min=1), o],
+                               dim=1), index)[index.dense]
+    n = s[:, 0]
+    loo = n >= 2
+    zero = torch.zeros_like(o)
+    if baseline == "token":
+        denom = s[:, 2] - y_len
+        b_i = torch.where(loo & (denom > 0), (s[:, 1] - big_o) / denom.clamp(min=1), zero)
+        base = b_i[:, None] * l_k
+    elif baseline == "step":
+        b_i = torch.where(loo, (s[:, 3] - big_o / k_i.clamp(min=1)) / (n - 1).clamp(min=1), zero)
+        base = b_i[:, None] * smask
+    else:
+        base = torch.zeros_like(rew_step)
+
+    rewards = torch.zeros((b, t), dtype=torch.float64, device=outcome.device)
+    if reward_mode in ("PRM", "PRMVR"):
+        rewards.scatter_add_(1, ends, (rew_step - base) * smask)
+    if reward_mode in ("VR", "PRMVR"):
+        vr = torch.where(loo, (n * o - s[:, 4]) / (n - 1).clamp(min=1), zero)  # RLOO(solved - 1)
+        rewards += vr_coef * _put_last(vr, tmask)
+    if kl is not None and kl_coef:
+        rewards -= kl_coef * kl.to(torch.float64)
+    rewards = rewards * tmask
+    returns = discounted_returns(rewards, 1.0)
+    adv = returns.clone()
+    if mask_separator:
+        sep = torch.zeros((b, t), dtype=torch.bool, device=outcome.device)
+        rows, steps = torch.nonzero(smask, as_tuple=True)
+        sep[rows, ends[rows, steps]] = True
+        sep |= _put_last(torch.ones(b, device=outcome.device), tmask).bool()
+        adv = torch.where(sep, torch.zeros_like(adv), adv)
+    if whiten:
+        adv = pure_whiten(adv, tmask, var_includes_zeros=whiten_var_includes_zeros, group=group)
+    dtype = step_scores.dtype
+    return adv.to(dtype), returns.to(dtype)

@@ -1,0 +1,251 @@
+"""Group-wise (per prompt) reductions across the data-parallel group.
+
+A *group* is the n responses sampled for one prompt, named by an int64 id per sample. After
+length balancing the members of one group can sit on different DP ranks, so every per-group
+statistic is reduced over the DP group. The contract every caller relies on:
+
+* **A fixed number of collectives per call**, independent of the number of groups and of the
+  batch size: group ids are mapped to a dense index with one all-gather of the (padded) unique
+  ids, sums are scatter-added into a dense `[G, K]` table and reduced with ONE all-reduce, and
+  rank-based filters all-gather per-sample scalars only (one all-gather of sizes, one of values).
+* **`group=None` means single-process** (not "the default world group" as in torch.distributed):
+  nothing is communicated. A group of size 1 is a no-op too, so one code path serves 1 CPU and
+  1024 GPUs.
+* Statistics are accumulated in float64, so the result equals the single-process one up to the
+  order of floating-point summation (far below 1e-6 for reward-sized values).
+
+Every collective goes through `_all_reduce` / `_all_gather`, which bump a module counter; tests
+read it with `count_collectives()` to show the count does not grow with the number of groups.
+`megaprm/algorithms` never imports `torch.distributed`; it reduces through this module.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+_COLLECTIVES = 0  # total collectives issued by this process through this module
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+@dataclass
+class CollectiveCounter:
+    """Collectives issued inside a `count_collectives()` block (read `.n` after the block)."""
+
+    start: int
+    n: int = 0
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[CollectiveCounter]:
+    """Count the collectives this module issues inside the `with` block (test hook)."""
+    counter = CollectiveCounter(start=_COLLECTIVES)
+    try:
+        yield counter
+    finally:
+        counter.n = _COLLECTIVES - counter.start
+
+
+def is_distributed(group: Optional[Any]) -> bool:
+    """True when `group` is a process group with more than one rank (so collectives are real)."""
+    return (group is not None and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size(group) > 1)
+
+
+def _all_reduce(tensor: torch.Tensor, op: str, group: Optional[Any]) -> torch.Tensor:
+    """In-place all-reduce of `tensor` with `op` in {"sum","max","min"}; no-op when single-process."""
+    global _COLLECTIVES
+    if is_distributed(group):
+        _COLLECTIVES += 1
+        dist.all_reduce(tensor, op=_OPS[op], group=group)
+    return tensor
+
+
+def _all_gather(tensor: torch.Tensor, group: Optional[Any]) -> list[torch.Tensor]:
+    """All-gather equal-shape tensors -> one tensor per rank, in rank order."""
+    global _COLLECTIVES
+    if not is_distributed(group):
+        return [tensor]
+    _COLLECTIVES += 1
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Optional[Any] = None) -> torch.Tensor:
+    """All-reduce a small stacked tensor in place (one collective; none when single-process)."""
+    if op not in _OPS:
+        raise ValueError(f"all_reduce op={op!r}: must be one of {sorted(_OPS)}")
+    return _all_reduce(tensor, op, group)
+
+
+def all_gather_rows(rows: torch.Tensor, group: Optional[Any] = None) -> list[torch.Tensor]:
+    """All-gather `rows[N_r, ...]` whose first dimension differs per rank: two collectives.
+
+    One all-gather of the row counts, one of the rows padded to the largest count. Returns the
+    list of each rank's rows (unpadded) in rank order; `[rows]` when single-process.
+    """
+    if not is_distributed(group):
+        return [rows]
+    n = torch.tensor([rows.shape[0]], dtype=torch.int64, device=rows.device)
+    sizes = [int(s.item()) for s in _all_gather(n, group)]
+    padded = rows.new_zeros((max(max(sizes), 1),) + tuple(rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
+    return [g[:s] for g, s in zip(_all_gather(padded, group), sizes)]
+
+
+def check_group_ids(group_ids: torch.Tensor, batch_size: Optional[int] = None,
+                    name: str = "group_ids") -> None:
+    """Raise ValueError unless `group_ids` is a 1-D non-negative integer tensor of `batch_size`."""
+    if not isinstance(group_ids, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of int64 prompt ids, got "
+                         f"{type(group_ids).__name__}; build it with torch.tensor(ids, dtype=torch.int64)")
+    if group_ids.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [B], got shape {tuple(group_ids.shape)}")
+    if group_ids.dtype.is_floating_point or group_ids.dtype == torch.bool:
+        raise ValueError(f"{name} has dtype {group_ids.dtype}; pass integer prompt ids (int64), "
+                         f"e.g. group_ids.long() on ids that are exact integers")
+    if batch_size is not None and group_ids.shape[0] != batch_size:
+        raise ValueError(f"{name} has {group_ids.shape[0]} entries but the batch has {batch_size} "
+                         f"samples; pass one prompt id per sample")
+    if group_ids.numel() and bool((group_ids < 0).any()):
+        bad = int(group_ids.min())
+        raise ValueError(f"{name} contains a negative id ({bad}); group ids must be >= 0 "
+                         f"(e.g. the prompt's index in the dataset)")
+
+
+@dataclass(frozen=True)
+class GroupIndex:
+    """Dense, globally consistent numbering of the groups present on any rank of `group`.
+
+    `dense[B]` maps this rank's samples to `0..num_groups-1`; `ids[G]` are the sorted global
+    group ids (identical on every rank), so dense index g is the g-th smallest id overall.
+    """
+
+    dense: torch.Tensor
+    ids: torch.Tensor
+    group: Optional[Any]
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.ids.shape[0])
+
+
+def group_index(group_ids: torch.Tensor, group: Optional[Any] = None,
+                batch_size: Optional[int] = None) -> GroupIndex:
+    """Map int64 group ids to a dense index shared by all ranks (2 collectives, or none).
+
+    Ids may be any non-negative int64 (dataset indices, hashes): only the ids present are
+    gathered, so the table size is the global number of groups, never the id range.
+    """
+    check_group_ids(group_ids, batch_size)
+    ids = group_ids.long()
+    local = torch.unique(ids)
+    if is_distributed(group):
+        local = torch.unique(torch.cat(all_gather_rows(local, group)))
+    dense = torch.searchsorted(local, ids)
+    return GroupIndex(dense=dense, ids=local, group=group)
+
+
+def _as_index(group_ids: Union[torch.Tensor, GroupIndex], group: Optional[Any],
+              batch_size: int) -> GroupIndex:
+    if isinstance(group_ids, GroupIndex):
+        assert group_ids.dense.shape[0] == batch_size, "GroupIndex built for another batch"
+        return group_ids
+    return group_index(group_ids, group, batch_size)
+
+
+def group_sums(values: torch.Tensor, group_ids: Union[torch.Tensor, GroupIndex],
+               group: Optional[Any] = None) -> torch.Tensor:
+    """Per-group sums of `values[B, ...]` over every rank -> float64 table `[G, ...]`.
+
+    Stack several statistics as columns (`[B, K]`) so they share ONE all-reduce. `group_ids`
+    is either the raw `[B]` ids (costs the 2 collectives of `group_index`) or a `GroupIndex`
+    built once and reused (then this is exactly one collective). Row g belongs to group
+    `index.ids[g]`.
+    """
+    index = _as_index(group_ids, group, values.shape[0])
+    table = values.new_zeros((index.num_groups,) + tuple(values.shape[1:]), dtype=torch.float64)
+    table.index_add_(0, index.dense, values.to(torch.float64))
+    return _all_reduce(table, "sum", index.group)
+
+
+@dataclass(frozen=True)
+class GroupMoments:
+    """Per-group count, mean and centred sum of squares of one or more masked columns.
+
+    Shapes `[G, K]` (K columns). `var(unbiased)` is `m2 / (count - 1)`; groups with fewer than
+    two members have variance 0.
+    """
+
+    count: torch.Tensor
+    mean: torch.Tensor
+    m2: torch.Tensor
+
+    def unbiased_std(self) -> torch.Tensor:
+        return torch.sqrt(self.m2 / (self.count - 1).clamp(min=1))
+
+
+def group_moments(x: torch.Tensor, index: GroupIndex,
+                  mask: Optional[torch.Tensor] = None) -> GroupMoments:
+    """Count / mean / centred M2 per group of `x[B, K]` over members where `mask[B, K]` is set.
+
+    Two all-reduces (sum+count, then centred squares): the two-pass form keeps zero-variance
+    groups at exactly zero variance even for large values, which a one-pass sum-of-squares
+    does not (the eps tests of PAPO depend on it).
+    """
+    x = x.to(torch.float64)
+    m = torch.ones_like(x) if mask is None else mask.to(torch.float64)
+    k = x.shape[1]
+    s = group_sums(torch.cat([m, x * m], dim=1), index)              # [G, 2K]
+    count, total = s[:, :k], s[:, k:]
+    mean = total / count.clamp(min=1)
+    centred = (x - mean[index.dense]) * m
+    m2 = group_sums(centred * centred, index)                         # [G, K]
+    return GroupMoments(count=count, mean=mean, m2=m2)
+
+
+@dataclass(frozen=True)
+class GatheredSamples:
+    """Per-sample scalars of every rank, in global order (group, rank, local index).
+
+    `values[N, F]` float64; `rank[N]` and `local[N]` say where each row came from; `mine[B]`
+    gives, for this rank's samples in local order, their row in the gathered table.
+    """
+
+    values: torch.Tensor
+    dense: torch.Tensor
+    rank: torch.Tensor
+    local: torch.Tensor
+    mine: torch.Tensor
+
+
+def gather_samples(values: torch.Tensor, index: GroupIndex) -> GatheredSamples:
+    """All-gather per-sample scalars `values[B, F]` and sort them by (group, rank, local index).
+
+    Two collectives (sizes, padded rows). With `group=None` this is the local batch sorted by
+    (group, local index). When rank r holds the r-th contiguous slice of the global batch,
+    (rank, local index) order *is* the original batch order.
+    """
+    b = values.shape[0]
+    rank_id = dist.get_rank(index.group) if is_distributed(index.group) else 0
+    dev = values.device
+    local_rows = torch.cat([values.to(torch.float64),
+                            index.dense.to(torch.float64)[:, None],
+                            torch.full((b, 1), float(rank_id), dtype=torch.float64, device=dev),
+                            torch.arange(b, dtype=torch.float64, device=dev)[:, None]], dim=1)
+    rows = torch.cat(all_gather_rows(local_rows, index.group))
+    dense, rank, local = rows[:, -3].long(), rows[:, -2].long(), rows[:, -1].long()
+    # Lexicographic (dense, rank, local) as one int64 key: N * world * B_max stays far below 2^63.
+    n_rank = int(rank.max()) + 1 if rows.shape[0] else 1
+    n_local = int(local.max()) + 1 if rows.shape[0] else 1
+    order = torch.argsort((dense * n_rank + rank) * n_local + local)
+    rows, dense, rank, local = rows[order], dense[order], rank[order], local[order]
+    mine_rows = torch.nonzero(rank == rank_id).flatten()
+    mine = torch.empty(b, dtype=torch.long, device=dev)
+    mine[local[mine_rows]] = mine_rows
+    return GatheredSamples(values=rows[:, :-3], dense=dense, rank=rank, local=local, mine=mine)

@@ -1,0 +1,273 @@
+"""Estimators vs the slow loop references in advantage_reference.py (single process)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from advantage_reference import (random_batch, ref_blend, ref_grpo, ref_papo, ref_prime, ref_pure,
+                                 ref_rloo, ref_whiten)
+from megaprm.algorithms import advantages as A
+from megaprm.algorithms import registry as RG
+
+SEEDS = st.integers(0, 2**31 - 1)
+FAST = settings(max_examples=30, deadline=None)
+
+
+def close(got, want, atol=1e-5):
+    torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=atol)
+
+
+@FAST
+@given(seed=SEEDS, scale=st.booleans())
+def test_grpo_matches_loop(seed, scale):
+    b = random_batch(seed)
+    close(A.grpo(b.outcome, b.group_ids, scale_by_std=scale), ref_grpo(b.outcome, b.group_ids, scale_by_std=scale))
+
+
+@FAST
+@given(seed=SEEDS)
+def test_grpo_keep_mask_matches_loop(seed):
+    b = random_batch(seed)
+    keep = torch.rand(b.outcome.shape[0], generator=torch.Generator().manual_seed(seed)) > 0.4
+    close(A.grpo(b.outcome, b.group_ids, keep=keep), ref_grpo(b.outcome, b.group_ids, keep=keep))
+
+
+@FAST
+@given(seed=SEEDS)
+def test_rloo_matches_loop(seed):
+    b = random_batch(seed)
+    close(A.rloo(b.outcome, b.group_ids), ref_rloo(b.outcome, b.group_ids))
+
+
+@FAST
+@given(seed=SEEDS, mode=st.sampled_from(["decoupled", "fullnorm", "multiplicative"]),
+       lam=st.sampled_from([1.0, 0.6]))
+def test_papo_matches_loop(seed, mode, lam):
+    b = random_batch(seed)
+    close(A.papo(b.outcome, b.process, b.group_ids, lam=lam, mode=mode),
+          ref_papo(b.outcome, b.process, b.group_ids, lam=lam, mode=mode))
+
+
+@FAST
+@given(seed=SEEDS)
+def test_blend_matches_loop(seed):
+    b = random_batch(seed)
+    close(A.blend(b.outcome, b.process, b.group_ids), ref_blend(b.outcome, b.process, b.group_ids))
+
+
+def test_edge_groups():
+    o = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 1.0])
+    g = torch.tensor([0, 0, 0, 1, 1, 2])           # all correct, all wrong, single sample
+    assert A.grpo(o, g).abs().max() == 0
+    assert A.rloo(o, g).abs().max() == 0
+    assert A.grpo(o, g, scale_by_std=False).abs().max() == 0
+    # PAPO: all correct, PRM varies -> process z-score keeps the signal (§4.2 table)
+    p = torch.tensor([1.0, 0.5, 0.0, 0.3, 0.9, 1.0])
+    adv = A.papo(o, p, g)
+    assert adv[:3].tolist() == pytest.approx([1.0, 0.0, -1.0], abs=1e-5)
+    assert adv[3:].abs().max() == 0
+    # all correct with one PRM grade: flat -> 0
+    assert A.papo(o, torch.full((6,), 0.5), g).abs().max() == 0
+
+
+def test_papo_wrong_responses_get_no_process_term():
+    o = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    p = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    g = torch.zeros(4, dtype=torch.long)
+    a = A.papo(o, p, g, lam=1.0)
+    out = A.grpo(o, g)
+    assert a[2:].tolist() == pytest.approx(out[2:].tolist())
+
+
+@pytest.mark.parametrize("bad, match", [
+    (torch.tensor([1.0, float("nan"), 0.0]), "outcome contains 1 NaN/inf"),
+    (torch.tensor([1.0, float("inf"), 0.0]), "NaN/inf"),
+])
+def test_nonfinite_rewards_rejected(bad, match):
+    with pytest.raises(ValueError, match=match):
+        A.grpo(bad, torch.zeros(3, dtype=torch.long))
+
+
+def test_shape_mismatch_rejected():
+    with pytest.raises(ValueError, match="process has shape"):
+        A.papo(torch.ones(4), torch.ones(3), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="group_ids has 3 entries"):
+        A.rloo(torch.ones(4), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="mode='nope'"):
+        A.papo(torch.ones(4), torch.ones(4), torch.zeros(4, dtype=torch.long), mode="nope")
+
+
+# --------------------------------------------------------------------------- token level
+
+@FAST
+@given(seed=SEEDS, gamma=st.sampled_from([1.0, 0.9]))
+def test_discounted_returns(seed, gamma):
+    r = torch.randn(3, 7, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    want = []
+    for row in r.tolist():
+        acc, out = 0.0, [0.0] * 7
+        for t in range(6, -1, -1):
+            acc = row[t] + gamma * acc
+            out[t] = acc
+        want.append(out)
+    close(A.discounted_returns(r, gamma), want)
+
+
+@FAST
+@given(seed=SEEDS)
+def test_masked_whiten(seed):
+    b = random_batch(seed)
+    x = b.logp_a * 5
+    close(A.masked_whiten(x, b.response_mask), ref_whiten(x.tolist(), b.response_mask.tolist()), atol=1e-4)
+
+
+@FAST
+@given(seed=SEEDS, granularity=st.sampled_from(["token", "whole", "step"]),
+       norm=st.sampled_from(["batch_norm", "none"]), form=st.sampled_from(["code", "paper"]),
+       gammas=st.sampled_from([(1.0, 1.0), (0.95, 0.9)]))
+def test_prime_matches_loop(seed, granularity, norm, form, gammas):
+    b = random_batch(seed, n_groups=4, t=8)
+    adv, ret = A.prime(b.outcome, b.logp_a, b.logp_b, b.response_mask, b.group_ids,
+                       granularity=granularity, step_end_mask=b.step_end_mask, norm=norm,
+                       rloo_form=form, gamma_outcome=gammas[0], gamma_process=gammas[1],
+                       outcome_coef=1.0, process_coef=0.5)
+    want_adv, want_ret = ref_prime(b.outcome, b.logp_a, b.logp_b, b.response_mask, b.group_ids,
+                                   granularity, b.step_end_mask, norm, form, gammas[0], gammas[1],
+                                   1.0, 0.5)
+    close(ret, want_ret)
+    close(adv, want_adv, atol=1e-4)
+
+
+def test_prime_code_form_differs_from_paper_by_zero_sum_term():
+    """§1.4 ⚠: code = paper + (r_t - mu_i)/(K-1), which sums to zero over each response."""
+    b = random_batch(3, n_groups=3, t=8)
+    kw = dict(norm="none")
+    _, code = A.prime(b.outcome, b.logp_a, b.logp_b, b.response_mask, b.group_ids, rloo_form="code", **kw)
+    _, paper = A.prime(b.outcome, b.logp_a, b.logp_b, b.response_mask, b.group_ids, rloo_form="paper", **kw)
+    torch.testing.assert_close(code[:, 0], paper[:, 0], atol=1e-5, rtol=0)  # same sequence total
+
+
+def test_prime_batch_norm_bounds_process_returns():
+    b = random_batch(5)
+    q = A.implicit_process_reward(b.logp_a, b.logp_b, b.response_mask)
+    r = A.prime_batch_norm(q, b.response_mask)
+    assert A.discounted_returns(r).abs().max() <= 1.0
+
+
+@FAST
+@given(seed=SEEDS, credit=st.sampled_from(["min", "uniform", "sum"]),
+       baseline=st.sampled_from(["token", "step", "none"]),
+       mode=st.sampled_from(["PRM", "VR", "PRMVR"]), sep=st.booleans(), whiten=st.booleans(),
+       var_zero=st.booleans(), kl_coef=st.sampled_from([0.0, 0.001]))
+def test_pure_matches_loop(seed, credit, baseline, mode, sep, whiten, var_zero, kl_coef):
+    b = random_batch(seed, n_groups=4, t=8)
+    kl = b.logp_a - b.logp_b
+    adv, ret = A.pure(b.outcome, b.step_scores, b.step_mask, b.step_end_index, b.response_mask,
+                      b.group_ids, credit=credit, baseline=baseline, reward_mode=mode, kl=kl,
+                      kl_coef=kl_coef, mask_separator=sep, whiten=whiten,
+                      whiten_var_includes_zeros=var_zero)
+    want_adv, want_ret = ref_pure(b.outcome, b.step_scores, b.step_mask, b.step_end_index,
+                                  b.response_mask, b.group_ids, credit=credit, baseline=baseline,
+                                  reward_mode=mode, kl=kl, kl_coef=kl_coef, mask_separator=sep,
+                                  whiten=whiten, var_includes_zeros=var_zero)
+    close(ret, want_ret, atol=1e-5)
+    close(adv, want_adv, atol=1e-4)
+
+
+def test_min_form_weights_approach_min():
+    pr = torch.tensor([[0.9, -0.5, 0.2, 0.0]])
+    w = A.pure_step_weights(pr, torch.tensor([[True, True, True, False]]), temperature=0.01)
+    assert (w * pr).sum().item() == pytest.approx(-0.5, abs=1e-6)
+    assert w[0, 3] == 0
+
+
+def test_step_end_index_from_token_to_step():
+    t2s = torch.tensor([[0, 0, 1, 1, 1, 2, -1], [0, 1, 1, -1, -1, -1, -1]])
+    mask = (t2s >= 0).float()
+    ends, smask = A.step_end_index_from_token_to_step(t2s, mask, 4)
+    assert ends.tolist() == [[1, 4, 5, 0], [0, 2, 0, 0]]
+    assert smask.tolist() == [[True, True, True, False], [True, True, False, False]]
+
+
+# --------------------------------------------------------------------------- registry
+
+def _inputs(b, **extra):
+    return RG.AdvantageInputs(outcome=b.outcome, group_ids=b.group_ids, response_mask=b.response_mask,
+                              process_step_scores=(b.step_scores + 1) / 2, step_mask=b.step_mask,
+                              step_end_index=b.step_end_index, num_steps=b.num_steps,
+                              logp_prm=b.logp_a, logp_ref=b.logp_b, logp_old=b.logp_a, **extra)
+
+
+@pytest.mark.parametrize("method", RG.METHODS)
+def test_registry_runs_every_method(method):
+    b = random_batch(11, n_groups=6, max_size=8)
+    out = RG.compute_advantages(RG.AdvantageConfig(method=method), _inputs(b))
+    assert out.advantages.shape == b.response_mask.shape
+    assert out.keep.dtype == torch.bool and out.keep.shape == b.outcome.shape
+    assert (out.advantages[b.response_mask == 0] == 0).all()
+    assert (out.advantages[~out.keep] == 0).all()
+    assert torch.isfinite(out.advantages).all()
+    assert all(isinstance(v, float) for v in out.metrics.values())
+
+
+def test_registry_sequence_methods_broadcast_and_use_step_mean():
+    b = random_batch(12, n_groups=6, max_size=8)
+    x = _inputs(b)
+    p = x.sequence_process_score("papo")
+    want = [sum(float(v) for v, m in zip(row, mrow) if m) / int(mrow.sum())
+            for row, mrow in zip(x.process_step_scores, b.step_mask)]
+    close(p, want)
+    out = RG.compute_advantages(RG.AdvantageConfig(method="blend"), x)
+    close(out.advantages[:, 0], ref_blend(b.outcome, p, b.group_ids))
+    out = RG.compute_advantages(RG.AdvantageConfig(method="drgrpo"), x)
+    close(out.advantages[:, 0], ref_grpo(b.outcome, b.group_ids, scale_by_std=False))
+
+
+def test_registry_token_to_step_equals_step_end_index():
+    b = random_batch(13)
+    t2s = torch.full(b.response_mask.shape, -1, dtype=torch.long)
+    for i in range(t2s.shape[0]):
+        start = 0
+        for k in range(int(b.step_mask[i].sum())):
+            e = int(b.step_end_index[i, k])
+            t2s[i, start:e + 1] = k
+            start = e + 1
+    cfg = RG.AdvantageConfig(method="pure")
+    a = RG.compute_advantages(cfg, _inputs(b))
+    x = _inputs(b)
+    x.step_end_index, x.token_to_step = None, t2s
+    torch.testing.assert_close(RG.compute_advantages(cfg, x).advantages, a.advantages)
+
+
+def test_registry_prof_grpo_is_grpo_on_kept():
+    b = random_batch(14, n_groups=6, max_size=8)
+    out = RG.compute_advantages(RG.AdvantageConfig(method="prof_grpo"), _inputs(b))
+    close(out.advantages[:, 0], ref_grpo(b.outcome, b.group_ids, keep=out.keep.tolist()))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(method="ppo"), "advantage.method='ppo'"),
+    (dict(prof=None), None),
+])
+def test_config_validation(kwargs, match):
+    if match is None:
+        with pytest.raises(ValueError, match="advantage.prof.mode='x'"):
+            RG.ProfConfig(mode="x")
+        with pytest.raises(ValueError, match="advantage.pure.temperature"):
+            RG.PureConfig(temperature=0)
+        with pytest.raises(ValueError, match="advantage.prime.norm_scope"):
+            RG.PrimeConfig(norm_scope="node")
+        return
+    with pytest.raises(ValueError, match=match):
+        RG.AdvantageConfig(**kwargs)
+
+
+def test_registry_missing_input_names_field():
+    b = random_batch(1)
+    x = RG.AdvantageInputs(outcome=b.outcome, group_ids=b.group_ids, response_mask=b.response_mask)
+    with pytest.raises(ValueError, match="inputs.logp_prm"):
+        RG.compute_advantages(RG.AdvantageConfig(method="prime"), x)
+    with pytest.raises(ValueError, match="inputs.process_step_scores"):
+        RG.compute_advantages(RG.AdvantageConfig(method="papo"), x)
