@@ -149,9 +149,13 @@ class Optimizer:
     grad norm reduced over the model-parallel group (tp duplicates counted once).
     """
 
-    def __init__(self, ddp_model, cfg: OptimConfig, groups: Groups):
+    def __init__(self, ddp_model, cfg: OptimConfig, groups: Groups, params=None):
+        """`params`: the parameters to train (default: all that require grad), e.g. a PRM's head
+        alone; may be empty on a pp stage that holds none of them: its `step` still joins the
+        collectives (grad sync, grad norm) and updates nothing."""
         self.model, self.cfg, self.groups = ddp_model, cfg, groups
-        self.params = [p for p in ddp_model.parameters() if p.requires_grad]
+        trainable = [p for p in ddp_model.parameters() if p.requires_grad]
+        self.params = trainable if params is None else list(params)
         if torch.cuda.is_available():
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -160,11 +164,20 @@ class Optimizer:
                                  adam_eps=cfg.eps, clip_grad=cfg.clip_grad,
                                  bf16=ddp_model.config.bf16, use_distributed_optimizer=
                                  ddp_model.ddp_config.use_distributed_optimizer)
-            self.impl = get_megatron_optimizer(oc, [ddp_model])
+            # Megatron's optimizer takes every param that requires grad: hide the others meanwhile
+            chosen = {id(p) for p in self.params}
+            hidden = [p for p in trainable if id(p) not in chosen]
+            for p in hidden:
+                p.requires_grad_(False)
+            try:
+                self.impl = get_megatron_optimizer(oc, [ddp_model])
+            finally:
+                for p in hidden:
+                    p.requires_grad_(True)
             self.megatron = True
         else:
             self.impl = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                          weight_decay=cfg.weight_decay)
+                                          weight_decay=cfg.weight_decay) if self.params else None
             self.megatron = False
 
     def zero_grad(self) -> None:
@@ -176,7 +189,7 @@ class Optimizer:
                 p.grad = None
 
     def set_lr(self, lr: float) -> None:
-        for g in self.impl.param_groups:
+        for g in (self.impl.param_groups if self.impl is not None else []):
             g["lr"] = lr
 
     def grad_norm(self) -> float:
@@ -212,14 +225,16 @@ class Optimizer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-        self.impl.step()
+        if self.impl is not None:
+            self.impl.step()
         return norm, True
 
     def state_dict(self):
-        return self.impl.state_dict()
+        return self.impl.state_dict() if self.impl is not None else {}
 
     def load_state_dict(self, sd):
-        self.impl.load_state_dict(sd)
+        if self.impl is not None:
+            self.impl.load_state_dict(sd)
 
 
 def build_stage(spec, groups: Groups, *, dtype=torch.float32, **kw):
