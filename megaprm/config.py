@@ -1,0 +1,249 @@
+"""The root config: a tree of typed dataclasses, loaded from YAML with dotted CLI overrides.
+
+Each component's dataclass lives beside the component (advantage estimators in
+`algorithms.registry`, the arithmetic task in `tasks.arithmetic`, optimiser in
+`parallel.pipeline`); this module composes them. Unknown keys and bad values raise
+`ConfigError` naming the dotted field, the value and what would be valid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+from megaprm.algorithms.registry import AdvantageConfig
+from megaprm.parallel.pipeline import OptimConfig
+from megaprm.tasks.arithmetic import ArithmeticConfig
+
+
+class ConfigError(ValueError):
+    """A config value a user wrote that cannot work; the message says how to fix it."""
+
+
+def _check(cond: bool, path: str, value: Any, valid: str) -> None:
+    if not cond:
+        raise ConfigError(f"{path}={value!r} is not valid: {valid}")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        for k in ("tp", "pp"):
+            v = getattr(self, k)
+            _check(isinstance(v, int) and v >= 1, f"parallel.{k}", v, "a positive integer")
+
+
+@dataclass
+class ModelConfig:
+    """`path`: an HF directory (config.json + safetensors). The demo writes its own."""
+
+    path: Optional[str] = None
+    dtype: str = "fp32"
+
+    def __post_init__(self):
+        _check(self.dtype in ("fp32", "bf16"), "model.dtype", self.dtype, "fp32 or bf16")
+
+
+@dataclass
+class DataConfig:
+    """`task`: arithmetic (embedded, exact step checker) or math (a jsonl/parquet prompt file,
+    graded with math-verify). `prompts_per_step` is the global prompt batch over all dp ranks."""
+
+    task: str = "arithmetic"
+    path: Optional[str] = None
+    prompts_per_step: int = 16
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+
+    def __post_init__(self):
+        _check(self.task in ("arithmetic", "math"), "data.task", self.task, "arithmetic or math")
+        _check(self.prompts_per_step >= 1, "data.prompts_per_step", self.prompts_per_step, ">= 1")
+        if self.task == "math":
+            _check(self.path is not None, "data.path", self.path,
+                   "data.task=math needs data.path (a .jsonl or verl-style .parquet file)")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+
+    def __post_init__(self):
+        _check(self.engine in ("hf", "vllm"), "rollout.engine", self.engine, "hf or vllm")
+        _check(isinstance(self.n, int) and self.n >= 2, "rollout.n", self.n,
+               "an integer >= 2 (group baselines need at least two samples per prompt)")
+        _check(self.temperature > 0, "rollout.temperature", self.temperature, "> 0 for RL")
+        _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
+        _check(self.max_tokens >= 1, "rollout.max_tokens", self.max_tokens, ">= 1")
+
+
+@dataclass
+class ActorConfig:
+    """PPO update. `mini_batches` optimiser steps per rollout; `loss_agg` per research §5.4."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, clip_grad=1.0))
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip_c: Optional[float] = None
+    loss_agg: str = "token-mean"
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_kind: str = "low_var_kl"
+    mini_batches: int = 1
+    micro_batch_size: int = 16
+
+    def __post_init__(self):
+        _check(self.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+               "actor.loss_agg", self.loss_agg,
+               "token-mean, seq-mean-token-mean or seq-mean-token-sum")
+        _check(self.kl_kind in ("k1", "k2", "k3", "low_var_kl"), "actor.kl_kind", self.kl_kind,
+               "k1, k2, k3 or low_var_kl")
+        _check(self.mini_batches >= 1, "actor.mini_batches", self.mini_batches, ">= 1")
+        _check(self.micro_batch_size >= 1, "actor.micro_batch_size", self.micro_batch_size, ">= 1")
+        _check(self.eps_low >= 0 and self.eps_high >= 0, "actor.eps_low/eps_high",
+               (self.eps_low, self.eps_high), ">= 0")
+
+
+@dataclass
+class PRMConfig:
+    """`kind`: discriminative (a PRM directory, scores per step), implicit (PRIME: a causal LM
+    initialised from the policy, updated online with outcome labels), or none."""
+
+    kind: str = "discriminative"
+    path: Optional[str] = None
+    beta: float = 0.05
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, clip_grad=10.0))
+    low_score: float = 0.5  # a step is "low" (PRM says wrong) below this probability
+
+    def __post_init__(self):
+        _check(self.kind in ("discriminative", "implicit", "none"), "prm.kind", self.kind,
+               "discriminative, implicit or none")
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20
+    seed: int = 1234
+    run_dir: str = "runs/default"
+    save_every: int = 0  # 0: only at the end
+    resume: bool = True
+    eval_every: int = 0
+    eval_problems: int = 64
+    wandb: str = "offline"  # offline | online | disabled
+    progress: bool = True
+
+    def __post_init__(self):
+        _check(self.steps >= 0, "trainer.steps", self.steps, ">= 0")
+        _check(self.wandb in ("offline", "online", "disabled"), "trainer.wandb", self.wandb,
+               "offline, online or disabled")
+
+
+@dataclass
+class Config:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    prm: PRMConfig = field(default_factory=PRMConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self):
+        needs_steps = self.advantage.method in ("pure", "prof_grpo", "papo", "blend")
+        if needs_steps and self.prm.kind != "discriminative":
+            raise ConfigError(f"advantage.method={self.advantage.method!r} needs per-step scores: "
+                              f"set prm.kind=discriminative (got {self.prm.kind!r})")
+        if self.advantage.method == "prime" and self.prm.kind != "implicit":
+            raise ConfigError("advantage.method='prime' needs prm.kind=implicit "
+                              f"(got {self.prm.kind!r})")
+
+
+# ----------------------------------------------------------------------------- (de)serialise
+
+def _build(cls, data: Any, path: str):
+    """dict -> dataclass `cls`, recursively; unknown keys name the path and the valid keys."""
+    if not dataclasses.is_dataclass(cls):
+        return data
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {[f'{path}.{k}'.lstrip('.') for k in unknown]}; "
+                          f"valid keys at {path or 'top level'}: {sorted(names)}")
+    kwargs = {}
+    for k, v in data.items():
+        sub = f"{path}.{k}".lstrip(".")
+        hint = hints[k]
+        kwargs[k] = _build(hint, v, sub) if dataclasses.is_dataclass(hint) else _coerce(hint, v, sub)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{path or 'config'}: {e}") from None
+
+
+def _coerce(hint, v, path):
+    origin = typing.get_origin(hint)
+    if hint is float and isinstance(v, int) and not isinstance(v, bool):
+        return float(v)
+    if origin is tuple and isinstance(v, list):
+        return tuple(v)
+    if hint in (int, float, str, bool) and not isinstance(v, hint):
+        raise ConfigError(f"{path}={v!r} must be of type {hint.__name__}")
+    return v
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(d: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    for p in parts[:-1]:
+        if not isinstance(d.setdefault(p, {}), dict):
+            raise ConfigError(f"override {key}: {p} is not a section")
+        d = d[p]
+    d[parts[-1]] = value
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list] = None) -> Config:
+    """YAML file (optional) + `a.b.c=value` overrides (values parsed as YAML) -> validated Config."""
+    data: dict = {}
+    if path is not None:
+        if not os.path.exists(path):
+            raise ConfigError(f"config file {path!r} does not exist; pass a YAML file from "
+                              "configs/ (e.g. configs/prof_grpo_tiny.yaml)")
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value "
+                              "(e.g. actor.optim.lr=1e-5)")
+        key, raw = item.split("=", 1)
+        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+    return _build(Config, data, "")
+
+
+def save_config(cfg: Config, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    os.replace(tmp, path)
