@@ -201,6 +201,11 @@ def _coerce(hint, v, path):
     origin = typing.get_origin(hint)
     if hint is float and isinstance(v, int) and not isinstance(v, bool):
         return float(v)
+    if hint is float and isinstance(v, str):  # YAML 1.1 reads "1e-3" as a string
+        try:
+            return float(v)
+        except ValueError:
+            pass
     if origin is tuple and isinstance(v, list):
         return tuple(v)
     if hint in (int, float, str, bool) and not isinstance(v, hint):
