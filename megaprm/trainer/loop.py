@@ -160,8 +160,10 @@ class RLTrainer:
         dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
         self.actor = Policy(self.spec, groups, cfg.model.path, trainable=True,
                             optim=cfg.actor.optim, dtype=dtype)
+        needs_ref = (cfg.actor.kl_coef or cfg.prm.kind == "implicit"
+                     or (cfg.advantage.method == "pure" and cfg.advantage.pure.kl_coef))
         self.ref = (Policy(self.spec, groups, cfg.model.path, trainable=False, dtype=dtype)
-                    if cfg.actor.kl_coef or cfg.prm.kind == "implicit" else None)
+                    if needs_ref else None)
         self.prm = self.implicit = None
         if cfg.prm.kind == "discriminative":
             self._build_discriminative_prm()
