@@ -33,6 +33,8 @@ class DemoConfig:
     warmup_batch: int = 64
     warmup_lr: float = 2e-3
     prm_examples: int = 3000
+    prm_stage1_steps: int = 60
+    prm_stage2_steps: int = 120
     rl_steps: int = 40
     eval_problems: int = 200
     hidden: int = 128
@@ -166,9 +168,14 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
     times["warmup_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    prm_cfg = PRMTrainConfig(init=sft_dir, out=prm_dir, task=TASK, n_train=dcfg.prm_examples,
-                             seed=dcfg.seed)
-    prm_report = train_prm(prm_cfg, groups, tok)
+    prm_cfg = PRMTrainConfig(model_dir=sft_dir, output_dir=prm_dir, arithmetic=TASK,
+                             num_train=dcfg.prm_examples, num_eval=512, seed=dcfg.seed,
+                             stage1_steps=dcfg.prm_stage1_steps, stage1_lr=1e-3,
+                             stage2_steps=dcfg.prm_stage2_steps, stage2_lr=1e-3,
+                             global_batch_size=32, micro_batch_size=16, weight_decay=0.0)
+    prm_result = train_prm(prm_cfg, groups)
+    prm_report = {"auroc": prm_result.eval.auroc, "f1": prm_result.eval.f1,
+                  "train_s": prm_result.train_seconds}
     times["prm_s"] = time.perf_counter() - t
 
     overrides = [f"trainer.run_dir={os.path.join(rd, 'rl')}", f"model.path={sft_dir}",

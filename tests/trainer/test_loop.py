@@ -70,8 +70,10 @@ def test_every_method_runs_on_two_ranks(models, tmp_path, tp):
                 assert all(v == v for v in m.values()), (method, m)  # no NaN
                 assert 0.0 <= m["reward/outcome_mean"] <= 1.0
                 assert m["timing/update_s"] > 0 and m["timing/rollout_s"] > 0
-        # both ranks log the same dp-reduced metrics
-        assert results[0][method][-1] == pytest.approx(results[1][method][-1])
+        # both ranks see the same (dp-reduced) training metrics; timings are per rank
+        same = [{k: v for k, v in r[method][-1].items() if not k.startswith("timing/")}
+                for r in results]
+        assert same[0] == pytest.approx(same[1])
         jsonl = os.path.join(tmp_path, f"{method}-tp{tp}", "metrics.jsonl")
         assert len(open(jsonl).read().splitlines()) == 2
         if method in ("pure", "prof_grpo", "papo", "blend"):
