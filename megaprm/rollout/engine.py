@@ -1,0 +1,213 @@
+"""The rollout engine contract: sampling parameters, the batch an engine returns, the protocol.
+
+Every engine (transformers on CPU/GPU, vLLM colocated on GPU) speaks token ids in and token ids
+plus sampler log-probs out, and takes weights as a stream of (hf_name, tensor) pairs (the
+`parallel.weight_sync` stream; vLLM's `load_weights` contract). Rows are grouped: the n samples
+of prompt i are rows i*n .. i*n+n-1 of every [B, ...] tensor (B = len(prompts) * n).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import (
+    NamedTuple,
+    Protocol,
+    runtime_checkable,
+)
+
+import torch
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. `temperature == 0` is greedy; `top_p` keeps the smallest set of tokens whose
+    probability mass (after temperature) reaches top_p. Sample row r of a call uses the seed
+    `seed + r` (r = its row in the returned batch); `seed=None` draws one seed from torch's RNG.
+    Generation stops on the engine's EOS ids and on `stop_token_ids` (the stop token is kept in
+    the response), or after `max_tokens` generated tokens."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        def bad(field, why):
+            raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1 (samples per prompt)")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            bad("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            bad("top_p", "must be in (0, 1] (1 = no nucleus truncation)")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        ids = tuple(self.stop_token_ids)
+        if not all(isinstance(i, int) and i >= 0 for i in ids):
+            bad("stop_token_ids", "must be a sequence of non-negative token ids")
+        object.__setattr__(self, "stop_token_ids", ids)
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            bad("seed", "must be None or a non-negative integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RightPadded(NamedTuple):
+    """Prompt + response of each row as one right-padded sequence (what the trainer runs).
+
+    input_ids [B, L]: row b is its real prompt tokens, then its generated tokens, then padding;
+    L = max_b(prompt_len_b + response_len_b) <= P' + R. attention_mask [B, L]: 1 on real tokens.
+    response_mask [B, L]: 1 on generated tokens (the positions whose log-probs are trained).
+    response_start [B]: position of row b's first generated token (= its prompt length).
+
+    The log-prob of token t comes from the logits at position t-1: the loss mask in
+    `pipeline.TokenBatch`'s convention (position t predicts t+1) is `loss_mask`.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    response_start: torch.Tensor
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """[B, L] float: 1 at t when input_ids[t+1] is a generated token."""
+        m = torch.zeros_like(self.response_mask, dtype=torch.float32)
+        m[:, :-1] = self.response_mask[:, 1:].float()
+        return m
+
+    def to_response(self, values: torch.Tensor, width: int) -> torch.Tensor:
+        """Token-aligned values [B, L] (values[b, t] belongs to input_ids[b, t]) -> the response
+        layout [B, width] of `RolloutBatch.response_ids` (zeros past each response)."""
+        length = values.shape[1]
+        pos = self.response_start[:, None] + torch.arange(width, device=values.device)[None]
+        out = values.gather(1, pos.clamp(max=length - 1))
+        valid = pos < length
+        valid &= self.response_mask.gather(1, pos.clamp(max=length - 1)).bool()
+        return torch.where(valid, out, torch.zeros_like(out))
+
+
+@dataclass
+class RolloutBatch:
+    """What `generate` returns. B = len(prompts) * n; row r is sample r % n of prompt r // n.
+
+    prompt_ids [B, P] long, LEFT-padded with `pad_token_id`; prompt_mask [B, P] long (1 = real).
+    response_ids [B, R] long, RIGHT-padded; response_mask [B, R] long, 1 on generated tokens
+        including the stop/EOS token that ended the response.
+    sampler_logprobs [B, R] float32: log-prob of each sampled token under the distribution it was
+        drawn from, i.e. log_softmax(logits / temperature), renormalised over the top-p nucleus
+        when top_p < 1 (so with top_p < 1 it is NOT the trainer's temperature-only log-prob).
+        For greedy rows (temperature 0) it is the log-prob under the untempered softmax
+        (temperature 1), since the point mass would carry no information. 0 on padding.
+    finish_reason: B strings, "stop" (a stop/EOS token was generated) or "length" (max_tokens).
+    group_index [B] long: the prompt index of each row (r // n).
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    sampler_logprobs: torch.Tensor
+    finish_reason: list[str]
+    group_index: torch.Tensor
+    pad_token_id: int = 0
+
+    def __post_init__(self):
+        b = self.prompt_ids.shape[0]
+        assert self.prompt_mask.shape == self.prompt_ids.shape
+        assert self.response_ids.shape == self.response_mask.shape == self.sampler_logprobs.shape
+        assert self.response_ids.shape[0] == b and self.group_index.shape == (b,)
+        assert len(self.finish_reason) == b and set(self.finish_reason) <= set(FINISH_REASONS)
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(1)
+
+    @property
+    def prompt_lengths(self) -> torch.Tensor:
+        return self.prompt_mask.sum(1)
+
+    def response_token_lists(self) -> list[list[int]]:
+        return [ids[m.bool()].tolist() for ids, m in zip(self.response_ids, self.response_mask)]
+
+    def prompt_token_lists(self) -> list[list[int]]:
+        return [ids[m.bool()].tolist() for ids, m in zip(self.prompt_ids, self.prompt_mask)]
+
+    def decode_responses(self, tokenizer, skip_special_tokens: bool = True) -> list[str]:
+        """Response texts (the stop token dropped when it is a special token and skipped)."""
+        return tokenizer.batch_decode(self.response_token_lists(),
+                                      skip_special_tokens=skip_special_tokens)
+
+    def decode_prompts(self, tokenizer, skip_special_tokens: bool = False) -> list[str]:
+        return tokenizer.batch_decode(self.prompt_token_lists(),
+                                      skip_special_tokens=skip_special_tokens)
+
+    def to_right_padded(self, pad_token_id: int | None = None) -> RightPadded:
+        """Concatenate each row's real prompt and its response, right-padded (see RightPadded)."""
+        pad = self.pad_token_id if pad_token_id is None else pad_token_id
+        plen, rlen = self.prompt_lengths, self.response_lengths
+        length = int((plen + rlen).max()) if self.batch_size else 0
+        b, p = self.prompt_ids.shape
+        ids = torch.full((b, length), pad, dtype=self.prompt_ids.dtype)
+        attn = torch.zeros((b, length), dtype=torch.long)
+        resp = torch.zeros((b, length), dtype=torch.long)
+        for i in range(b):
+            pl, rl = int(plen[i]), int(rlen[i])
+            ids[i, :pl] = self.prompt_ids[i, p - pl:]  # left padding: real tokens are at the end
+            ids[i, pl:pl + rl] = self.response_ids[i, :rl]
+            attn[i, :pl + rl] = 1
+            resp[i, pl:pl + rl] = 1
+        return RightPadded(ids, attn, resp, plen.clone())
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
+             repeat: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists -> (ids [len*repeat, P], mask [len*repeat, P]) LEFT-padded, each prompt
+    repeated `repeat` times contiguously (the grouping of `RolloutBatch`)."""
+    if not prompts:
+        raise ValueError("generate() got no prompts: pass a non-empty list of token-id lists")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    rows = [p for p in prompts for _ in range(repeat)]
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, p in enumerate(rows):
+        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the RL loop needs from a generator.
+
+    `load_weights` consumes the whole stream; with strict=True an unknown name raises at once and
+    names the model never received raise after the stream ends (a partial update needs
+    strict=False). Tensors are copied: the caller may free them after they are consumed.
+    `sleep()` frees the engine's accelerator memory (weights and KV cache) for training and
+    `wake()` takes it back; both are no-ops where the engine holds nothing worth freeing.
+    """
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                     strict: bool = True) -> int: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...

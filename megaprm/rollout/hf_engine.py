@@ -1,0 +1,240 @@
+"""A transformers rollout engine: our own batched decode loop over the HF model's forward.
+
+Why not `model.generate`: we need the exact log-prob of every sampled token under the
+distribution it was drawn from, and seeding that does not depend on the batch. The loop is:
+left-padded prefill with a DynamicCache (position ids count real tokens only), then one token
+per step for the rows still running; finished rows are dropped from the batch and the cache.
+
+Seeding (what is guaranteed): row r of a call draws its uniforms from its own generator seeded
+with `seed + r`, one uniform per generated token, so the random stream of a row never depends on
+the other rows. Given the same weights, prompts, params and seed, the outputs are identical run to
+run on the same device. Across different batch compositions a row gets the same uniforms, but the
+logits may differ in the last bits (padding width / batch shape change the kernels' reduction
+order), which can flip a sample whose uniform lands within that rounding of a CDF boundary.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megaprm.rollout.engine import RolloutBatch, SamplingParams, left_pad
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class HFEngineConfig:
+    """device: "cpu" | "cuda[:i]"; dtype: float32 | bfloat16 | float16 (weights and forward).
+    pad/eos ids default to the model config's; `eos_token_ids` always stop generation."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    pad_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"HFEngineConfig.dtype={self.dtype!r}: expected one of {list(_DTYPES)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"HFEngineConfig.device={self.device!r}: expected 'cpu' or 'cuda[:i]'")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"HFEngineConfig.device={self.device!r} but CUDA is not available; "
+                             "use device='cpu'")
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+
+
+def _config_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams,
+                  uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from logits [b, V] (fp32) -> (tokens [b], sampler log-probs [b]).
+
+    Inverse-CDF sampling with one uniform in (0, 1] per row (`uniforms` [b]), so zero-probability
+    tokens (outside the nucleus) can never be drawn. See RolloutBatch for the log-prob definition.
+    """
+    if params.greedy:
+        tok = logits.argmax(-1)
+        return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / params.temperature, -1)
+    if params.top_p < 1.0:
+        sorted_lp, order = logp.sort(-1, descending=True)
+        p = sorted_lp.exp()
+        # keep a token when the mass strictly before it is < top_p (the first is always kept)
+        keep = (p.cumsum(-1) - p) < params.top_p
+        sorted_lp = sorted_lp.masked_fill(~keep, float("-inf"))
+        sorted_lp = sorted_lp - torch.logsumexp(sorted_lp, -1, keepdim=True)
+        logp = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_lp)
+    cdf = logp.exp().cumsum(-1)
+    target = uniforms.to(cdf.device, cdf.dtype)[:, None] * cdf[:, -1:]
+    tok = torch.searchsorted(cdf, target).squeeze(-1).clamp(max=logp.shape[-1] - 1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+class HFEngine:
+    """RolloutEngine over a transformers causal LM (see module docstring for the seeding contract).
+
+    Build with `HFEngine(model, cfg)`, `HFEngine.from_pretrained(dir, cfg)` or
+    `HFEngine.from_config(hf_config, cfg, seed=...)` (random weights, e.g. before a weight sync).
+    """
+
+    def __init__(self, model, cfg: HFEngineConfig = HFEngineConfig()):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.model = model.to(device=self.device, dtype=_DTYPES[cfg.dtype]).eval()
+        mc = self.model.config
+        self.eos_token_ids = cfg.eos_token_ids or _config_ids(getattr(mc, "eos_token_id", None))
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(mc, "pad_token_id", None)
+        if pad is None:
+            pad = self.eos_token_ids[0] if self.eos_token_ids else 0
+        self.pad_token_id = int(pad)
+        self.vocab_size = int(mc.vocab_size)
+        self.max_positions = int(getattr(mc, "max_position_embeddings", 1 << 30))
+        self._asleep = False
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, cfg: HFEngineConfig = HFEngineConfig()) -> HFEngine:
+        import transformers as tf
+
+        model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[cfg.dtype])
+        return cls(model, cfg)
+
+    @classmethod
+    def from_config(cls, hf_config, cfg: HFEngineConfig = HFEngineConfig(),
+                    seed: int = 0) -> HFEngine:
+        import transformers as tf
+
+        torch.manual_seed(seed)
+        return cls(tf.AutoModelForCausalLM.from_config(hf_config), cfg)
+
+    # ------------------------------------------------------------------------------ weights
+
+    def _tied(self) -> bool:
+        cfg = self.model.config
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return bool(getattr(text, "tie_word_embeddings", False))
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                     strict: bool = True) -> int:
+        """Copy (hf_name, tensor) pairs into the model; returns how many were copied.
+
+        Unknown names raise at once; with strict=True, parameters never received raise after the
+        stream ends. With tied embeddings `lm_head.weight` is the embedding: an incoming
+        `lm_head.weight` is skipped (the embedding carries it), as vLLM does.
+        """
+        params = dict(self.model.named_parameters())  # a tied lm_head is deduplicated away
+        tied_head = self._tied() and "lm_head.weight" not in params
+        seen = set()
+        for name, tensor in weights:
+            param = params.get(name)
+            if param is None:
+                if tied_head and name == "lm_head.weight":
+                    continue
+                raise KeyError(
+                    f"load_weights: {name!r} is not a parameter of {type(self.model).__name__} "
+                    f"(e.g. {sorted(params)[:3]}); the stream comes from a different "
+                    "architecture or config than this engine's model")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the "
+                                 f"engine's model expects {tuple(param.shape)}")
+            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+            seen.add(name)
+        if strict:
+            missing = sorted(set(params) - seen)
+            if missing:
+                raise ValueError(
+                    f"load_weights(strict=True): {len(missing)} parameter(s) were not in the "
+                    f"stream: {missing[:10]}{' ...' if len(missing) > 10 else ''}; pass "
+                    "strict=False for a partial update")
+        return len(seen)
+
+    def sleep(self) -> None:
+        """On GPU: move the weights to host memory and release the cache; no-op on CPU."""
+        if self.device.type == "cuda" and not self._asleep:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+            self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self.model.to(self.device)
+            self._asleep = False
+
+    # ------------------------------------------------------------------------------ sampling
+
+    def _check(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+        if self._asleep:
+            raise RuntimeError("generate() on a sleeping engine: call wake() first")
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + params.max_tokens > self.max_positions:
+            raise ValueError(
+                f"longest prompt ({longest} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's max_position_embeddings={self.max_positions}; lower max_tokens or "
+                "truncate prompts")
+        for i, p in enumerate(prompts):
+            bad = [t for t in p if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
+        self._check(prompts, params)
+        ids, mask = left_pad(prompts, self.pad_token_id, params.n)  # [B, P]
+        b, r_max = ids.shape[0], params.max_tokens
+        seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, ()))
+        gens = [torch.Generator().manual_seed(seed + r) for r in range(b)]
+        stops = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)),
+                             dtype=torch.long, device=self.device)
+        resp = torch.full((b, r_max), self.pad_token_id, dtype=torch.long)
+        resp_lp = torch.zeros((b, r_max), dtype=torch.float32)
+        finish = ["length"] * b
+        lengths = torch.full((b,), r_max, dtype=torch.long)
+
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        attn = mask.to(self.device)
+        pos = (attn.cumsum(1) - 1).clamp(min=0)  # left padding: real tokens count from 0
+        out = self.model(input_ids=ids.to(self.device), attention_mask=attn, position_ids=pos,
+                         past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1].float()  # [b_active, V]
+        next_pos = attn.sum(1, keepdim=True)  # [b_active, 1]
+        active = torch.arange(b)  # rows of the batch still generating (indices into B)
+        for t in range(r_max):
+            u = None
+            if not params.greedy:
+                u = 1.0 - torch.cat([torch.rand(1, generator=gens[int(r)]) for r in active])
+            tok, lp = sample_tokens(logits, params, u)
+            resp[active, t] = tok.cpu()
+            resp_lp[active, t] = lp.float().cpu()
+            hit = torch.isin(tok, stops)
+            for r in active[hit.cpu()].tolist():
+                finish[r], lengths[r] = "stop", t + 1
+            if t == r_max - 1 or bool(hit.all()):
+                break
+            if bool(hit.any()):  # drop finished rows from the batch and the KV cache
+                keep = (~hit).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                attn, next_pos, tok = attn[keep], next_pos[keep], tok[keep]
+                active = active[keep.cpu()]
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
+                             past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1].float()
+            next_pos = next_pos + 1
+        width = int(lengths.max())  # R: the longest response
+        resp_mask = (torch.arange(width)[None] < lengths[:, None]).long()
+        resp = resp[:, :width].masked_fill(resp_mask == 0, self.pad_token_id)
+        resp_lp = resp_lp[:, :width].masked_fill(resp_mask == 0, 0.0)
+        return RolloutBatch(prompt_ids=ids, prompt_mask=mask, response_ids=resp,
+                            response_mask=resp_mask, sampler_logprobs=resp_lp,
+                            finish_reason=finish,
+                            group_index=torch.arange(b) // params.n,
+                            pad_token_id=self.pad_token_id)
