@@ -1,0 +1,77 @@
+"""`python -m checkpoint_tools {import-hf,export-hf,verify}`; user errors print one line.
+
+Runs as one process that launches its own tp*pp local ranks, or under torchrun as one of them
+(`torchrun --nproc-per-node 4 -m checkpoint_tools import-hf ... --tp 2 --pp 2`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m checkpoint_tools",
+                                description="HF <-> Megatron distributed checkpoint conversion")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    imp = sub.add_parser("import-hf", help="HF safetensors dir -> Megatron distributed checkpoint")
+    imp.add_argument("--hf", required=True, help="HF model dir (config.json + safetensors)")
+    imp.add_argument("--out", required=True, help="checkpoint dir to create")
+    imp.add_argument("--tp", type=int, default=1)
+    imp.add_argument("--pp", type=int, default=1)
+    imp.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                     help="stored dtype (default: the HF config's dtype)")
+
+    exp = sub.add_parser("export-hf", help="Megatron distributed checkpoint -> HF safetensors dir")
+    exp.add_argument("--ckpt", required=True, help="checkpoint dir written by import-hf/training")
+    exp.add_argument("--out", required=True, help="HF dir to create")
+    exp.add_argument("--max-shard-size", default="5GB")
+    exp.add_argument("--tp", type=int, default=None, help="tp to load with (default: as saved)")
+    exp.add_argument("--pp", type=int, default=None, help="pp to load with (default: as saved)")
+
+    for s in (imp, exp):
+        s.add_argument("--force", action="store_true", help="replace an existing --out")
+        s.add_argument("--no-verify", action="store_true",
+                       help="skip the transformers-vs-Megatron logit check")
+
+    ver = sub.add_parser("verify", help="compare transformers and Megatron outputs")
+    ver.add_argument("--hf", required=True)
+    ver.add_argument("--ckpt", required=True)
+    ver.add_argument("--tp", type=int, default=1)
+    ver.add_argument("--pp", type=int, default=1)
+    ver.add_argument("--atol", type=float, default=None, help="max abs logit diff allowed")
+    ver.add_argument("--min-top1", type=float, default=None, help="min top-1 agreement")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    from checkpoint_tools import convert
+    from checkpoint_tools.layout import ConversionError
+
+    leader = int(os.environ.get("RANK", "0")) == 0
+    try:
+        if args.command == "import-hf":
+            report = convert.import_hf(args.hf, args.out, tp=args.tp, pp=args.pp,
+                                       dtype=args.dtype, force=args.force,
+                                       verify=not args.no_verify)
+        elif args.command == "export-hf":
+            report = convert.export_hf(args.ckpt, args.out, tp=args.tp, pp=args.pp,
+                                       max_shard_size=args.max_shard_size, force=args.force,
+                                       verify=not args.no_verify)
+        else:
+            report = convert.verify(args.hf, args.ckpt, tp=args.tp, pp=args.pp, atol=args.atol,
+                                    min_top1=args.min_top1)
+    except ConversionError as e:
+        if leader:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    if leader:
+        print(json.dumps(report, indent=2))
+    return 0 if report.get("passed", True) else 1
+
+
+if __name__ == "__main__":  # spawned ranks and the checkpoint writer re-import this module
+    sys.exit(main())

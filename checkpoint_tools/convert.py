@@ -1,0 +1,504 @@
+"""HF safetensors <-> Megatron distributed checkpoint, and the logit check between them.
+
+Every command has two halves:
+
+* the *rank* half (`_import_rank`, `_export_rank`, `_verify_rank`) runs on each of the tp*pp
+  ranks: build this rank's stage, move weights, forward the check batch;
+* the *leader* half (`import_hf`, `export_hf`, `verify`) validates what it can before any rank
+  starts, runs the ranks (under torchrun: this process is one of them; otherwise it spawns
+  tp*pp local ranks), compares the Megatron outputs with transformers' and renames the
+  finished directory into place.
+
+Weights stream: import reads one HF tensor at a time (lazy safetensors) into this rank's shard;
+export gathers one parameter at a time (`weight_sync.iter_hf_weights`) and rank 0 holds at most
+one safetensors shard before writing it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import resource
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from checkpoint_tools import layout, stages
+from checkpoint_tools.layout import DTYPES, ConversionError
+from megaprm.models import mapping
+from megaprm.models.hf_spec import ModelSpec, UnsupportedModelError, spec_from_hf
+from megaprm.parallel import launch
+from megaprm.parallel.groups import Groups
+from megaprm.parallel.init import ParallelConfigError
+
+# Errors a user causes (wrong paths, configs, weights, layouts); anything else is a bug.
+USER_ERRORS = (ConversionError, UnsupportedModelError, ParallelConfigError, FileNotFoundError)
+VERIFY_BATCH, VERIFY_SEQ = 2, 16
+
+
+# ------------------------------------------------------------------------------ shared pieces
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process (Linux ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def verify_batch(spec: ModelSpec, seed: int = 1234) -> torch.Tensor:
+    """The fixed [b, s] token batch every check runs on."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, spec.vocab_size, (VERIFY_BATCH, VERIFY_SEQ), generator=g)
+
+
+def load_spec(hf_dir: str) -> ModelSpec:
+    try:
+        return spec_from_hf(hf_dir)
+    except (UnsupportedModelError, FileNotFoundError) as e:
+        raise ConversionError(str(e)) from None
+
+
+def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
+    for name, v in (("tp", tp), ("pp", pp)):
+        if not isinstance(v, int) or v < 1:
+            raise ConversionError(f"--{name}={v!r}: must be a positive integer")
+    try:
+        spec.check_parallel(tp, pp)
+    except UnsupportedModelError as e:
+        raise ConversionError(str(e)) from None
+
+
+def _agree(phase: str, fn: Callable[[], object]):
+    """Run a step that may fail on some ranks only; all ranks then raise the same error
+    (a rank that failed alone would leave the others waiting in the next collective)."""
+    err = None
+    try:
+        result = fn()
+    except USER_ERRORS as e:
+        err, result = f"{e}", None
+    except ValueError as e:  # mapping's shape / missing-tensor errors name the tensor
+        err, result = f"{phase}: {e}", None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errs = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, err)
+        err = next((e for e in errs if e), None)
+    if err:
+        raise ConversionError(err)
+    return result
+
+
+@contextlib.contextmanager
+def _shared_tmp(tmp_dir: str | None, out_dir: str):
+    """The target's tmp dir: given by the spawning leader (who cleans it up), else made by
+    rank 0, broadcast, and removed by rank 0 if this rank half fails."""
+    if tmp_dir is not None:
+        yield tmp_dir
+        return
+    box = [layout.make_tmp(out_dir) if dist.get_rank() == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    try:
+        yield box[0]
+    except BaseException:
+        if dist.get_rank() == 0:
+            _discard(box[0])
+        raise
+
+
+def _init(tp: int, pp: int) -> Groups:
+    from megaprm.parallel.init import init_distributed
+
+    return _agree("parallel layout", lambda: init_distributed(tp=tp, pp=pp))
+
+
+@dataclass
+class _Failed:
+    message: str
+
+
+def _catching(fn, *args):
+    """Spawned-rank entry: user errors come back as one line, not as a traceback."""
+    try:
+        return fn(*args)
+    except ConversionError as e:
+        return _Failed(str(e))
+
+
+def _run_ranks(fn, world: int, *args) -> list:
+    """Run fn on this torchrun world, or spawn `world` local ranks; the leader gets all results
+    (under torchrun only its own, as a one-item list)."""
+    if launch.under_torchrun():
+        return [fn(*args)]
+    results = launch.spawn(_catching, world, fn, *args)
+    failed = next((r for r in results if isinstance(r, _Failed)), None)
+    if failed:
+        raise ConversionError(failed.message)
+    return results
+
+
+def _is_leader() -> bool:
+    return not launch.under_torchrun() or int(os.environ["RANK"]) == 0
+
+
+def _finish(fn: Callable[[], dict]) -> dict:
+    """The leader's last step (compare, write, rename). Under torchrun every rank waits for it
+    and raises its error too, so no rank runs ahead (e.g. reads a target not yet renamed)."""
+    if not launch.under_torchrun():
+        return fn()
+    report, err = {}, None
+    if _is_leader():
+        try:
+            report = fn()
+        except ConversionError as e:
+            err = str(e)
+    box = [err]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise ConversionError(box[0])
+    return report
+
+
+# --------------------------------------------------------------------------- checks on weights
+
+def _hf_shapes(hf_dir: str) -> dict:
+    """name -> shape from the safetensors headers (no tensor data read)."""
+    from safetensors import safe_open
+
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    shapes = {}
+    for fname in files:
+        with safe_open(os.path.join(hf_dir, fname), framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118 (safe_open is not a dict)
+                shapes[k] = tuple(h.get_slice(k).get_shape())
+    return shapes
+
+
+def _expected_hf_shapes(model, spec: ModelSpec, g: Groups) -> dict:
+    """HF name -> shape this stage needs, derived through the mapping on meta tensors."""
+    out = {}
+    for rule, p in mapping.stage_rules(model, spec, g.pp_size, g.pp_rank):
+        full = list(p.shape)
+        if rule.tp_dim is not None:
+            full[rule.tp_dim] *= g.tp_size
+        for name, t in mapping.to_hf(rule, torch.empty(full, device="meta"), spec, g.tp_size):
+            out[name] = tuple(t.shape)
+    return out
+
+
+def check_hf_weights(hf_dir: str, model, spec: ModelSpec, g: Groups) -> None:
+    """Missing / unexpected tensors (whole model, listed) and shape mismatches, before any copy."""
+    mine = _expected_hf_shapes(model, spec, g)
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    expected = {k: v for part in parts for k, v in part.items()}
+
+    def check():
+        have = _hf_shapes(hf_dir)
+        # A tied model may also store its lm_head copy; old checkpoints store rope buffers.
+        ignorable = {k for k in have if k.endswith("rotary_emb.inv_freq")
+                     or (k == "lm_head.weight" and spec.head == "lm" and spec.tie_embeddings)}
+        missing = sorted(set(expected) - set(have))
+        unexpected = sorted(set(have) - set(expected) - ignorable)
+        if missing or unexpected:
+            what = []
+            if missing:
+                what.append(f"missing {len(missing)} tensor(s): {_listing(missing)}")
+            if unexpected:
+                what.append(f"unexpected {len(unexpected)} tensor(s): {_listing(unexpected)}")
+            raise ConversionError(
+                f"weights in {hf_dir!r} do not match its config.json ({spec.architecture}, "
+                f"{spec.num_layers} layers): {'; '.join(what)}")
+        for name in sorted(mine):
+            if have[name] != mine[name]:
+                raise ConversionError(
+                    f"shape mismatch for {name}: config.json implies {list(mine[name])}, "
+                    f"the safetensors file has {list(have[name])}")
+
+    _agree("HF weights", check)
+
+
+def _listing(names: list, limit: int = 12) -> str:
+    return ", ".join(names[:limit]) + (f", ... (+{len(names) - limit})" if len(names) > limit
+                                       else "")
+
+
+# ---------------------------------------------------------------------- Megatron checkpoints
+
+def _model_dir(ckpt_dir: str) -> str:
+    return os.path.join(ckpt_dir, layout.MODEL_SUBDIR)
+
+
+def save_checkpoint(model, ckpt_model_dir: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt_model_dir, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(stages.sharded_state_dict(model), ckpt_model_dir)
+
+
+def load_checkpoint(model, ckpt_model_dir: str) -> None:
+    """Load a distributed checkpoint into this stage (any tp/pp: shards are global slices)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    def load():
+        try:
+            state = dist_checkpointing.load(stages.sharded_state_dict(model), ckpt_model_dir,
+                                            strict=StrictHandling.RAISE_ALL)
+        except CheckpointingException as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+            raise ConversionError(
+                f"checkpoint {ckpt_model_dir!r} does not fit the model its hf/config.json "
+                f"describes: {first}") from None
+        model.load_state_dict(state, strict=True)
+
+    _agree("loading the checkpoint", load)
+
+
+# --------------------------------------------------------------------------------- rank halves
+
+def _rank_report(g: Groups, outputs, **extra) -> dict:
+    rss = [None] * g.world_size
+    dist.all_gather_object(rss, peak_rss_mb())
+    return {"rank": g.rank, "peak_rss_mb_ranks": rss,
+            "outputs": outputs if g.rank == 0 else None, **extra}
+
+
+def _import_rank(hf_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: int,
+                 dtype: str, verify: bool) -> dict:
+    g = _init(tp, pp)
+    with _shared_tmp(tmp_dir, out_dir) as tmp:
+        spec = spec_from_hf(hf_dir)
+        model = stages.build(spec, g, DTYPES[dtype])
+        check_hf_weights(hf_dir, model, spec, g)
+        weights = mapping.HFWeights(hf_dir)
+        t0 = time.perf_counter()
+        _agree("HF weights", functools.partial(
+            mapping.load_stage, model, weights, spec, tp_rank=g.tp_rank, tp_size=g.tp_size,
+            pp=g.pp_size, pp_rank=g.pp_rank))
+        del weights
+        t_read = time.perf_counter() - t0
+        save_checkpoint(model, _model_dir(tmp))
+        t_save = time.perf_counter() - t0 - t_read
+        outputs = None
+        if verify:  # check what was written, not what is in memory: clear, then load back
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+            load_checkpoint(model, _model_dir(tmp))
+            outputs = stages.full_outputs(model, spec, g, verify_batch(spec))
+        return _rank_report(g, outputs, tmp_dir=tmp, read_s=t_read, save_s=t_save)
+
+
+def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: int,
+                 max_shard_bytes: int, verify: bool) -> dict:
+    from checkpoint_tools.shards import ShardWriter
+    from megaprm.parallel.weight_sync import iter_hf_weights
+
+    g = _init(tp, pp)
+    with _shared_tmp(tmp_dir, out_dir) as tmp:
+        meta = layout.CheckpointMeta.read(ckpt_dir)
+        spec = spec_from_hf(os.path.join(ckpt_dir, layout.HF_SUBDIR))
+        model = stages.build(spec, g, DTYPES[meta.dtype])
+        t0 = time.perf_counter()
+        load_checkpoint(model, _model_dir(ckpt_dir))
+        t_load = time.perf_counter() - t0
+        writer = ShardWriter(tmp, max_shard_bytes) if g.rank == 0 else None
+        for name, tensor in iter_hf_weights(model, g, spec):
+            if writer is not None:  # other ranks take part in the gathers, drop the tensors
+                writer.add(name, tensor)
+        files = writer.finish() if writer is not None else None
+        t_write = time.perf_counter() - t0 - t_load
+        outputs = stages.full_outputs(model, spec, g, verify_batch(spec)) if verify else None
+        return _rank_report(g, outputs, tmp_dir=tmp, load_s=t_load, write_s=t_write,
+                            files=files, bytes=writer.total_bytes if writer else None,
+                            peak_shard_bytes=writer.peak_pending_bytes if writer else None)
+
+
+def _verify_rank(ckpt_dir: str, tp: int, pp: int) -> dict:
+    g = _init(tp, pp)
+    meta = layout.CheckpointMeta.read(ckpt_dir)
+    spec = spec_from_hf(os.path.join(ckpt_dir, layout.HF_SUBDIR))
+    model = stages.build(spec, g, DTYPES[meta.dtype])
+    load_checkpoint(model, _model_dir(ckpt_dir))
+    return _rank_report(g, stages.full_outputs(model, spec, g, verify_batch(spec)))
+
+
+# ------------------------------------------------------------------------------ leader halves
+
+def compare(megatron: torch.Tensor, reference: torch.Tensor, dtype: str,
+            atol: float | None = None, min_top1: float | None = None) -> dict:
+    """Logit agreement report. Default tolerance: relative to the largest |reference logit|
+    (1e-4 in fp32; 3e-2 in bf16/fp16, where both sides compute in that dtype)."""
+    diff = (megatron - reference).abs()
+    scale = max(1.0, float(reference.abs().max()))
+    tol = atol if atol is not None else (1e-4 if dtype == "fp32" else 3e-2) * scale
+    need_top1 = min_top1 if min_top1 is not None else (1.0 if dtype == "fp32" else 0.9)
+    top1 = float((megatron.argmax(-1) == reference.argmax(-1)).float().mean())
+    return {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+            "top1_agreement": top1, "tolerance": tol, "min_top1": need_top1,
+            "shape": list(reference.shape), "dtype": dtype,
+            "passed": bool(float(diff.max()) <= tol and top1 >= need_top1)}
+
+
+def reference_outputs(hf_dir: str, spec: ModelSpec, dtype: str) -> torch.Tensor:
+    from checkpoint_tools import hf_reference
+
+    model = hf_reference.load_reference(hf_dir, spec, DTYPES[dtype])
+    return hf_reference.reference_outputs(model, spec, verify_batch(spec))
+
+
+def _world(tp: int, pp: int) -> int:
+    return int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else tp * pp
+
+
+def _rss(results: list) -> dict:
+    return {"peak_rss_mb": {"ranks": results[0]["peak_rss_mb_ranks"], "driver": peak_rss_mb()}}
+
+
+def _discard(tmp_dir: str | None) -> None:
+    if tmp_dir and os.path.isdir(tmp_dir):
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _verified(what: str, megatron: torch.Tensor, hf_dir: str, spec: ModelSpec, dtype: str) -> dict:
+    report = compare(megatron, reference_outputs(hf_dir, spec, dtype), dtype)
+    if not report["passed"]:
+        raise ConversionError(
+            f"{what}: Megatron outputs differ from transformers beyond tolerance (max abs diff "
+            f"{report['max_abs_diff']:.3g} > {report['tolerance']:.3g} or top-1 agreement "
+            f"{report['top1_agreement']:.3f} < {report['min_top1']}); nothing was written "
+            "(--no-verify keeps the result for debugging)")
+    return report
+
+
+def _leader_owned(tmp_dir: str | None, fn: Callable[[], dict]) -> dict:
+    """Run the leader's finishing step; the tmp dir goes away unless it was renamed."""
+    try:
+        return fn()
+    finally:
+        _discard(tmp_dir)  # after a successful rename the path no longer exists
+
+
+def import_hf(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
+              dtype: str | None = None, force: bool = False, verify: bool = True) -> dict:
+    """HF directory -> megaprm checkpoint directory (see `layout`). Returns a report dict."""
+    hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
+    spec = load_spec(hf_dir)
+    check_layout(spec, tp, pp)
+    layout.check_target(out_dir, force)
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"--dtype={dtype!r}: expected one of {sorted(DTYPES)}")
+    dtype = dtype or layout.hf_dtype_name(spec.hf_config)
+    try:  # opens every file's header: truncated or corrupt files fail here, before any rank
+        mapping.HFWeights(hf_dir)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConversionError(str(e)) from None
+    tmp_dir = None if launch.under_torchrun() else layout.make_tmp(out_dir)
+    t0 = time.perf_counter()
+    try:
+        results = _run_ranks(_import_rank, _world(tp, pp), hf_dir, out_dir, tmp_dir, tp, pp,
+                             dtype, verify)
+    except BaseException:
+        _discard(tmp_dir)
+        raise
+    r0 = results[0]
+
+    def finish() -> dict:
+        report = {"command": "import-hf", "hf": hf_dir, "out": out_dir, "tp": tp, "pp": pp,
+                  "dtype": dtype, "architecture": spec.architecture,
+                  "seconds": time.perf_counter() - t0, "read_s": r0["read_s"],
+                  "save_s": r0["save_s"], **_rss(results)}
+        if verify:
+            report["verify"] = _verified("import-hf", r0["outputs"], hf_dir, spec, dtype)
+        layout.copy_side_files(hf_dir, os.path.join(r0["tmp_dir"], layout.HF_SUBDIR))
+        layout.CheckpointMeta(format=layout.FORMAT, version=1, architecture=spec.architecture,
+                              dtype=dtype, tp=tp, pp=pp, source=hf_dir).write(r0["tmp_dir"])
+        layout.commit(r0["tmp_dir"], out_dir, force)
+        return report
+
+    return _finish(lambda: _leader_owned(r0["tmp_dir"], finish))
+
+
+def _write_hf_config(ckpt_dir: str, tmp_dir: str, dtype: str) -> None:
+    """Side files verbatim; config.json's dtype follows the exported weights if they differ."""
+    layout.copy_side_files(os.path.join(ckpt_dir, layout.HF_SUBDIR), tmp_dir)
+    path = os.path.join(tmp_dir, "config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    if layout.hf_dtype_name(cfg) != dtype:
+        for key in ("dtype", "torch_dtype"):
+            if key in cfg:
+                cfg[key] = layout.HF_DTYPE_NAME[dtype]
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
+              pp: int | None = None, max_shard_size: str = "5GB", force: bool = False,
+              verify: bool = True) -> dict:
+    """megaprm checkpoint -> HF directory loadable by transformers / vLLM. Returns a report."""
+    ckpt_dir, out_dir = os.path.abspath(ckpt_dir), os.path.abspath(out_dir)
+    meta = layout.CheckpointMeta.read(ckpt_dir)
+    spec = load_spec(os.path.join(ckpt_dir, layout.HF_SUBDIR))
+    tp, pp = tp or meta.tp, pp or meta.pp
+    check_layout(spec, tp, pp)
+    layout.check_target(out_dir, force)
+    max_bytes = layout.parse_size(max_shard_size)
+    tmp_dir = None if launch.under_torchrun() else layout.make_tmp(out_dir)
+    t0 = time.perf_counter()
+    try:
+        results = _run_ranks(_export_rank, _world(tp, pp), ckpt_dir, out_dir, tmp_dir, tp, pp,
+                             max_bytes, verify)
+    except BaseException:
+        _discard(tmp_dir)
+        raise
+    r0 = results[0]
+
+    def finish() -> dict:
+        _write_hf_config(ckpt_dir, r0["tmp_dir"], meta.dtype)
+        report = {"command": "export-hf", "ckpt": ckpt_dir, "out": out_dir, "tp": tp, "pp": pp,
+                  "dtype": meta.dtype, "architecture": meta.architecture,
+                  "seconds": time.perf_counter() - t0, "load_s": r0["load_s"],
+                  "write_s": r0["write_s"], "files": r0["files"], "bytes": r0["bytes"],
+                  "peak_shard_bytes": r0["peak_shard_bytes"], **_rss(results)}
+        if verify:
+            report["verify"] = _verified("export-hf", r0["outputs"], r0["tmp_dir"], spec,
+                                         meta.dtype)
+        layout.commit(r0["tmp_dir"], out_dir, force)
+        return report
+
+    return _finish(lambda: _leader_owned(r0["tmp_dir"], finish))
+
+
+def verify(hf_dir: str, ckpt_dir: str, *, tp: int = 1, pp: int = 1,
+           atol: float | None = None, min_top1: float | None = None) -> dict:
+    """Forward the fixed batch through transformers (hf_dir) and Megatron (ckpt_dir at tp/pp);
+    the report's `passed` says whether they agree within tolerance."""
+    hf_dir, ckpt_dir = os.path.abspath(hf_dir), os.path.abspath(ckpt_dir)
+    meta = layout.CheckpointMeta.read(ckpt_dir)
+    spec = load_spec(hf_dir)
+    ckpt_spec = load_spec(os.path.join(ckpt_dir, layout.HF_SUBDIR))
+    if ckpt_spec != spec:
+        raise ConversionError(f"{hf_dir!r} ({spec.architecture}) and checkpoint {ckpt_dir!r} "
+                              f"({ckpt_spec.architecture}) describe different models")
+    check_layout(spec, tp, pp)
+    results = _run_ranks(_verify_rank, _world(tp, pp), ckpt_dir, tp, pp)
+
+    def finish() -> dict:
+        report = compare(results[0]["outputs"], reference_outputs(hf_dir, spec, meta.dtype),
+                         meta.dtype, atol, min_top1)
+        return {"command": "verify", "hf": hf_dir, "ckpt": ckpt_dir, "tp": tp, "pp": pp,
+                **report, **_rss(results)}
+
+    return _finish(finish)

@@ -1,0 +1,250 @@
+"""checkpoint_tools: HF -> Megatron distributed checkpoint -> HF is lossless for every family.
+
+Reference: the original HF directory itself (tensors compared bit for bit, transformers logits
+compared exactly). One spawned 4-rank world runs every round trip and the in-rank error cases
+(the torchrun path: each rank calls the library); the CLI is exercised once as a user runs it
+(one process that spawns its own ranks), including the (2,1) -> (1,2) reshard through `verify`.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoint_tools import ConversionError, export_hf, hf_reference, import_hf
+from megaprm.models.hf_spec import spec_from_hf
+from megaprm.models.mapping import HFWeights
+from megaprm.models.tiny import build_hf_model, save_tiny_model, tiny_config
+from megaprm.parallel import launch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# name -> how the tiny HF model is made; together they cover every family and head.
+CASES = ["qwen2_tied", "llama_rope_scaling", "qwen3_qk_norm", "llama_token_cls", "qwen2_math_prm"]
+
+
+def _make_case(name: str, d: str) -> str:
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+
+    if name == "qwen2_tied":
+        save_tiny_model("qwen2", d, seed=1)
+    elif name == "llama_rope_scaling":  # also the sharded-input case (index.json)
+        build_hf_model(tiny_config("llama"), seed=2).save_pretrained(d, max_shard_size="200KB")
+    elif name == "qwen3_qk_norm":
+        save_tiny_model("qwen3", d, seed=3)
+    elif name == "llama_token_cls":
+        save_tiny_model("llama", d, seed=4, head="token_cls")
+    elif name == "qwen2_math_prm":
+        hf_reference.save_process_reward_model(tiny_config("qwen2", tie=False), d, seed=5)
+    build_char_tokenizer(d)
+    return d
+
+
+def _rewrite_weights(src: str, dst: str, edit) -> str:
+    """Copy an HF dir, passing its (single-file) state dict through `edit`."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    sd = edit(load_file(os.path.join(src, "model.safetensors")))
+    save_file(sd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {n: _make_case(n, str(root / n)) for n in CASES}
+    base = dirs["qwen2_tied"]
+
+    def drop_and_add(sd):
+        del sd["model.layers.1.mlp.up_proj.weight"]
+        sd["model.extra_proj.weight"] = torch.zeros(2, 2)
+        return sd
+
+    def bad_shape(sd):
+        sd["model.norm.weight"] = torch.ones(65)
+        return sd
+
+    dirs["bad_keys"] = _rewrite_weights(base, str(root / "bad_keys"), drop_and_add)
+    dirs["bad_shape"] = _rewrite_weights(base, str(root / "bad_shape"), bad_shape)
+    dirs["other_seed"] = save_tiny_model("qwen2", str(root / "other_seed"), seed=99)
+    return dirs
+
+
+# ------------------------------------------------------------------------- one 4-rank world
+
+def _world(dirs: dict, root: str) -> dict:
+    """Every rank runs this (as under torchrun); rank 0's return value is the report."""
+    out = {"roundtrip": {}, "errors": {}}
+    for i, name in enumerate(CASES):
+        ck, hf = os.path.join(root, name + ".ckpt"), os.path.join(root, name + ".hf")
+        imp = import_hf(dirs[name], ck, tp=2, pp=2)
+        # one export goes through small shards (several files + index.json)
+        exp = export_hf(ck, hf, max_shard_size="150KB" if i == 0 else "5GB")
+        out["roundtrip"][name] = {"ckpt": ck, "hf": hf, "import": imp, "export": exp}
+    for case in ("bad_keys", "bad_shape"):
+        try:
+            import_hf(dirs[case], os.path.join(root, case + ".ckpt"), tp=2, pp=2)
+            out["errors"][case] = None
+        except ConversionError as e:
+            out["errors"][case] = str(e)
+    from checkpoint_tools import verify
+
+    out["wrong_model"] = verify(dirs["other_seed"], out["roundtrip"]["qwen2_tied"]["ckpt"],
+                                tp=2, pp=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(hf_dirs, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("converted"))
+    return launch.spawn(_world, 4, hf_dirs, root)[0], root
+
+
+def _hf_tensors(d: str) -> dict:
+    w = HFWeights(d)
+    return {k: w(k) for k in w.keys()}  # noqa: SIM118 (not a dict)
+
+
+def _outputs(d: str) -> torch.Tensor:
+    spec = spec_from_hf(d)
+    model = hf_reference.load_reference(d, spec)
+    ids = torch.randint(0, spec.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    return hf_reference.reference_outputs(model, spec, ids)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_roundtrip_bitwise(world, hf_dirs, name):
+    report, _ = world
+    r = report["roundtrip"][name]
+    assert r["import"]["verify"]["passed"] and r["export"]["verify"]["passed"]
+    assert r["import"]["verify"]["max_abs_diff"] < 1e-4
+    original, exported = _hf_tensors(hf_dirs[name]), _hf_tensors(r["hf"])
+    assert set(exported) == set(original)
+    for k, t in original.items():
+        assert exported[k].dtype == t.dtype and torch.equal(exported[k], t), k
+    assert torch.equal(_outputs(r["hf"]), _outputs(hf_dirs[name]))
+    # side files travel verbatim: config, tokenizer, generation config (where the model has one)
+    from checkpoint_tools.layout import side_files
+
+    files = side_files(hf_dirs[name])
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(files)
+    assert set(files) <= set(os.listdir(r["hf"]))
+    for f in files:
+        with open(os.path.join(hf_dirs[name], f), "rb") as a, open(os.path.join(r["hf"], f),
+                                                                    "rb") as b:
+            assert a.read() == b.read(), f
+
+def test_export_streams_shards(world):
+    report, _ = world
+    exp = report["roundtrip"]["qwen2_tied"]["export"]
+    assert len(exp["files"]) > 2
+    assert exp["peak_shard_bytes"] <= 150_000  # no tensor of the tiny model exceeds a shard
+    with open(os.path.join(report["roundtrip"]["qwen2_tied"]["hf"],
+                           "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    assert index["metadata"]["total_size"] == exp["bytes"]
+    assert sorted(set(index["weight_map"].values())) == sorted(exp["files"])
+    assert len(exp["peak_rss_mb"]["ranks"]) == 4
+
+
+def test_checkpoint_layout(world):
+    report, root = world
+    ck = report["roundtrip"]["llama_token_cls"]["ckpt"]
+    assert sorted(os.listdir(ck)) == ["hf", "megaprm_checkpoint.json", "model"]
+    with open(os.path.join(ck, "megaprm_checkpoint.json")) as f:
+        meta = json.load(f)
+    assert (meta["tp"], meta["pp"], meta["dtype"]) == (2, 2, "fp32")
+    assert not [d for d in os.listdir(root) if ".tmp-" in d], "tmp dirs left behind"
+
+
+def test_in_rank_errors(world):
+    report, root = world
+    keys = report["errors"]["bad_keys"]
+    assert "missing 1 tensor(s): model.layers.1.mlp.up_proj.weight" in keys, keys
+    assert "unexpected 1 tensor(s): model.extra_proj.weight" in keys, keys
+    shape = report["errors"]["bad_shape"]
+    assert shape.startswith("shape mismatch for model.norm.weight: config.json implies [64], "
+                            "the safetensors file has [65]"), shape
+    assert not os.path.exists(os.path.join(root, "bad_keys.ckpt"))
+
+
+def test_verify_rejects_a_different_model(world):
+    report, _ = world
+    r = report["wrong_model"]
+    assert not r["passed"] and r["max_abs_diff"] > r["tolerance"]
+
+
+# ---------------------------------------------------------------- errors before any rank starts
+
+def test_unknown_architecture(hf_dirs, tmp_path):
+    d = tmp_path / "mistral"
+    import shutil
+
+    shutil.copytree(hf_dirs["qwen2_tied"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["MistralForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConversionError, match=r"architectures=\['MistralForCausalLM'\] is not "
+                                              r"supported; supported: \["):
+        import_hf(str(d), str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("tp,pp,msg", [
+    (3, 1, "tp=3 does not divide num_attention_heads=4, num_key_value_heads=2"),
+    (1, 3, "pp=3 does not divide num_hidden_layers=4"),
+    (0, 1, "--tp=0: must be a positive integer"),
+])
+def test_layout_that_does_not_divide(hf_dirs, tmp_path, tp, pp, msg):
+    with pytest.raises(ConversionError, match=msg):
+        import_hf(hf_dirs["qwen2_tied"], str(tmp_path / "out"), tp=tp, pp=pp)
+    assert not os.listdir(tmp_path)
+
+
+def test_existing_target(hf_dirs, tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ConversionError, match="already exists; .* pass --force"):
+        import_hf(hf_dirs["qwen2_tied"], str(tmp_path / "out"))
+
+
+def test_truncated_safetensors(hf_dirs, tmp_path):
+    import shutil
+
+    d = tmp_path / "trunc"
+    shutil.copytree(hf_dirs["llama_rope_scaling"], d)  # sharded: truncate one shard
+    shard = sorted(p for p in os.listdir(d) if p.endswith(".safetensors"))[1]
+    data = (d / shard).read_bytes()
+    (d / shard).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConversionError, match=f"{shard}.*truncated or corrupt"):
+        import_hf(str(d), str(tmp_path / "out"))
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(ConversionError, match="is not a megaprm checkpoint"):
+        export_hf(str(tmp_path), str(tmp_path / "out"))
+
+
+# ------------------------------------------------------------------------------------- the CLI
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", "checkpoint_tools", *args],
+                          check=False, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_cli_import_then_verify_resharded(hf_dirs, tmp_path):
+    ck = str(tmp_path / "ck")
+    r = _cli("import-hf", "--hf", hf_dirs["qwen2_tied"], "--out", ck, "--tp", "2", "--pp", "1")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["verify"]["passed"]
+    r = _cli("verify", "--hf", hf_dirs["qwen2_tied"], "--ckpt", ck, "--tp", "1", "--pp", "2")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["passed"] and (report["tp"], report["pp"]) == (1, 2)
+    assert report["top1_agreement"] == 1.0 and report["max_abs_diff"] < 1e-4
+    # a user error: one line on stderr, no traceback, non-zero exit
+    r = _cli("import-hf", "--hf", hf_dirs["qwen2_tied"], "--out", ck)
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error: target") and "already exists" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
