@@ -1,0 +1,201 @@
+"""Plot every scripts/results/bench_*.json that exists into a PNG next to it (matplotlib, Agg).
+
+    python scripts/plot_benchmarks.py [--results scripts/results] [--out scripts/results]
+
+Each figure names, in its title, the baseline measured in the same run that it is compared
+with: actor vs transformers, conversion vs raw safetensors I/O, weight sync vs memcpy,
+advantage estimators vs the loop reference (and verl when installed), RL step per layout vs
+the (1,1,1) layout. A missing file is skipped; a file whose layout this script does not know
+(or that fails to plot) gets a generic bar chart of its numeric fields, with a warning.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _device(d: dict) -> str:
+    dev = d.get("device")
+    if isinstance(dev, dict):
+        parts = [str(dev[k]) for k in ("kind", "cpu") if k in dev]
+        return ", ".join(parts + ([f"{dev['cores']} cores"] if "cores" in dev else []))
+    if isinstance(dev, str):
+        return dev
+    return f"{d.get('machine', '?')}, {d.get('cpus', '?')} cores"
+
+
+def plot_actor(d: dict, ax) -> None:
+    names = ["megaprm actor", "transformers"]
+    vals = [d["megaprm_tokens_per_s"], d["transformers_tokens_per_s"]]
+    ax.bar(names, vals, color=["tab:blue", "tab:gray"])
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom")
+    ax.set_ylabel("fwd+bwd tokens/s")
+    ax.set_title(f"Actor fwd+bwd throughput (baseline: transformers, same run)\n"
+                 f"ratio {d['ratio_megaprm_over_transformers']:.2f} | {_device(d)}", fontsize=9)
+
+
+def plot_advantages(d: dict, ax) -> None:
+    single = d["single_process"]
+    names = list(single)
+    ours = [single[n]["ours_ms"] for n in names]
+    loop = [single[n]["loop_reference_ms"] for n in names]
+    x = range(len(names))
+    w = 0.38
+    ax.bar([i - w / 2 for i in x], ours, w, label="megaprm (vectorised)")
+    ax.bar([i + w / 2 for i in x], loop, w, label="loop reference", color="tab:gray")
+    verl = d.get("verl") or {}
+    if verl.get("available"):
+        for n, r in verl.items():
+            if isinstance(r, dict) and n in names:
+                for key, marker in (("verl_vectorized_ms", "^"), ("verl_loop_ms", "v")):
+                    if key in r:
+                        ax.scatter([names.index(n)], [r[key]], marker=marker, color="k",
+                                   zorder=3, label=key.replace("_ms", "") + " (verl's own interleaved run)")
+    ax.set_yscale("log")
+    ax.set_xticks(list(x), names, rotation=30, ha="right")
+    ax.set_ylabel("ms per call (median, log)")
+    base = "loop reference" + (" and verl" if verl.get("available") else " (verl not installed)")
+    ax.set_title(f"Advantage estimators (baseline: {base}, same run)\n{_device(d)}", fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    seen = dict(zip(labels, handles))
+    ax.legend(seen.values(), seen.keys(), fontsize=8)
+
+
+def plot_convert(d: dict, ax) -> None:
+    bars = {"raw safetensors\nread+write": d["raw_safetensors"]["seconds"]}
+    for side in ("import_hf", "export_hf"):
+        if side in d:
+            bars[f"{side}\ncore"] = d[side]["core_s"]
+            bars[f"{side}\nend to end"] = d[side]["end_to_end_s"]
+    ax.bar(list(bars), list(bars.values()),
+           color=["tab:gray"] + ["tab:blue", "tab:cyan"] * ((len(bars) - 1) // 2))
+    for i, v in enumerate(bars.values()):
+        ax.text(i, v, f"{v:.1f} s", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("seconds")
+    m, mach = d.get("model", {}), d.get("machine", {})
+    ax.set_title(f"HF <-> Megatron conversion (baseline: raw safetensors I/O of the same bytes, "
+                 f"same run)\n{m.get('params', '?'):,} params {m.get('dtype', '')}, "
+                 f"{mach.get('cpu', '?')}, {mach.get('cores', '?')} cores", fontsize=9)
+
+
+def plot_weight_sync(d: dict, ax) -> None:
+    labels, vals, memcpy = [], [], []
+    for lay in d["layouts"]:
+        for row in lay["rows"]:
+            labels.append(f"tp{lay['tp']} pp{lay['pp']} {row['mode'].replace('bucket ', 'b')}")
+            vals.append(row["gbytes_per_s"])
+            memcpy.append(row["memcpy_gbytes_per_s"])
+    ax.bar(range(len(vals)), vals, label="weight sync")
+    ax.plot(range(len(vals)), memcpy, "k_", markersize=20, mew=2, label="memcpy (same bytes)")
+    ax.set_xticks(range(len(vals)), labels, fontsize=7, rotation=35, ha="right")
+    ax.set_ylabel("GB/s")
+    ax.legend(fontsize=8)
+    ax.set_title(f"Weight sync throughput (baseline: memcpy of the same bytes, same run)\n"
+                 f"{d.get('backend', '')}, {d.get('world_size', '?')} ranks, {_device(d)}",
+                 fontsize=9)
+
+
+def plot_rl_step(d: dict, ax) -> None:
+    layouts = d["layouts"]
+    labels = [f"tp{r['tp']} pp{r['pp']} dp{r['dp']}" for r in layouts]
+    bottom = [0.0] * len(layouts)
+    for phase in d["phases"]:
+        vals = [r["median_s"].get(phase, 0.0) for r in layouts]
+        ax.bar(labels, vals, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, r in enumerate(layouts):
+        ratio = (r.get("vs_1_1_1") or {}).get("step_s")
+        text = f"{r['median_s']['step_s']:.2f} s" + (f"\n{ratio:.2f}x" if ratio else "")
+        ax.text(i, max(bottom[i], r["median_s"]["step_s"]), text, ha="center", va="bottom",
+                fontsize=8)
+    ax.set_ylabel("seconds per RL step (slowest rank, median)")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.set_title(f"RL step per phase vs layout (baseline: the (1,1,1) layout, same run)\n"
+                 f"{d.get('backend', '')}, {_device(d)}", fontsize=9)
+
+
+def _numeric_leaves(obj, prefix=""):
+    if isinstance(obj, bool):
+        return
+    if isinstance(obj, (int, float)):
+        yield prefix, float(obj)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _numeric_leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _numeric_leaves(v, f"{prefix}[{i}]")
+
+
+def plot_generic(d: dict, ax) -> None:
+    """Fallback: the timing / throughput fields of any JSON, as recorded."""
+    keys = ("_s", "_ms", "seconds", "per_s", "ratio", "speedup")
+    leaves = [(k, v) for k, v in _numeric_leaves(d) if any(s in k.split(".")[-1] for s in keys)]
+    leaves = leaves[:30]
+    ax.barh([k for k, _ in leaves], [v for _, v in leaves])
+    ax.tick_params(axis="y", labelsize=6)
+    ax.invert_yaxis()
+    base = d.get("baseline", "as recorded in the JSON (see its fields)")
+    ax.set_title(f"{d.get('benchmark', 'benchmark')} (baseline: {base})", fontsize=9)
+
+
+PLOTTERS = {"bench_actor": plot_actor, "bench_convert": plot_convert, "bench_advantages": plot_advantages,
+            "bench_weight_sync": plot_weight_sync, "bench_rl_step": plot_rl_step}
+
+
+def plot_file(path: Path, out_dir: Path) -> Path:
+    d = json.loads(path.read_text())
+    fn = PLOTTERS.get(path.stem, plot_generic)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    try:
+        fn(d, ax)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        print(f"plot_benchmarks: {path.name}: layout not understood ({type(e).__name__}: {e}); "
+              "plotting its numeric fields instead", file=sys.stderr)
+        fig.clf()
+        ax = fig.add_subplot()
+        plot_generic(d, ax)
+    fig.tight_layout()
+    out = out_dir / f"{path.stem}.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_all(results_dir: Path, out_dir: Path) -> list:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in sorted(Path(results_dir).glob("bench_*.json")):
+        try:
+            written.append(plot_file(path, out_dir))
+        except json.JSONDecodeError as e:
+            print(f"plot_benchmarks: {path}: not valid JSON ({e}); skipped", file=sys.stderr)
+    return written
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default=str(ROOT / "scripts" / "results"))
+    ap.add_argument("--out", default=None, help="where PNGs go (default: --results)")
+    args = ap.parse_args(argv)
+    written = plot_all(Path(args.results), Path(args.out or args.results))
+    for p in written:
+        print(f"wrote {p}")
+    if not written:
+        print(f"plot_benchmarks: no bench_*.json under {args.results}; nothing to plot",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
