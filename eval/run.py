@@ -27,8 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import List, Optional, Sequence, Tuple
 
 from megaprm.tasks.datasets import BENCHMARKS, load_benchmark
 
@@ -42,13 +42,13 @@ class EvalConfig:
     all). `batch_prompts`: prompts per generate() call (each expands to k rows)."""
 
     model: str
-    benchmarks: Tuple[str, ...] = BENCHMARKS
+    benchmarks: tuple[str, ...] = BENCHMARKS
     k: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 4096
     engine: str = "hf"
-    limit: Optional[int] = None
+    limit: int | None = None
     seed: int = 0
     batch_prompts: int = 8
     verify_timeout_s: float = 5.0
@@ -96,7 +96,7 @@ def summarize(correct: Sequence[Sequence[float]], k: int) -> dict:
 
 
 def grade(responses: Sequence[str], golds: Sequence[str], verifier=None,
-          timeout_s: float = 5.0) -> List[float]:
+          timeout_s: float = 5.0) -> list[float]:
     """1.0 / 0.0 per response: math-verify equivalence of its (boxed) answer with the gold."""
     from megaprm.rewards.verifiers import MathVerifier
 
@@ -109,7 +109,7 @@ def format_prompt(question: str) -> str:
     return PROMPT_TEMPLATE.format(question=question)
 
 
-def prompt_ids(tokenizer, question: str) -> List[int]:
+def prompt_ids(tokenizer, question: str) -> list[int]:
     """Token ids of one problem: the chat template (one user turn + generation prompt) when the
     tokenizer has one, else the raw formatted text."""
     text = format_prompt(question)
@@ -138,7 +138,8 @@ def resolve_model(path: str, workdir: str) -> str:
     cmd = [sys.executable, "-m", "checkpoint_tools", "export-hf", "--ckpt", path, "--out", out,
            "--no-verify"]
     print(f"eval: exporting Megatron checkpoint {path} -> {out}", file=sys.stderr)
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          check=False)
     if proc.returncode != 0:
         raise ValueError(f"--model {path}: export-hf failed (exit {proc.returncode}): "
                          f"{proc.stderr.strip()[-2000:]}")
@@ -166,7 +167,7 @@ def _eval_benchmark(name: str, cfg: EvalConfig, engine, tokenizer, verifier, bar
 
     records, load = load_benchmark(name, limit=cfg.limit)
     t0 = time.perf_counter()
-    correct: List[List[float]] = []
+    correct: list[list[float]] = []
     n_tokens = 0
     for lo in range(0, len(records), cfg.batch_prompts):
         chunk = records[lo:lo + cfg.batch_prompts]
@@ -227,6 +228,6 @@ def format_table(report: dict) -> str:
                      f"{r['time_s']:>9.1f}")
     a = report["average"]
     lines += ["-" * len(head),
-              f"{'average':<16}{'':>9}{a['avg@k']:>10.4f}{a['pass@k']:>10.4f}"
-              f"{report['total_time_s']:>9.1f}"]
+              (f"{'average':<16}{'':>9}{a['avg@k']:>10.4f}{a['pass@k']:>10.4f}"
+               f"{report['total_time_s']:>9.1f}")]
     return "\n".join(lines)

@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 PHASES = ("rollout", "outcome_reward", "process_reward", "old_logprobs", "advantages", "update",
           "weight_sync")
-MODEL = dict(family="qwen2", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-             intermediate_size=192)
+MODEL = {"family": "qwen2", "hidden_size": 64, "num_layers": 4, "num_heads": 4,
+         "num_kv_heads": 2, "intermediate_size": 192}
 
 
 def make_model(out_dir: str) -> str:
@@ -92,9 +92,10 @@ def run_layout(model_dir: str, tp: int, pp: int, dp: int, args) -> dict:
 
 def cpu_name() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or "unknown"

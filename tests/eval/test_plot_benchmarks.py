@@ -57,10 +57,11 @@ def test_unreadable_layout_falls_back_and_empty_dir_is_fine(tmp_path, capsys):
 
 
 def test_bench_cli_rejects_unknown_name():
-    from megaprm.bench import BENCHES, cmd_bench
-
     import argparse
+
     import pytest
+
+    from megaprm.bench import BENCHES, cmd_bench
 
     with pytest.raises(ValueError, match="unknown"):
         cmd_bench(argparse.Namespace(only="nope", timeout_s=1.0))
