@@ -29,7 +29,7 @@ class DemoConfig:
     run_dir: str = "runs/demo"
     method: str = "prof_grpo"
     seed: int = 0
-    warmup_steps: int = 250
+    warmup_steps: int = 400
     warmup_batch: int = 64
     warmup_lr: float = 2e-3
     prm_examples: int = 3000

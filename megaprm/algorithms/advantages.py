@@ -14,17 +14,27 @@ Shapes: B samples on this rank, T response tokens (right padding), S steps per r
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from megaprm.algorithms.validation import check_choice, check_mask, check_tensor, check_vector
-from megaprm.parallel.reductions import GroupIndex, all_reduce, group_index, group_moments, group_sums
-
+from megaprm.algorithms.validation import (
+    check_choice,
+    check_mask,
+    check_tensor,
+    check_vector,
+)
+from megaprm.parallel.reductions import (
+    GroupIndex,
+    all_reduce,
+    group_index,
+    group_moments,
+    group_sums,
+)
 
 # --------------------------------------------------------------------------- group z-scores
 
-def _zscore(x: torch.Tensor, index: GroupIndex, mask: Optional[torch.Tensor], *, eps: float,
+def _zscore(x: torch.Tensor, index: GroupIndex, mask: torch.Tensor | None, *, eps: float,
             scale_by_std: bool, zero_if_flat: bool) -> torch.Tensor:
     """Column-wise group z-score of `x[B, K]` over members `mask[B, K]` -> float64 `[B, K]`.
 
@@ -32,21 +42,19 @@ def _zscore(x: torch.Tensor, index: GroupIndex, mask: Optional[torch.Tensor], *,
     std is <= eps (PAPO). Non-members give 0. All K columns share one pair of all-reduces.
     """
     mom = group_moments(x, index, mask)
-    g = index.dense
-    count, mean, std = mom.count[g], mom.mean[g], mom.unbiased_std()[g]
-    centred = x.to(torch.float64) - mean
-    out = centred / (std + eps) if scale_by_std else centred
-    ok = count >= 2
+    std = mom.unbiased_std()                                          # [G, K]
+    ok = mom.count >= 2
     if zero_if_flat:
-        ok &= std > eps
-    if mask is not None:
-        ok &= mask.bool()
-    return torch.where(ok, out, torch.zeros_like(out))
+        ok = ok & (std > eps)
+    scale = ok.to(std.dtype)
+    if scale_by_std:
+        scale = scale / (std + eps)
+    return mom.centred * scale[index.dense]                         # centred is 0 off-mask
 
 
 def grpo(outcome: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-6,
-         scale_by_std: bool = True, keep: Optional[torch.Tensor] = None,
-         group: Optional[Any] = None) -> torch.Tensor:
+         scale_by_std: bool = True, keep: torch.Tensor | None = None,
+         group: Any | None = None) -> torch.Tensor:
     """GRPO group z-score `(o_i - mean_g) / (std_g + eps)` -> `[B]` (§3.5, §5.7).
 
     `outcome[B]` is the sequence reward, `group_ids[B]` the prompt id. std is unbiased (Bessel),
@@ -67,7 +75,7 @@ def grpo(outcome: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-6,
 
 
 def rloo(outcome: torch.Tensor, group_ids: torch.Tensor, *,
-         group: Optional[Any] = None) -> torch.Tensor:
+         group: Any | None = None) -> torch.Tensor:
     """RLOO `o_i - mean_{j != i} o_j` -> `[B]` (§1.4 outcome part, §2.4 VR term).
 
     Computed as `(n o_i - sum_g) / (n - 1)`; a group of size 1 gets 0. 3 collectives.
@@ -85,7 +93,7 @@ def _rloo(x: torch.Tensor, index: GroupIndex) -> torch.Tensor:
 
 def papo(outcome: torch.Tensor, process: torch.Tensor, group_ids: torch.Tensor, *,
          lam: float = 1.0, eps: float = 1e-6, mode: str = "decoupled",
-         group: Optional[Any] = None) -> torch.Tensor:
+         group: Any | None = None) -> torch.Tensor:
     """PAPO decoupled advantage `A_out + lam * A_proc` -> `[B]` (§4.2; ablations §4.3).
 
     `outcome[B]` in {0,1} (correct = `outcome == 1`), `process[B]` the sequence process score.
@@ -117,7 +125,7 @@ def papo(outcome: torch.Tensor, process: torch.Tensor, group_ids: torch.Tensor, 
 
 
 def blend(outcome: torch.Tensor, process: torch.Tensor, group_ids: torch.Tensor, *,
-          beta: float = 0.8, group: Optional[Any] = None) -> torch.Tensor:
+          beta: float = 0.8, group: Any | None = None) -> torch.Tensor:
     """PROF's Blend-PRM-GRPO baseline: GRPO on `o_i + beta * p_i` -> `[B]` (§3.4).
 
     The released `blend_grpo` adds `beta * ave_prm` to token 0 of the token rewards and GRPO
@@ -126,7 +134,8 @@ def blend(outcome: torch.Tensor, process: torch.Tensor, group_ids: torch.Tensor,
     """
     check_vector(outcome, "outcome")
     check_vector(process, "process", outcome.shape[0])
-    return grpo(outcome + beta * process.to(outcome.dtype), group_ids, group=group)
+    reward = outcome.to(torch.float64) + beta * process.to(torch.float64)
+    return grpo(reward, group_ids, group=group).to(outcome.dtype)
 
 
 # --------------------------------------------------------------------------- token helpers
@@ -166,7 +175,7 @@ def discounted_returns(rewards: torch.Tensor, gamma: float = 1.0) -> torch.Tenso
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8,
-                  group: Optional[Any] = None) -> torch.Tensor:
+                  group: Any | None = None) -> torch.Tensor:
     """verl's `masked_whiten` over the GLOBAL batch: `(x - mean) * rsqrt(var + eps)`, masked.
 
     mean and unbiased variance over all valid tokens of `values[B, T]` on every DP rank (two
@@ -197,7 +206,7 @@ def implicit_process_reward(logp_prm: torch.Tensor, logp_ref: torch.Tensor,
 
 
 def prime_step_rewards(q: torch.Tensor, response_mask: torch.Tensor, granularity: str = "token",
-                       step_end_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       step_end_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Process reward per token from `q[B, T]` at the chosen granularity (§1.2).
 
     * `"token"`: every valid token keeps its own q.
@@ -230,7 +239,7 @@ def prime_step_rewards(q: torch.Tensor, response_mask: torch.Tensor, granularity
 
 
 def prime_batch_norm(scores: torch.Tensor, response_mask: torch.Tensor, *, scope: str = "global",
-                     group: Optional[Any] = None) -> torch.Tensor:
+                     group: Any | None = None) -> torch.Tensor:
     """PRIME `batch_norm`: divide by `max_{i,t} |reverse cumsum_t score| + 1e-6` (§1.2).
 
     `scope="global"` (our default) takes the max over the whole DP batch with one all-reduce
@@ -247,10 +256,10 @@ def prime_batch_norm(scores: torch.Tensor, response_mask: torch.Tensor, *, scope
 
 def prime(outcome: torch.Tensor, logp_prm: torch.Tensor, logp_ref: torch.Tensor,
           response_mask: torch.Tensor, group_ids: torch.Tensor, *, granularity: str = "token",
-          step_end_mask: Optional[torch.Tensor] = None, norm: str = "batch_norm",
+          step_end_mask: torch.Tensor | None = None, norm: str = "batch_norm",
           norm_scope: str = "global", rloo_form: str = "code", gamma_outcome: float = 1.0,
           gamma_process: float = 1.0, outcome_coef: float = 1.0, process_coef: float = 1.0,
-          group: Optional[Any] = None) -> tuple[torch.Tensor, torch.Tensor]:
+          group: Any | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PRIME advantage: RLOO on outcome and implicit process reward, returns, whitening (§1.2–1.4).
 
     Inputs: `outcome[B]`, `logp_prm[B, T]`, `logp_ref[B, T]`, `response_mask[B, T]`,
@@ -338,7 +347,7 @@ def pure_step_weights(step_scores: torch.Tensor, step_mask: torch.Tensor, *, cre
 
 
 def pure_whiten(adv: torch.Tensor, response_mask: torch.Tensor, *, var_includes_zeros: bool = True,
-                group: Optional[Any] = None) -> torch.Tensor:
+                group: Any | None = None) -> torch.Tensor:
     """PURE's global whitening (§2.5): tokens whose advantage is exactly 0 are left at 0 and not
     counted; mean = sum / count; `rstd = rsqrt(clamp(var_sum / count, 1e-8))`.
 
@@ -360,10 +369,10 @@ def pure_whiten(adv: torch.Tensor, response_mask: torch.Tensor, *, var_includes_
 def pure(outcome: torch.Tensor, step_scores: torch.Tensor, step_mask: torch.Tensor,
          step_end_index: torch.Tensor, response_mask: torch.Tensor, group_ids: torch.Tensor, *,
          credit: str = "min", temperature: float = 0.1, baseline: str = "token",
-         reward_mode: str = "PRMVR", vr_coef: float = 1.0, kl: Optional[torch.Tensor] = None,
+         reward_mode: str = "PRMVR", vr_coef: float = 1.0, kl: torch.Tensor | None = None,
          kl_coef: float = 0.0, mask_separator: bool = True, whiten: bool = True,
          whiten_var_includes_zeros: bool = True,
-         group: Optional[Any] = None) -> tuple[torch.Tensor, torch.Tensor]:
+         group: Any | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PURE min-form token advantages, OpenRLHF branch (§2.3–2.5) -> `(advantages, returns)` `[B, T]`.
 
     Inputs: `outcome[B]` (solved in {0,1}), `step_scores[B, S]` PR_k in [-1, 1] (= 2 p_good - 1),

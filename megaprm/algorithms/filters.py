@@ -7,16 +7,21 @@ Section numbers (§) refer to `shared/research/algorithms.md`.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from megaprm.algorithms.validation import check_choice, check_tensor, check_vector
-from megaprm.parallel.reductions import all_reduce, gather_samples, group_index, group_sums
+from megaprm.parallel.reductions import (
+    all_reduce,
+    gather_samples,
+    group_index,
+    group_sums,
+)
 
 
 def accuracy(outcome: torch.Tensor, group_ids: torch.Tensor, *, low: float = 0.2,
-             high: float = 0.8, group: Optional[Any] = None) -> torch.Tensor:
+             high: float = 0.8, group: Any | None = None) -> torch.Tensor:
     """PRIME prompt filter: keep every sample of a group whose mean outcome is in [low, high].
 
     `outcome[B]` in {0,1}, `group_ids[B]` -> `keep[B]` bool. Bounds are inclusive as in the
@@ -33,8 +38,8 @@ def accuracy(outcome: torch.Tensor, group_ids: torch.Tensor, *, low: float = 0.2
 
 
 def consistency_scores(outcome: torch.Tensor, process: torch.Tensor,
-                       num_steps: Optional[torch.Tensor], *, len_penalty: float, min_steps: int,
-                       max_steps: int, group: Optional[Any]) -> torch.Tensor:
+                       num_steps: torch.Tensor | None, *, len_penalty: float, min_steps: int,
+                       max_steps: int, group: Any | None) -> torch.Tensor:
     """PROF critic `c_i - len_penalty * 1[H_i < min_steps or H_i > max_steps]` -> float64 `[B]` (§3.2).
 
     `c_i = 2 (p_i - mu_B)(2 o_i - 1)` where `p_i` is the mean step score of response i and mu_B
@@ -69,9 +74,9 @@ def _rank_in_segment(segment: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 
 
 def prof(outcome: torch.Tensor, process: torch.Tensor, group_ids: torch.Tensor, *, remove: int,
-         mode: str = "both", num_steps: Optional[torch.Tensor] = None,
-         generator: Optional[torch.Generator] = None, len_penalty: float = 10.0,
-         min_steps: int = 2, max_steps: int = 30, group: Optional[Any] = None) -> torch.Tensor:
+         mode: str = "both", num_steps: torch.Tensor | None = None,
+         generator: torch.Generator | None = None, len_penalty: float = 10.0,
+         min_steps: int = 2, max_steps: int = 30, group: Any | None = None) -> torch.Tensor:
     """PROF consistency filter: remove `remove` samples per group, keep the rest -> `keep[B]` (§3.2–3.4).
 
     `outcome[B]` (correct = `outcome == 1`), `process[B]` the mean PRM step score of each

@@ -8,7 +8,6 @@ are passed in, so the trainer normalises in one place and gradient accumulation 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +19,8 @@ KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,
-                   global_tokens: Optional[float] = None,
-                   global_seqs: Optional[float] = None) -> torch.Tensor:
+                   global_tokens: float | None = None,
+                   global_seqs: float | None = None) -> torch.Tensor:
     """Reduce a per-token `loss[B, T]` to a scalar (§5.4).
 
     * `"token-mean"`: `sum(loss * mask) / global_tokens` — pass the valid-token count of the whole
@@ -77,8 +76,8 @@ class PolicyLossMetrics:
 
 def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, *, eps_low: float = 0.2, eps_high: float = 0.2,
-                  dual_clip_c: Optional[float] = 3.0, agg: str = "token-mean",
-                  global_tokens: Optional[float] = None, global_seqs: Optional[float] = None,
+                  dual_clip_c: float | None = 3.0, agg: str = "token-mean",
+                  global_tokens: float | None = None, global_seqs: float | None = None,
                   ) -> tuple[torch.Tensor, PolicyLossMetrics]:
     """PPO clipped surrogate with clip-higher and dual clip (§5.3) -> `(loss, metrics)`.
 
@@ -123,19 +122,19 @@ def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.
 
 
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", *,
-                  global_tokens: Optional[float] = None,
-                  global_seqs: Optional[float] = None) -> torch.Tensor:
+                  global_tokens: float | None = None,
+                  global_seqs: float | None = None) -> torch.Tensor:
     """Aggregated token entropy `[B, T]` -> scalar; the actor loss subtracts `coef * this` (§5.6)."""
     return aggregate_loss(entropy, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs)
 
 
 def actor_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
                mask: torch.Tensor, *, eps_low: float = 0.2, eps_high: float = 0.2,
-               dual_clip_c: Optional[float] = 3.0, agg: str = "token-mean",
-               entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
-               logp_ref: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
-               kl_kind: str = "low_var_kl", global_tokens: Optional[float] = None,
-               global_seqs: Optional[float] = None) -> tuple[torch.Tensor, dict[str, float]]:
+               dual_clip_c: float | None = 3.0, agg: str = "token-mean",
+               entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
+               logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
+               kl_kind: str = "low_var_kl", global_tokens: float | None = None,
+               global_seqs: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO loss `- entropy_coef * H + kl_coef * KL(pi || ref)` (KL as a loss, §5.5) -> `(loss, metrics)`.
 
     The entropy and KL terms use the same aggregation and global normalisers as the PPO term.
@@ -162,7 +161,7 @@ def actor_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Ten
 
 def implicit_prm_ce_loss(logp_prm: torch.Tensor, logp_ref: torch.Tensor, response_mask: torch.Tensor,
                          outcome: torch.Tensor, *, beta: float = 0.05,
-                         global_seqs: Optional[float] = None) -> torch.Tensor:
+                         global_seqs: float | None = None) -> torch.Tensor:
     """PRIME implicit-PRM loss `BCE(sigmoid(beta * sum_t m_t (logp_prm - logp_ref)_t), o)` (§1.3).
 
     `logp_prm[B, T]` carries gradients (the PRM), `logp_ref[B, T]` is frozen, `outcome[B]` in

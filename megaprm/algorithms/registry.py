@@ -18,8 +18,9 @@ special-cases an estimator: each registered method maps the same inputs to the s
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -189,14 +190,14 @@ class AdvantageInputs:
     outcome: torch.Tensor
     group_ids: torch.Tensor
     response_mask: torch.Tensor
-    process_step_scores: Optional[torch.Tensor] = None
-    step_mask: Optional[torch.Tensor] = None
-    step_end_index: Optional[torch.Tensor] = None
-    token_to_step: Optional[torch.Tensor] = None
-    num_steps: Optional[torch.Tensor] = None
-    logp_prm: Optional[torch.Tensor] = None
-    logp_ref: Optional[torch.Tensor] = None
-    logp_old: Optional[torch.Tensor] = None
+    process_step_scores: torch.Tensor | None = None
+    step_mask: torch.Tensor | None = None
+    step_end_index: torch.Tensor | None = None
+    token_to_step: torch.Tensor | None = None
+    num_steps: torch.Tensor | None = None
+    logp_prm: torch.Tensor | None = None
+    logp_ref: torch.Tensor | None = None
+    logp_old: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         check_vector(self.outcome, "inputs.outcome")
@@ -252,14 +253,14 @@ class AdvantageOutputs:
     methods (un-whitened), keep[B] (False = drop the sample from the update), rank-local metrics."""
 
     advantages: torch.Tensor
-    returns: Optional[torch.Tensor]
+    returns: torch.Tensor | None
     keep: torch.Tensor
     metrics: dict[str, float]
 
 
 # --------------------------------------------------------------------------- estimators
 
-Estimator = Callable[[AdvantageConfig, AdvantageInputs, Optional[Any], Optional[torch.Generator]],
+Estimator = Callable[[AdvantageConfig, AdvantageInputs, Any | None, torch.Generator | None],
                      AdvantageOutputs]
 ESTIMATORS: dict[str, Estimator] = {}
 
@@ -272,7 +273,7 @@ def register(name: str) -> Callable[[Estimator], Estimator]:
     return deco
 
 
-def _sequence_output(adv: torch.Tensor, x: AdvantageInputs, keep: Optional[torch.Tensor] = None,
+def _sequence_output(adv: torch.Tensor, x: AdvantageInputs, keep: torch.Tensor | None = None,
                      ) -> AdvantageOutputs:
     keep = torch.ones_like(adv, dtype=torch.bool) if keep is None else keep
     mask = x.response_mask.to(adv.dtype)
@@ -368,8 +369,8 @@ def _pure(cfg, x, group, generator):
     return AdvantageOutputs(adv, ret, torch.ones_like(x.outcome, dtype=torch.bool), {})
 
 
-def compute_advantages(cfg: AdvantageConfig, inputs: AdvantageInputs, *, group: Optional[Any] = None,
-                       generator: Optional[torch.Generator] = None) -> AdvantageOutputs:
+def compute_advantages(cfg: AdvantageConfig, inputs: AdvantageInputs, *, group: Any | None = None,
+                       generator: torch.Generator | None = None) -> AdvantageOutputs:
     """Run the configured estimator on this rank's batch; `group` is the DP process group.
 
     Adds rank-local metrics `adv/mean`, `adv/abs_max` over valid tokens of kept samples.

@@ -6,7 +6,7 @@ loudly instead of deadlocking the others in a half-issued reduction.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -18,7 +18,7 @@ def check_finite(x: torch.Tensor, name: str) -> None:
                          f"finite (map failed verifications / PRM calls to a number upstream)")
 
 
-def check_tensor(x: Optional[torch.Tensor], name: str, shape: Sequence[Optional[int]],
+def check_tensor(x: torch.Tensor | None, name: str, shape: Sequence[int | None],
                  *, finite: bool = True, dims: str = "") -> torch.Tensor:
     """Check `x` is a tensor of `shape` (None = any size) and finite; return it.
 
@@ -38,7 +38,7 @@ def check_tensor(x: Optional[torch.Tensor], name: str, shape: Sequence[Optional[
     return x
 
 
-def check_vector(x: torch.Tensor, name: str, batch_size: Optional[int] = None) -> torch.Tensor:
+def check_vector(x: torch.Tensor, name: str, batch_size: int | None = None) -> torch.Tensor:
     """A finite float `[B]` per-sample value (outcome, process score)."""
     check_tensor(x, name, (batch_size,), dims="[B]")
     if not x.dtype.is_floating_point:
@@ -46,7 +46,7 @@ def check_vector(x: torch.Tensor, name: str, batch_size: Optional[int] = None) -
     return x
 
 
-def check_mask(mask: torch.Tensor, name: str, shape: Sequence[Optional[int]],
+def check_mask(mask: torch.Tensor, name: str, shape: Sequence[int | None],
                dims: str) -> torch.Tensor:
     """A {0,1} mask of `shape` (bool or float); returned as float."""
     check_tensor(mask, name, shape, dims=dims)

@@ -21,8 +21,9 @@ read it with `count_collectives()` to show the count does not grow with the numb
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,13 +51,13 @@ def count_collectives() -> Iterator[CollectiveCounter]:
         counter.n = _COLLECTIVES - counter.start
 
 
-def is_distributed(group: Optional[Any]) -> bool:
+def is_distributed(group: Any | None) -> bool:
     """True when `group` is a process group with more than one rank (so collectives are real)."""
     return (group is not None and dist.is_available() and dist.is_initialized()
             and dist.get_world_size(group) > 1)
 
 
-def _all_reduce(tensor: torch.Tensor, op: str, group: Optional[Any]) -> torch.Tensor:
+def _all_reduce(tensor: torch.Tensor, op: str, group: Any | None) -> torch.Tensor:
     """In-place all-reduce of `tensor` with `op` in {"sum","max","min"}; no-op when single-process."""
     global _COLLECTIVES
     if is_distributed(group):
@@ -65,7 +66,7 @@ def _all_reduce(tensor: torch.Tensor, op: str, group: Optional[Any]) -> torch.Te
     return tensor
 
 
-def _all_gather(tensor: torch.Tensor, group: Optional[Any]) -> list[torch.Tensor]:
+def _all_gather(tensor: torch.Tensor, group: Any | None) -> list[torch.Tensor]:
     """All-gather equal-shape tensors -> one tensor per rank, in rank order."""
     global _COLLECTIVES
     if not is_distributed(group):
@@ -76,14 +77,14 @@ def _all_gather(tensor: torch.Tensor, group: Optional[Any]) -> list[torch.Tensor
     return out
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Optional[Any] = None) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any | None = None) -> torch.Tensor:
     """All-reduce a small stacked tensor in place (one collective; none when single-process)."""
     if op not in _OPS:
         raise ValueError(f"all_reduce op={op!r}: must be one of {sorted(_OPS)}")
     return _all_reduce(tensor, op, group)
 
 
-def all_gather_rows(rows: torch.Tensor, group: Optional[Any] = None) -> list[torch.Tensor]:
+def all_gather_rows(rows: torch.Tensor, group: Any | None = None) -> list[torch.Tensor]:
     """All-gather `rows[N_r, ...]` whose first dimension differs per rank: two collectives.
 
     One all-gather of the row counts, one of the rows padded to the largest count. Returns the
@@ -98,7 +99,7 @@ def all_gather_rows(rows: torch.Tensor, group: Optional[Any] = None) -> list[tor
     return [g[:s] for g, s in zip(_all_gather(padded, group), sizes)]
 
 
-def check_group_ids(group_ids: torch.Tensor, batch_size: Optional[int] = None,
+def check_group_ids(group_ids: torch.Tensor, batch_size: int | None = None,
                     name: str = "group_ids") -> None:
     """Raise ValueError unless `group_ids` is a 1-D non-negative integer tensor of `batch_size`."""
     if not isinstance(group_ids, torch.Tensor):
@@ -112,7 +113,7 @@ def check_group_ids(group_ids: torch.Tensor, batch_size: Optional[int] = None,
     if batch_size is not None and group_ids.shape[0] != batch_size:
         raise ValueError(f"{name} has {group_ids.shape[0]} entries but the batch has {batch_size} "
                          f"samples; pass one prompt id per sample")
-    if group_ids.numel() and bool((group_ids < 0).any()):
+    if group_ids.numel() and int(group_ids.min()) < 0:
         bad = int(group_ids.min())
         raise ValueError(f"{name} contains a negative id ({bad}); group ids must be >= 0 "
                          f"(e.g. the prompt's index in the dataset)")
@@ -120,38 +121,49 @@ def check_group_ids(group_ids: torch.Tensor, batch_size: Optional[int] = None,
 
 @dataclass(frozen=True)
 class GroupIndex:
-    """Dense, globally consistent numbering of the groups present on any rank of `group`.
+    """Which row of a per-group table each of this rank's samples adds into; same on all ranks.
 
-    `dense[B]` maps this rank's samples to `0..num_groups-1`; `ids[G]` are the sorted global
-    group ids (identical on every rank), so dense index g is the g-th smallest id overall.
+    `dense[B]` is the row of each sample, `num_groups` the table size, and `ids()` the group id
+    of every row (sorted). Rows are either the global list of ids present on any rank
+    (distributed, or ids spread over a large range) or, single-process with ids in a small
+    range, the ids themselves: then rows of absent ids simply have count 0. Skipping the
+    compaction is what makes the single-process path as cheap as a plain bincount.
     """
 
     dense: torch.Tensor
-    ids: torch.Tensor
-    group: Optional[Any]
+    num_groups: int
+    group: Any | None
+    row_ids: torch.Tensor | None = None  # None: row r is group id r
 
-    @property
-    def num_groups(self) -> int:
-        return int(self.ids.shape[0])
+    def ids(self) -> torch.Tensor:
+        if self.row_ids is not None:
+            return self.row_ids
+        return torch.arange(self.num_groups, device=self.dense.device)
 
 
-def group_index(group_ids: torch.Tensor, group: Optional[Any] = None,
-                batch_size: Optional[int] = None) -> GroupIndex:
-    """Map int64 group ids to a dense index shared by all ranks (2 collectives, or none).
+def group_index(group_ids: torch.Tensor, group: Any | None = None,
+                batch_size: int | None = None) -> GroupIndex:
+    """Map int64 group ids to table rows shared by all ranks (2 collectives, or none).
 
-    Ids may be any non-negative int64 (dataset indices, hashes): only the ids present are
-    gathered, so the table size is the global number of groups, never the id range.
+    Ids may be any non-negative int64 (dataset indices, hashes): distributed, only the ids
+    present are gathered (one all-gather of sizes, one of the padded unique ids), so the
+    table size is the global number of groups, never the id range.
     """
     check_group_ids(group_ids, batch_size)
     ids = group_ids.long()
-    local = torch.unique(ids)
-    if is_distributed(group):
-        local = torch.unique(torch.cat(all_gather_rows(local, group)))
-    dense = torch.searchsorted(local, ids)
-    return GroupIndex(dense=dense, ids=local, group=group)
+    top = int(ids.max()) if ids.numel() else -1
+    if not is_distributed(group):
+        if top < 4 * ids.numel() + 256:  # small id range: rows = ids, no sort, no compaction
+            return GroupIndex(dense=ids, num_groups=top + 1, group=group)
+        local, inverse = torch.unique(ids, return_inverse=True)
+        return GroupIndex(dense=inverse, num_groups=int(local.shape[0]), group=group, row_ids=local)
+    local, inverse = torch.unique(ids, return_inverse=True)
+    rows = torch.unique(torch.cat(all_gather_rows(local, group)))
+    return GroupIndex(dense=torch.searchsorted(rows, local)[inverse], num_groups=int(rows.shape[0]),
+                      group=group, row_ids=rows)
 
 
-def _as_index(group_ids: Union[torch.Tensor, GroupIndex], group: Optional[Any],
+def _as_index(group_ids: torch.Tensor | GroupIndex, group: Any | None,
               batch_size: int) -> GroupIndex:
     if isinstance(group_ids, GroupIndex):
         assert group_ids.dense.shape[0] == batch_size, "GroupIndex built for another batch"
@@ -159,18 +171,25 @@ def _as_index(group_ids: Union[torch.Tensor, GroupIndex], group: Optional[Any],
     return group_index(group_ids, group, batch_size)
 
 
-def group_sums(values: torch.Tensor, group_ids: Union[torch.Tensor, GroupIndex],
-               group: Optional[Any] = None) -> torch.Tensor:
+def group_sums(values: torch.Tensor, group_ids: torch.Tensor | GroupIndex,
+               group: Any | None = None) -> torch.Tensor:
     """Per-group sums of `values[B, ...]` over every rank -> float64 table `[G, ...]`.
 
     Stack several statistics as columns (`[B, K]`) so they share ONE all-reduce. `group_ids`
     is either the raw `[B]` ids (costs the 2 collectives of `group_index`) or a `GroupIndex`
-    built once and reused (then this is exactly one collective). Row g belongs to group
-    `index.ids[g]`.
+    built once and reused (then this is exactly one collective). Row r belongs to group
+    `index.ids()[r]`.
     """
     index = _as_index(group_ids, group, values.shape[0])
-    table = values.new_zeros((index.num_groups,) + tuple(values.shape[1:]), dtype=torch.float64)
-    table.index_add_(0, index.dense, values.to(torch.float64))
+    values = values.to(torch.float64)
+    if values.dim() == 2 and values.shape[1] <= 8:  # bincount per column beats index_add_ here
+        table = torch.stack([torch.bincount(index.dense, weights=values[:, k],
+                                            minlength=index.num_groups)
+                             for k in range(values.shape[1])], dim=1) if values.shape[1] else \
+            values.new_zeros((index.num_groups, 0))
+    else:
+        table = values.new_zeros((index.num_groups,) + tuple(values.shape[1:]))
+        table.index_add_(0, index.dense, values)
     return _all_reduce(table, "sum", index.group)
 
 
@@ -178,20 +197,21 @@ def group_sums(values: torch.Tensor, group_ids: Union[torch.Tensor, GroupIndex],
 class GroupMoments:
     """Per-group count, mean and centred sum of squares of one or more masked columns.
 
-    Shapes `[G, K]` (K columns). `var(unbiased)` is `m2 / (count - 1)`; groups with fewer than
+    Tables `[G, K]` (K columns). `var(unbiased)` is `m2 / (count - 1)`; groups with fewer than
     two members have variance 0.
     """
 
     count: torch.Tensor
     mean: torch.Tensor
     m2: torch.Tensor
+    centred: torch.Tensor  # [B, K] this rank's (x - group mean) * mask, float64
 
     def unbiased_std(self) -> torch.Tensor:
         return torch.sqrt(self.m2 / (self.count - 1).clamp(min=1))
 
 
 def group_moments(x: torch.Tensor, index: GroupIndex,
-                  mask: Optional[torch.Tensor] = None) -> GroupMoments:
+                  mask: torch.Tensor | None = None) -> GroupMoments:
     """Count / mean / centred M2 per group of `x[B, K]` over members where `mask[B, K]` is set.
 
     Two all-reduces (sum+count, then centred squares): the two-pass form keeps zero-variance
@@ -199,14 +219,25 @@ def group_moments(x: torch.Tensor, index: GroupIndex,
     does not (the eps tests of PAPO depend on it).
     """
     x = x.to(torch.float64)
-    m = torch.ones_like(x) if mask is None else mask.to(torch.float64)
     k = x.shape[1]
-    s = group_sums(torch.cat([m, x * m], dim=1), index)              # [G, 2K]
-    count, total = s[:, :k], s[:, k:]
-    mean = total / count.clamp(min=1)
-    centred = (x - mean[index.dense]) * m
-    m2 = group_sums(centred * centred, index)                         # [G, K]
-    return GroupMoments(count=count, mean=mean, m2=m2)
+    if mask is None and not is_distributed(index.group):
+        total = group_sums(x, index)
+        count = torch.bincount(index.dense, minlength=index.num_groups).to(x.dtype)[:, None].expand(-1, k)
+        mean = total / count.clamp(min=1)
+        centred = x - mean[index.dense]
+    elif mask is None:
+        s = group_sums(torch.cat([x, x.new_ones((x.shape[0], 1))], dim=1), index)  # [G, K+1]
+        total, count = s[:, :k], s[:, k:].expand(-1, k)
+        mean = total / count.clamp(min=1)
+        centred = x - mean[index.dense]
+    else:
+        m = mask.to(torch.float64)
+        s = group_sums(torch.cat([x * m, m], dim=1), index)                          # [G, 2K]
+        total, count = s[:, :k], s[:, k:]
+        mean = total / count.clamp(min=1)
+        centred = (x - mean[index.dense]) * m
+    m2 = group_sums(centred * centred, index)                                         # [G, K]
+    return GroupMoments(count=count, mean=mean, m2=m2, centred=centred)
 
 
 @dataclass(frozen=True)

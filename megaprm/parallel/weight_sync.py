@@ -33,6 +33,8 @@ from megaprm.models import mapping
 from megaprm.parallel.groups import Groups
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+# torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def gather_tp(shard: torch.Tensor, dim, groups: Groups) -> torch.Tensor:
@@ -143,7 +145,7 @@ def _fill_bucket(bucket: _Bucket, meta: list, own: list, groups: Groups,
             local[off:off + n].copy_(own[i][1].detach().reshape(-1))
             off += n
         if tp > 1 and split_n:
-            dist.all_gather_into_tensor(flat[: tp * split_n], local, group=groups.tp)
+            _all_gather_flat(flat[: tp * split_n], local, group=groups.tp)
             del local
         off = tp * split_n
         for i in bucket.repl:

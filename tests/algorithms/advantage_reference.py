@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # --------------------------------------------------------------------------- random batches
 
 @dataclass

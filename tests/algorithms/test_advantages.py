@@ -3,11 +3,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from advantage_reference import (
+    random_batch,
+    ref_blend,
+    ref_grpo,
+    ref_papo,
+    ref_prime,
+    ref_pure,
+    ref_rloo,
+    ref_whiten,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from advantage_reference import (random_batch, ref_blend, ref_grpo, ref_papo, ref_prime, ref_pure,
-                                 ref_rloo, ref_whiten)
 from megaprm.algorithms import advantages as A
 from megaprm.algorithms import registry as RG
 

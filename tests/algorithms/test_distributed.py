@@ -13,8 +13,8 @@ from dataclasses import fields
 import pytest
 import torch
 import torch.distributed as dist
-
 from advantage_reference import Batch, random_batch
+
 from megaprm.algorithms import advantages as A
 from megaprm.algorithms import filters as F
 from megaprm.algorithms import registry as RG
@@ -148,7 +148,7 @@ def test_distributed_equals_single_process(world):
                     assert torch.equal(got, ref), (name, seed, kind)
                 else:
                     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6,
-                                               msg=lambda m: f"{name} seed={seed} {kind}: {m}")
+                                               msg=lambda m, ctx=f"{name} seed={seed} {kind}": f"{ctx}: {m}")
 
 
 def test_prof_contiguous_layout_keeps_original_batch_order_ties(world):

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from advantage_reference import random_batch, ref_accuracy, ref_prof
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from advantage_reference import random_batch, ref_accuracy, ref_prof
 from megaprm.algorithms import filters as F
 
 SEEDS = st.integers(0, 2**31 - 1)

@@ -1,0 +1,218 @@
+"""Run a PRM over rollout responses -> per-step scores (discriminative PRM and implicit PRM).
+
+PRM input format (one builder, `build_prm_batch`, serves scoring and PRM training, so a PRM
+trained here is scored on exactly the token layout it was trained on):
+
+    input = the prompt's valid tokens, then the response's valid tokens, right-padded;
+    step k is scored at the position of its closing token (`rewards.steps`: a "\\n\\n"
+    separator, or the last valid token: EOS or the truncation point).
+
+`PRMInputFormat.step_marker_id` chooses what sits at a closing position:
+
+* None ("raw"): the token the policy produced. megaprm's own PRMs are trained this way; the
+  closing token of a truncated final step is its last real token, so nothing is lost.
+* a token id ("marker"): PURE's reconstruction (research notes §2.2): every closing token is
+  replaced by the marker ("\\n" for PURE's TRL-trained PRM, "<extra_0>" for Qwen2.5-Math-PRM;
+  their chat template, if any, must already be in the prompt ids). A merged separator (".\\n\\n")
+  loses its "." and a truncated final step its last token, as in PURE.
+
+Sequences are compacted (no left padding) so a plain causal mask is exact and positions start
+at 0 in both training and scoring. A saved PRM records its format in config.json
+(`PRMInputFormat.to_hf` / `from_hf`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megaprm.models.logprobs import vocab_parallel_logprobs
+from megaprm.models.prm import (StepScores, gather_positions, head_step_scores,
+                                implicit_step_scores, implicit_token_rewards)
+from megaprm.parallel import pipeline
+from megaprm.parallel.groups import Groups
+from megaprm.rewards.steps import StepSegmentation, segment_steps
+
+HF_CONFIG_KEY = "megaprm_prm_input"
+
+
+@dataclass(frozen=True)
+class PRMInputFormat:
+    """How responses are laid out for the PRM (module docstring). None = raw tokens."""
+
+    step_marker_id: Optional[int] = None
+
+    def to_hf(self) -> dict:
+        return {HF_CONFIG_KEY: {"step_marker_id": self.step_marker_id}}
+
+    @classmethod
+    def from_hf(cls, hf_config: dict) -> "PRMInputFormat":
+        """The format a megaprm-trained PRM recorded; raw when the config says nothing."""
+        entry = hf_config.get(HF_CONFIG_KEY) or {}
+        return cls(step_marker_id=entry.get("step_marker_id"))
+
+
+@dataclass(frozen=True)
+class PRMBatch:
+    """PRM inputs of B sequences, right-padded with `pad_id`.
+
+    input_ids [B, L] long; lengths [B] long (valid tokens); score_index [B, S] long (position of
+    step k's closing token in input_ids, 0 where ~step_mask); step_mask [B, S] bool.
+    """
+
+    input_ids: torch.Tensor
+    lengths: torch.Tensor
+    score_index: torch.Tensor
+    step_mask: torch.Tensor
+
+    def select(self, rows) -> "PRMBatch":
+        return PRMBatch(self.input_ids[rows], self.lengths[rows], self.score_index[rows],
+                        self.step_mask[rows])
+
+
+def build_prm_batch(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
+                    seg: StepSegmentation, fmt: PRMInputFormat, pad_id: int = 0) -> PRMBatch:
+    """Concatenate each prompt (valid tokens only, [P_i]) with its response ([T_i], the valid
+    prefix of the row `seg` was computed on) and place step scores at P_i + step_end_index."""
+    B = len(prompts)
+    assert len(responses) == B == seg.step_mask.shape[0]
+    rows, lengths = [], []
+    for i in range(B):
+        resp = responses[i].long()
+        assert int((seg.token_to_step[i] >= 0).sum()) == resp.numel(), "responses must be prefixes"
+        if fmt.step_marker_id is not None:
+            ends = seg.is_step_end[i, : resp.numel()]
+            resp = torch.where(ends, torch.full_like(resp, fmt.step_marker_id), resp)
+        row = torch.cat([prompts[i].long(), resp])
+        rows.append(row)
+        lengths.append(row.numel())
+    L = max(max(lengths), 1)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : row.numel()] = row
+    prompt_len = torch.tensor([p.numel() for p in prompts], dtype=torch.long)
+    index = torch.where(seg.step_mask, seg.step_end_index + prompt_len[:, None], 0)
+    return PRMBatch(ids, torch.tensor(lengths, dtype=torch.long), index, seg.step_mask.bool())
+
+
+def batch_from_rollouts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                        response_ids: torch.Tensor, response_mask: torch.Tensor,
+                        sep_ids, fmt: PRMInputFormat, pad_id: int = 0):
+    """Rollout tensors (prompts [B, P] left-padded, responses [B, T] right-padded) ->
+    (PRMBatch, StepSegmentation of the responses)."""
+    seg = segment_steps(response_ids, response_mask, sep_ids)
+    prompts = [prompt_ids[i][prompt_mask[i].bool()] for i in range(prompt_ids.shape[0])]
+    responses = [response_ids[i][response_mask[i].bool()] for i in range(response_ids.shape[0])]
+    return build_prm_batch(prompts, responses, seg, fmt, pad_id), seg
+
+
+def micro_batches(batch: PRMBatch, size: int, pp: int,
+                  labels: Optional[torch.Tensor] = None) -> List[pipeline.TokenBatch]:
+    """TokenBatches of `size` rows; with pp > 1 every one has the same [size, L] shape (p2p),
+    the short last one padded with empty rows (no steps). payload = (score_index, step_mask)
+    [b, S], plus step labels [b, S] when given (PRM training)."""
+    out = []
+    B = batch.input_ids.shape[0]
+    for start in range(0, B, size):
+        rows = slice(start, start + size)
+        parts = [batch.input_ids[rows], batch.score_index[rows], batch.step_mask[rows]]
+        if labels is not None:
+            parts.append(labels[rows])
+        if pp > 1 and parts[0].shape[0] < size:
+            extra = size - parts[0].shape[0]
+            parts = [torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) for t in parts]
+        ids = parts[0]
+        out.append(pipeline.TokenBatch(ids, torch.zeros(ids.shape, dtype=torch.float32),
+                                       payload=tuple(parts[1:])))
+    return out
+
+
+@torch.no_grad()
+def run_prm(model, groups: Groups, batch: PRMBatch, *, head: str, micro_batch_size: int,
+            keep_logits: bool = False) -> StepScores:
+    """Score this rank's rows with a discriminative PRM (`models.prm.PRMModel`, DDP-wrapped or
+    not) under any tp/pp; every pp stage gets the result."""
+    B = batch.input_ids.shape[0]
+    S = batch.step_mask.shape[1]
+
+    def post(mb, logits):  # logits [b, L, 2] on the last stage
+        return None, gather_positions(logits, mb.payload[0]).float()
+
+    parts = pipeline.run(model, micro_batches(batch, micro_batch_size, groups.pp_size),
+                         groups=groups, post=post, forward_only=True)
+    step_logits = torch.cat(parts)[:B] if parts else None
+    step_logits = pipeline.broadcast_from_last_stage(step_logits, groups)
+    if step_logits is None:  # B == 0
+        step_logits = torch.zeros(0, S, 2)
+    return head_step_scores(step_logits, batch.step_mask, head, keep_logits=keep_logits)
+
+
+def score_rollouts(model, groups: Groups, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                   response_ids: torch.Tensor, response_mask: torch.Tensor, *, sep_ids,
+                   fmt: PRMInputFormat, head: str, micro_batch_size: int, pad_id: int = 0):
+    """Per-step PRM scores of this rank's rollouts -> (StepScores [B, S], StepSegmentation).
+
+    Step k of response i closes at response position seg.step_end_index[i, k] (where a
+    per-token reward for it goes)."""
+    batch, seg = batch_from_rollouts(prompt_ids, prompt_mask, response_ids, response_mask,
+                                     sep_ids, fmt, pad_id)
+    return run_prm(model, groups, batch, head=head, micro_batch_size=micro_batch_size), seg
+
+
+# ------------------------------------------------------------------------------ implicit PRM
+
+@dataclass(frozen=True)
+class ImplicitRewards:
+    """q [B, T] float32 on response positions (0 on padding); steps: per-step sums of q."""
+
+    q: torch.Tensor
+    steps: StepScores
+
+
+@torch.no_grad()
+def sequence_logprobs(model, groups: Groups, batch: PRMBatch, *, vocab_size: int,
+                      micro_batch_size: int) -> torch.Tensor:
+    """log p(input_ids[:, t] | input_ids[:, <t]) [B, L] of a causal-LM actor (0 at t = 0)."""
+    B, L = batch.input_ids.shape
+
+    def post(mb, logits):  # [b, L, V/tp], vocab-parallel
+        lp = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=groups.tp,
+                                     tp_rank=groups.tp_rank, vocab_size=vocab_size)
+        return None, torch.nn.functional.pad(lp, (1, 0))
+
+    parts = pipeline.run(model, micro_batches(batch, micro_batch_size, groups.pp_size),
+                         groups=groups, post=post, forward_only=True)
+    lp = torch.cat(parts)[:B] if parts else None
+    lp = pipeline.broadcast_from_last_stage(lp, groups)
+    return lp if lp is not None else torch.zeros(0, L)
+
+
+def implicit_prm_rewards(prm_model, ref_model, groups: Groups, prompt_ids: torch.Tensor,
+                         prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                         response_mask: torch.Tensor, *, sep_ids, vocab_size: int,
+                         micro_batch_size: int, pad_id: int = 0) -> ImplicitRewards:
+    """PRIME's implicit process rewards of this rank's rollouts under two causal-LM actors
+    (the implicit PRM and the reference; any tp/pp, the same layout for both)."""
+    batch, seg = batch_from_rollouts(prompt_ids, prompt_mask, response_ids, response_mask,
+                                     sep_ids, PRMInputFormat(), pad_id)
+    kw = dict(vocab_size=vocab_size, micro_batch_size=micro_batch_size)
+    lp_prm = sequence_logprobs(prm_model, groups, batch, **kw)
+    lp_ref = sequence_logprobs(ref_model, groups, batch, **kw)
+    # response token t of row i sits at P_i + t in the PRM batch
+    B, T = response_ids.shape
+    prompt_len = prompt_mask.long().sum(1)
+    pos = (prompt_len[:, None] + torch.arange(T)[None]).clamp(max=batch.input_ids.shape[1] - 1)
+    valid = seg.token_to_step >= 0
+    q = implicit_token_rewards(lp_prm.gather(1, pos), lp_ref.gather(1, pos), valid)
+    return ImplicitRewards(q=q, steps=implicit_step_scores(q, seg.token_to_step, seg.step_mask))
+
+
+def all_gather_rows(obj, groups: Groups) -> list:
+    """Every dp rank's Python object, dp-rank order (evaluation over a dp-sharded set)."""
+    if groups.dp_size == 1:
+        return [obj]
+    out = [None] * groups.dp_size
+    dist.all_gather_object(out, obj, group=groups.dp)
+    return out

@@ -1,0 +1,281 @@
+"""Advantage estimators: time per call, single process and DP=2 (gloo), vs loops and vs verl.
+
+    .venv/bin/python scripts/bench_advantages.py [--groups 512] [--n 16] [--tokens 256]
+
+Batch: `groups x n` samples (default 512 x 16 = 8192), `tokens` response positions.
+* single process: each estimator (median of `--reps` calls) vs the slow Python-loop reference
+  from tests/algorithms/advantage_reference.py (one call), with the max |difference|;
+* DP=2: the same estimators on 2 gloo processes, samples scattered at random over the ranks
+  (groups split across ranks), time per call (slowest rank) and collectives per call;
+* verl: GRPO and RLOO against verl's `core_algos` (loop and vectorised versions) on the same
+  data in the same process: max |difference| and the time ratio ours / verl.
+
+verl is NOT a project dependency. For the comparison install it into the venv only:
+    .venv/bin/pip install --no-deps "verl==0.9.*" && .venv/bin/pip install ray tensordict \
+        omegaconf codetiming orjson packaging
+    rm -rf .venv/lib/python3.*/site-packages/tests   # verl's wheel ships a top-level `tests`
+                                                   # package that shadows this repo's tests/
+Without verl the script still runs and records `"verl": {"available": false, ...}`.
+Writes scripts/results/bench_advantages.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "algorithms")]
+
+import advantage_reference as ref
+import torch
+import torch.distributed as dist
+
+from megaprm.algorithms import advantages as A
+from megaprm.algorithms import filters as F
+from megaprm.parallel.reductions import count_collectives
+from tests.distributed_utils import run_distributed
+
+
+def make_batch(groups: int, n: int, tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Binary outcomes, PRM-like scores, random lengths and steps; samples shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    b = groups * n
+    perm = torch.randperm(b, generator=g)
+    group_ids = (torch.arange(groups).repeat_interleave(n) * 7 + 11)[perm]
+    outcome = (torch.rand(b, generator=g) < torch.rand(groups, generator=g).repeat_interleave(n)[perm]).float()
+    lengths = torch.randint(tokens // 4, tokens + 1, (b,), generator=g)
+    mask = (torch.arange(tokens)[None] < lengths[:, None]).float()
+    max_steps = 16
+    step_mask = torch.zeros(b, max_steps, dtype=torch.bool)
+    ends = torch.zeros(b, max_steps, dtype=torch.long)
+    end_mask = torch.zeros(b, tokens, dtype=torch.bool)
+    n_steps = torch.randint(1, max_steps + 1, (b,), generator=g)
+    for i in range(b):
+        k, length = int(n_steps[i]), int(lengths[i])
+        inner = torch.randperm(length - 1, generator=g)[: k - 1].sort().values.tolist()
+        e = inner + [length - 1]
+        step_mask[i, : len(e)] = True
+        ends[i, : len(e)] = torch.tensor(e)
+        end_mask[i, e] = True
+    step_scores = torch.rand(b, max_steps, generator=g) * 2 - 1
+    process = ((step_scores + 1) / 2 * step_mask).sum(1) / step_mask.sum(1)
+    return dict(outcome=outcome, process=process, group_ids=group_ids, mask=mask,
+                num_steps=step_mask.sum(1), logp_a=-torch.rand(b, tokens, generator=g) * 3,
+                logp_b=-torch.rand(b, tokens, generator=g) * 3, step_scores=step_scores,
+                step_mask=step_mask, ends=ends, end_mask=end_mask)
+
+
+def estimators(d: dict[str, torch.Tensor], group: Any) -> dict[str, Callable[[], Any]]:
+    """Name -> zero-argument call of our estimator on batch `d` (this rank's part)."""
+    o, p, gid, m = d["outcome"], d["process"], d["group_ids"], d["mask"]
+    return {
+        "grpo": lambda: A.grpo(o, gid, group=group),
+        "rloo": lambda: A.rloo(o, gid, group=group),
+        "papo": lambda: A.papo(o, p, gid, group=group),
+        "blend": lambda: A.blend(o, p, gid, group=group),
+        "accuracy_filter": lambda: F.accuracy(o, gid, group=group),
+        "prof_filter": lambda: F.prof(o, p, gid, remove=8, num_steps=d["num_steps"], group=group),
+        "prime": lambda: A.prime(o, d["logp_a"], d["logp_b"], m, gid, group=group)[0],
+        "pure": lambda: A.pure(o, d["step_scores"], d["step_mask"], d["ends"], m, gid,
+                               group=group)[0],
+    }
+
+
+def loop_references(d: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
+    o, p, gid, m = d["outcome"], d["process"], d["group_ids"], d["mask"]
+    return {
+        "grpo": lambda: ref.ref_grpo(o, gid),
+        "rloo": lambda: ref.ref_rloo(o, gid),
+        "papo": lambda: ref.ref_papo(o, p, gid),
+        "blend": lambda: ref.ref_blend(o, p, gid),
+        "accuracy_filter": lambda: ref.ref_accuracy(o, gid),
+        "prof_filter": lambda: ref.ref_prof(o, p, gid, 8, "both", d["num_steps"]),
+        "prime": lambda: ref.ref_prime(o, d["logp_a"], d["logp_b"], m, gid)[0],
+        "pure": lambda: ref.ref_pure(o, d["step_scores"], d["step_mask"], d["ends"], m, gid)[0],
+    }
+
+
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.thread_time()
+
+
+def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 2) -> dict[str, float]:
+    """Median wall and thread-CPU ms per call. Single-threaded torch, so thread CPU time is the
+    work done and does not count time the process waited for a core on a shared machine."""
+    return time_interleaved({"f": fn}, reps, warmup)["f"]
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int,
+                     warmup: int = 2) -> dict[str, dict[str, float]]:
+    """Median wall / CPU ms per call of several functions timed in alternation, so load from
+    other processes hits all of them alike (fair ratios)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            w0, c0 = _clock()
+            fn()
+            w1, c1 = _clock()
+            wall[name].append((w1 - w0) * 1e3)
+            cpu[name].append((c1 - c0) * 1e3)
+    return {k: {"wall_ms": statistics.median(wall[k]), "cpu_ms": statistics.median(cpu[k])}
+            for k in fns}
+
+
+def max_diff(got: Any, want: Any) -> float:
+    got = got.double() if isinstance(got, torch.Tensor) else torch.tensor(got, dtype=torch.float64)
+    want = want.double() if isinstance(want, torch.Tensor) else torch.tensor(want, dtype=torch.float64)
+    return float((got - want).abs().max())
+
+
+def single_process(d: dict[str, torch.Tensor], reps: int) -> dict[str, dict[str, float]]:
+    out = {}
+    loops = loop_references(d)
+    for name, fn in estimators(d, None).items():
+        ours = time_ms(fn, reps)
+        w0, c0 = _clock()
+        want = loops[name]()
+        w1, c1 = _clock()
+        loop_cpu = (c1 - c0) * 1e3
+        out[name] = {"ours_cpu_ms": round(ours["cpu_ms"], 3), "ours_wall_ms": round(ours["wall_ms"], 3),
+                     "loop_reference_cpu_ms": round(loop_cpu, 1),
+                     "loop_reference_wall_ms": round((w1 - w0) * 1e3, 1),
+                     "speedup_vs_loop_cpu": round(loop_cpu / ours["cpu_ms"], 1),
+                     "max_abs_diff_vs_loop": max_diff(fn(), want)}
+        print(f"  {name:16s} ours {ours['cpu_ms']:9.3f} ms   loop {loop_cpu:10.1f} ms   "
+              f"diff {out[name]['max_abs_diff_vs_loop']:.2e}", flush=True)
+    return out
+
+
+def _dp_worker(rank: int, world: int, groups: int, n: int, tokens: int, reps: int) -> dict:
+    torch.set_num_threads(1)
+    d = make_batch(groups, n, tokens)
+    b = d["outcome"].shape[0]
+    perm = torch.randperm(b, generator=torch.Generator().manual_seed(1))
+    mine = perm[rank::world]  # every group split over both ranks
+    part = {k: v[mine] for k, v in d.items()}
+    full = estimators(d, None)
+    out = {}
+    for name, fn in estimators(part, dist.group.WORLD).items():
+        with count_collectives() as c:
+            got = fn()
+        diff = max_diff(got, full[name]()[mine])
+        out[name] = {**time_ms(fn, reps), "collectives": c.n, "max_abs_diff_vs_single": diff}
+    return out
+
+
+def dp2(groups: int, n: int, tokens: int, reps: int, single: dict) -> dict[str, dict[str, float]]:
+    ranks = run_distributed(_dp_worker, 2, groups, n, tokens, reps, timeout=1800)
+    out = {}
+    for name in ranks[0]:
+        wall = max(r[name]["wall_ms"] for r in ranks)
+        cpu = max(r[name]["cpu_ms"] for r in ranks)
+        out[name] = {"ours_wall_ms_slowest_rank": round(wall, 3), "ours_cpu_ms_slowest_rank": round(cpu, 3),
+                     "collectives_per_call": ranks[0][name]["collectives"],
+                     "max_abs_diff_vs_single_process": max(r[name]["max_abs_diff_vs_single"] for r in ranks),
+                     "cpu_vs_single_process_ratio": round(cpu / single[name]["ours_cpu_ms"], 2)}
+        print(f"  {name:16s} DP=2 wall {wall:9.3f} ms cpu {cpu:9.3f} ms  collectives "
+              f"{out[name]['collectives_per_call']}", flush=True)
+    return out
+
+
+def verl_comparison(d: dict[str, torch.Tensor], reps: int) -> dict[str, Any]:
+    try:
+        import numpy as np
+        import verl
+        from verl.trainer.ppo import core_algos as ca
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        return {"available": False, "error": f"{type(e).__name__}: {e}"}
+    o, gid, m = d["outcome"], d["group_ids"], d["mask"]
+    rewards = torch.zeros_like(m)
+    last = (m.sum(1) - 1).long()
+    rewards[torch.arange(m.shape[0]), last] = o           # outcome on the last token, as verl
+    index = np.array(gid.tolist())
+    ours = {
+        "grpo": lambda: A.grpo(rewards.sum(-1), gid)[:, None] * m,
+        "rloo": lambda: A.rloo(rewards.sum(-1), gid)[:, None] * m,
+    }
+    theirs = {
+        "grpo": {"loop": lambda: ca.compute_grpo_outcome_advantage(rewards, m, index)[0],
+                 "vectorized": lambda: ca.compute_grpo_vectorized_outcome_advantage(rewards, m, index)[0]},
+        "rloo": {"loop": lambda: ca.compute_rloo_outcome_advantage(rewards, m, index)[0],
+                 "vectorized": lambda: ca.compute_rloo_vectorized_outcome_advantage(rewards, m, index)[0]},
+    }
+    out: dict[str, Any] = {"available": True, "version": verl.__version__,
+                           "timing": "median of interleaved calls (ours, verl vectorized); loop timed apart"}
+    for name, fn in ours.items():
+        ms = time_interleaved({"ours": fn, "vectorized": theirs[name]["vectorized"]}, reps)
+        ms["loop"] = time_interleaved({"loop": theirs[name]["loop"]}, max(3, reps // 10), warmup=1)["loop"]
+        res: dict[str, Any] = {"ours_cpu_ms": round(ms["ours"]["cpu_ms"], 3),
+                               "ours_wall_ms": round(ms["ours"]["wall_ms"], 3)}
+        for kind, vfn in theirs[name].items():
+            res[f"verl_{kind}_cpu_ms"] = round(ms[kind]["cpu_ms"], 3)
+            res[f"verl_{kind}_wall_ms"] = round(ms[kind]["wall_ms"], 3)
+            res[f"ratio_ours_over_verl_{kind}_cpu"] = round(ms["ours"]["cpu_ms"] / ms[kind]["cpu_ms"], 3)
+            res[f"ratio_ours_over_verl_{kind}_wall"] = round(ms["ours"]["wall_ms"] / ms[kind]["wall_ms"], 3)
+            res[f"max_abs_diff_vs_verl_{kind}"] = max_diff(fn(), vfn())
+        out[name] = res
+        print(f"  {name}: ours {res['ours_cpu_ms']:.3f} ms, verl loop {res['verl_loop_cpu_ms']:.1f} ms, "
+              f"verl vectorized {res['verl_vectorized_cpu_ms']:.3f} ms, ratio ours/vectorized (cpu) "
+              f"{res['ratio_ours_over_verl_vectorized_cpu']}", flush=True)
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--groups", type=int, default=512)
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_advantages.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # thread CPU time == work done; see time_ms
+    d = make_batch(args.groups, args.n, args.tokens)
+    print(f"batch {args.groups} groups x {args.n} = {d['outcome'].shape[0]} samples, "
+          f"{args.tokens} tokens; torch threads {torch.get_num_threads()}", flush=True)
+    print("single process:", flush=True)
+    single = single_process(d, args.reps)
+    print("verl:", flush=True)
+    verl = verl_comparison(d, args.reps)
+    print("DP=2 (gloo):", flush=True)
+    dp = dp2(args.groups, args.n, args.tokens, args.reps, single)
+    result = {
+        "benchmark": "advantage estimators, time per call (median)",
+        "timing_note": "torch single-threaded; cpu_ms is thread CPU time per call, robust to other "
+                       "processes sharing the 2-core CI box (wall_ms is also recorded); ratios on cpu_ms",
+        "device": {"kind": "cpu", "cpu": cpu_name(), "cores": os.cpu_count(),
+                   "torch_threads": 1, "load_average_at_end": list(os.getloadavg())},
+        "torch": torch.__version__, "python": platform.python_version(),
+        "batch": {"groups": args.groups, "samples_per_group": args.n,
+                  "samples": int(d["outcome"].shape[0]), "response_tokens": args.tokens,
+                  "reps": args.reps},
+        "single_process": single, "dp2_gloo": dp, "verl": verl,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""PRM training: config and data errors, metrics against loops, layout independence, the HF
+round trip of a trained PRM, and a tiny PRM that learns the arithmetic task's step labels."""
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from megaprm.models.tiny import save_tiny_model
+from megaprm.parallel import launch
+from megaprm.rewards import prm_training as pt
+from megaprm.tasks.arithmetic import CORRUPTION_KINDS, ArithmeticConfig
+from megaprm.tasks.tokenizer import build_char_tokenizer
+
+
+def _tiny_lm(path, seed=0, **kw):
+    tok = build_char_tokenizer()
+    return save_tiny_model("qwen2", str(path), seed=seed, tokenizer=tok, vocab_size=len(tok), **kw)
+
+
+# ------------------------------------------------------------------------- config and data
+
+def test_config_errors_name_field_value_and_fix(tmp_path):
+    d = _tiny_lm(tmp_path / "lm")
+    cases = [(dict(head="lm"), "PRMTrainConfig.head='lm'"),
+             (dict(stage1_lr=0.0), "PRMTrainConfig.stage1_lr=0.0"),
+             (dict(global_batch_size=10, micro_batch_size=4), "multiple of micro_batch_size=4"),
+             (dict(train_jsonl=str(tmp_path / "nope.jsonl")), "file not found"),
+             (dict(stage1_steps=0, stage2_steps=0), "must be > 0"),
+             (dict(eval_fraction=1.5), "PRMTrainConfig.eval_fraction=1.5")]
+    for kw, message in cases:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+            pt.PRMTrainConfig(model_dir=d, **kw)
+    with pytest.raises(ValueError, match="PRMTrainConfig.model_dir"):
+        pt.PRMTrainConfig(model_dir=str(tmp_path / "missing"))
+
+
+def test_jsonl_rows_skipped_counted_and_located(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    good = {"prompt": "2+3=", "completions": ["2+3=5", "\\boxed{5}"], "labels": [True, True]}
+    lines = [json.dumps(good),
+             "{not json",
+             json.dumps({"prompt": "1+1=", "completions": ["1+1=2"]}),
+             json.dumps({"prompt": "1+1=", "completions": ["1+1=2"], "labels": [True, False]}),
+             "",
+             json.dumps({"prompt": 3, "completions": ["x"], "labels": [True]}),
+             json.dumps({"prompt": "1+1=", "completions": ["1+1=2\n\n2"], "labels": [True]}),
+             json.dumps({**good, "labels": [True, False]})]
+    path.write_text("\n".join(lines) + "\n")
+    examples, skipped = pt.read_stepwise_jsonl(str(path))
+    assert [e.labels for e in examples] == [(1, 1), (1, 0)]
+    assert [e.source for e in examples] == [f"{path}:1", f"{path}:8"]
+    assert examples[0].response == "2+3=5\n\n\\boxed{5}"
+    assert [s.split(": ")[0] for s in skipped] == [f"{path}:{n}" for n in (2, 3, 4, 6, 7)]
+    assert "missing key 'labels'" in skipped[1] and "1 completions but 2 labels" in skipped[2]
+    # encoded like a rollout: one closing token per step, labels aligned with them
+    enc, bad = pt.encode_examples(examples, build_char_tokenizer(), pt.scoring.PRMInputFormat())
+    assert not bad and enc.labels.tolist() == [[1, 1], [1, 0]]
+    ids = enc.batch.input_ids[0]
+    assert ids[enc.batch.score_index[0]].tolist() == [4, 1]  # "\n\n", then <eos>
+
+
+def test_arithmetic_examples_hold_every_corruption_kind():
+    examples = pt.arithmetic_examples(ArithmeticConfig(), 40, seed=5)
+    kinds = {e.kind for e in examples}
+    assert kinds == {"reference", *CORRUPTION_KINDS}
+    assert all(all(e.labels) for e in examples if e.kind == "reference")
+    assert all(not all(e.labels) for e in examples if e.kind != "reference")
+    assert all(e.ends_with_eos == (e.kind != "truncated") for e in examples)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_auroc_matches_pairwise_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 6, (60,), generator=g).float() / 5  # many ties
+    labels = (torch.rand(60, generator=g) < 0.6).long()
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    expected = sum(float(p > n) + 0.5 * float(p == n) for p in pos for n in neg)
+    assert abs(pt.step_auroc(scores, labels) - expected / (len(pos) * len(neg))) < 1e-12
+    assert pt.step_auroc(scores, torch.ones(60)) != pt.step_auroc(scores, torch.ones(60))  # nan
+
+
+def test_f1_of_error_detection():
+    p_good = torch.tensor([0.9, 0.2, 0.4, 0.8, 0.1])
+    labels = torch.tensor([1, 0, 1, 0, 0])
+    m = pt.step_metrics(p_good, labels, ["a"] * 5)
+    # flagged bad: 1, 2, 4; truly bad: 1, 3, 4 -> precision 2/3, recall 2/3
+    assert abs(m.f1 - 2 / 3) < 1e-9 and m.num_bad == 3 and abs(m.accuracy - 0.6) < 1e-9
+
+
+# ------------------------------------------------------------------ layouts and HF round trip
+
+def _train_rank(model_dir, out_dir, tp, pp):
+    from megaprm.models.hf_spec import spec_from_hf
+    from megaprm.models.mapping import load_hf_weights
+    from megaprm.models.prm import build_prm
+    from megaprm.parallel.init import init_distributed
+    from megaprm.rewards.scoring import PRMInputFormat, run_prm
+
+    g = init_distributed(tp=tp, pp=pp)
+    cfg = pt.PRMTrainConfig(model_dir=model_dir, output_dir=out_dir, num_train=64, num_eval=16,
+                            stage1_steps=2, stage1_lr=1e-2, stage2_steps=2, stage2_lr=1e-3,
+                            global_batch_size=8, micro_batch_size=2, log_every=0, seed=1)
+    res = pt.train_prm(cfg, g, log=lambda m: None)
+    # the saved PRM, reloaded through the one mapping into a fresh stage
+    spec = spec_from_hf(out_dir)
+    model = build_prm(spec, tp=tp, pp=pp, pp_rank=g.pp_rank)
+    load_hf_weights(model, out_dir, spec, tp_rank=g.tp_rank, tp_size=tp, pp=pp, pp_rank=g.pp_rank)
+    enc, _ = pt.encode_examples(pt.arithmetic_examples(cfg.arithmetic, 8, 99),
+                                pt.load_tokenizer(out_dir), PRMInputFormat())
+    scores = run_prm(model, g, enc.batch, head=spec.head, micro_batch_size=2)
+    return {"losses": [h["loss"] for h in res.history], "scores": scores.scores,
+            "auroc": res.eval.auroc, "batch": enc.batch}
+
+
+def test_layouts_train_alike_and_saved_prm_reloads_in_transformers(tmp_path):
+    import transformers as tf
+
+    d = _tiny_lm(tmp_path / "lm", seed=2, hidden_size=32, num_layers=2, intermediate_size=64)
+    runs = {}
+    for tp, pp, dp in [(1, 1, 1), (1, 1, 2), (1, 2, 1)]:
+        out = str(tmp_path / f"prm-tp{tp}-pp{pp}-dp{dp}")
+        runs[(tp, pp, dp)] = launch.spawn(_train_rank, tp * pp * dp, d, out, tp, pp)
+    (single,) = runs[(1, 1, 1)]
+    assert len(single["losses"]) == 4
+    for layout, results in runs.items():
+        for r in results:
+            assert max(abs(a - b) for a, b in zip(r["losses"], single["losses"])) < 1e-5, layout
+            assert (r["scores"] - single["scores"]).abs().max() < 1e-4, layout
+            assert abs(r["auroc"] - single["auroc"]) < 1e-6
+    # transformers' own class loads the saved directory and gives the same step scores
+    out = str(tmp_path / "prm-tp1-pp1-dp1")
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["architectures"] == ["Qwen2ForTokenClassification"]
+    hf = tf.AutoModelForTokenClassification.from_pretrained(out, dtype=torch.float32).eval()
+    batch = single["batch"]
+    with torch.no_grad():
+        for i in range(batch.input_ids.shape[0]):
+            n = int(batch.lengths[i])
+            logits = hf(batch.input_ids[i: i + 1, :n]).logits[0]
+            k = int(batch.step_mask[i].sum())
+            p = torch.softmax(logits[batch.score_index[i, :k]], -1)
+            assert torch.allclose(single["scores"][i, :k], p[:, 1] - p[:, 0], atol=1e-5)
