@@ -32,7 +32,13 @@ import torch.distributed as dist
 from megaprm.models import mapping
 from megaprm.parallel.groups import Groups
 
-DEFAULT_BUCKET_BYTES = 256 << 20
+
+def default_bucket_bytes() -> int:
+    """256 MiB on GPU (NCCL, caching allocator); 16 MiB on CPU, where larger buckets were slower
+    in scripts/bench_weight_sync.py (fresh multi-100-MB buffers per bucket, gloo on huge buffers)."""
+    return (256 if torch.cuda.is_available() else 16) << 20
+
+
 # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -181,13 +187,14 @@ def _unpack_bucket(flat: torch.Tensor, bucket: _Bucket, meta: list, spec,
     return out
 
 
-def iter_hf_buckets(model, groups: Groups, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+def iter_hf_buckets(model, groups: Groups, bucket_bytes: int | None = None,
                     spec=None) -> Iterator[list[tuple]]:
     """Yield lists of (hf_name, full tensor), about `bucket_bytes` each, identically on all ranks.
 
     Concatenated, the buckets are exactly `iter_hf_weights`' stream. Every rank of the model's
     tp x pp group must iterate to the end (each bucket is a collective).
     """
+    bucket_bytes = default_bucket_bytes() if bucket_bytes is None else bucket_bytes
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes!r}: must be a positive integer (bytes)")
     spec = spec or mapping_spec(model)
@@ -221,7 +228,7 @@ class SyncStats:
         return self.bytes / max(self.seconds, 1e-12) / 1e9
 
 
-def sync_weights(model, groups: Groups, engine, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
+def sync_weights(model, groups: Groups, engine, bucket_bytes: int | None = None, *,
                  strict: bool = True, spec=None) -> SyncStats:
     """Stream the model into `engine.load_weights` bucket by bucket (one call, so a strict engine
     can report what it never received). Call on every rank; each rank's engine gets the whole
