@@ -499,13 +499,19 @@ def train_prm(cfg: PRMTrainConfig, groups: Groups,
 
 def save_prm(model, groups: Groups, spec, output_dir: str, *, tokenizer=None,
              fmt: scoring.PRMInputFormat = scoring.PRMInputFormat(), extra=None) -> None:
-    """Write the PRM in the HF format (every rank joins the gather; global rank 0 writes)."""
-    from safetensors.torch import save_file
-
+    """Write the PRM in the HF format: every rank joins the gather, global rank 0 writes, and
+    every rank returns once the directory is complete."""
     tensors = {name: t.detach().cpu().contiguous()
                for name, t in weight_sync.iter_hf_weights(model, groups, spec)}
-    if groups.rank != 0:
-        return
+    if groups.rank == 0:
+        _write_hf_dir(tensors, spec, output_dir, tokenizer, fmt, extra)
+    if groups.distributed and groups.world_size > 1:
+        dist.barrier()
+
+
+def _write_hf_dir(tensors, spec, output_dir, tokenizer, fmt, extra) -> None:
+    from safetensors.torch import save_file
+
     os.makedirs(output_dir, exist_ok=True)
     save_file(tensors, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
     cfg = hf_prm_config(spec, **fmt.to_hf(), **(extra or {}))
