@@ -47,11 +47,13 @@ def cmd_train(args) -> int:
     if not _under_torchrun():
         return _torchrun(args.nproc, sys.argv[1:])
     from megaprm.parallel.init import destroy, init_distributed
+    from megaprm.rewards.prm_training import load_tokenizer
     from megaprm.trainer.loop import RLTrainer
-    from transformers import AutoTokenizer
 
     groups = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed)
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    # not AutoTokenizer: next to a Qwen2 config it would rebuild the char tokenizer as
+    # Qwen2Tokenizer, which splits the "\n\n" step separator into two tokens
+    tok = load_tokenizer(cfg.model.path)
     RLTrainer(cfg, groups, tok).fit()
     destroy()
     return 0
