@@ -32,7 +32,7 @@ def accuracy(outcome: torch.Tensor, group_ids: torch.Tensor, *, low: float = 0.2
         raise ValueError(f"accuracy filter bounds low={low}, high={high}: need 0 <= low <= high <= 1")
     index = group_index(group_ids, group, outcome.shape[0])
     o = outcome.to(torch.float64)
-    s = group_sums(torch.stack([torch.ones_like(o), o], dim=1), index)[index.dense]
+    s = index.per_sample(group_sums(torch.stack([torch.ones_like(o), o], dim=1), index))
     acc = s[:, 1] / s[:, 0]
     return (acc >= low) & (acc <= high)
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import io
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
 from typing import Any, Callable, List
 
@@ -60,17 +62,26 @@ def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 600.0) -> Lis
     for p in procs:
         p.start()
     results, errors = {}, {}
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
-            rank, ok, value = queue.get(timeout=timeout_s)
+        while len(results) < world_size and not errors:
+            try:
+                rank, ok, value = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                # A rank killed (os._exit, a signal, OOM) never reports: notice its exit code
+                # instead of waiting out the timeout.
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    errors[dead[0][0]] = (f"rank {dead[0][0]} exited with code {dead[0][1]} "
+                                          "without reporting a result or a traceback")
+                elif time.monotonic() > deadline:
+                    errors[-1] = f"timed out after {timeout_s}s waiting for ranks"
+                continue
             if ok:
                 results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors[rank] = value
-            if errors:
-                break
-    except Exception as e:  # queue.Empty on timeout
-        errors[-1] = f"timed out after {timeout_s}s waiting for ranks ({e!r})"
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)
