@@ -35,6 +35,7 @@ class DemoConfig:
     prm_examples: int = 3000
     prm_stage1_steps: int = 60
     prm_stage2_steps: int = 120
+    prm_lm_loss_weight: float = 1.0  # auxiliary LM loss keeps the policy trunk's arithmetic
     rl_steps: int = 40
     eval_problems: int = 200
     hidden: int = 128
@@ -172,7 +173,8 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
                              num_train=dcfg.prm_examples, num_eval=512, seed=dcfg.seed,
                              stage1_steps=dcfg.prm_stage1_steps, stage1_lr=1e-3,
                              stage2_steps=dcfg.prm_stage2_steps, stage2_lr=1e-3,
-                             global_batch_size=32, micro_batch_size=16, weight_decay=0.0)
+                             global_batch_size=32, micro_batch_size=16, weight_decay=0.0,
+                             lm_loss_weight=dcfg.prm_lm_loss_weight)
     prm_result = train_prm(prm_cfg, groups)
     prm_report = {"auroc": prm_result.eval.auroc, "f1": prm_result.eval.f1,
                   "train_s": prm_result.train_seconds}

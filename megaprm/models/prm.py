@@ -76,7 +76,8 @@ class PRMModel(GPTModel):
     decoder, `set_input_tensor`, `sharded_state_dict`, parameter names) is GPTModel's own.
     """
 
-    def __init__(self, *args, head: str, num_labels: int = 2, head_seed: int = 0, **kwargs):
+    def __init__(self, *args, head: str, num_labels: int = 2, head_seed: int = 0,
+                 aux_lm: bool = False, **kwargs):
         # Untied: a PRM has no output layer to tie to the embedding (and no embedding-group
         # all-reduce between the first and last stage).
         kwargs["share_embeddings_and_output_weights"] = False
@@ -84,17 +85,31 @@ class PRMModel(GPTModel):
         if self.config.mtp_num_layers:
             raise PRMHeadError("a PRM cannot use multi-token prediction (mtp_num_layers)")
         self.prm_head = head
+        self.num_labels = num_labels
+        self.aux_lm = aux_lm
+        self.emit_lm_logits = False  # PRM training switches it on for its auxiliary LM loss
         if self.post_process:
-            del self.output_layer
+            if not aux_lm:
+                del self.output_layer
             self.score = build_head(head, self.config.hidden_size, num_labels,
                                     dtype=self.config.params_dtype,
                                     init_std=self.config.init_method_std, seed=head_seed)
 
     def _postprocess(self, hidden_states, **_):
-        """GPTModel's hook after the decoder: [s, b, h] -> head logits [b, s, num_labels]."""
+        """GPTModel's hook after the decoder: [s, b, h] -> head logits [b, s, num_labels].
+
+        With `aux_lm` and `emit_lm_logits` set, this tp rank's vocab-parallel LM logits follow
+        the head logits on the last dim: [b, s, num_labels + V/tp] (PRM training's auxiliary
+        next-token loss). The LM head (`output_layer`) has no HF counterpart in a PRM
+        checkpoint, so it is neither loaded by `mapping.load_hf_weights` nor exported.
+        """
         if not self.post_process:
             return hidden_states
-        return self.score(hidden_states).transpose(0, 1).contiguous()
+        out = self.score(hidden_states)
+        if self.aux_lm and self.emit_lm_logits:
+            lm, _ = self.output_layer(hidden_states)
+            out = torch.cat([out, lm.to(out.dtype)], dim=-1)
+        return out.transpose(0, 1).contiguous()
 
 
 def as_prm_spec(spec: ModelSpec, head: str) -> ModelSpec:
@@ -114,17 +129,20 @@ def as_prm_spec(spec: ModelSpec, head: str) -> ModelSpec:
 
 
 def build_prm(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
-              dtype: torch.dtype = torch.float32, head_seed: int = 0, **kw) -> PRMModel:
+              dtype: torch.dtype = torch.float32, head_seed: int = 0, aux_lm: bool = False,
+              **kw) -> PRMModel:
     """This rank's stage of the PRM `spec` describes (spec.head in PRM_HEADS). Weights: Megatron's
     init for the trunk, `build_head`'s for the head; load real ones with `mapping.load_hf_weights`
-    (a PRM checkpoint) or `load_trunk_from_hf` (an LM checkpoint)."""
+    (a PRM checkpoint) or `load_trunk_from_hf` (an LM checkpoint). `aux_lm` keeps GPTModel's
+    vocab-parallel output layer on the last stage for an auxiliary LM loss (training only)."""
     if spec.head not in PRM_HEADS:
         raise PRMHeadError(f"{spec.architecture} has head {spec.head!r}; build a PRM from "
                            f"as_prm_spec(spec, head) with head in {PRM_HEADS}")
     if spec.num_labels != 2:
         raise PRMHeadError(f"{spec.architecture}: num_labels={spec.num_labels}; a PRM head "
                            "has 2 classes (0 = bad step, 1 = good step)")
-    cls = functools.partial(PRMModel, head=spec.head, num_labels=2, head_seed=head_seed)
+    cls = functools.partial(PRMModel, head=spec.head, num_labels=2, head_seed=head_seed,
+                            aux_lm=aux_lm)
     return build_gpt(spec, tp=tp, pp=pp, pp_rank=pp_rank, dtype=dtype, model_cls=cls, **kw)
 
 
@@ -132,10 +150,15 @@ def build_prm(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
 def load_trunk_from_hf(model, model_dir: str, spec: ModelSpec, *, tp_rank: int, tp_size: int,
                        pp: int, pp_rank: int) -> None:
     """Load an HF checkpoint (typically a causal LM) into every non-head parameter of a PRM
-    stage; the head keeps its initialisation. Same mapping and checks as `load_hf_weights`."""
+    stage (and the LM head of an `aux_lm` PRM); the head keeps its initialisation. Same
+    mapping and checks as `load_hf_weights`."""
     from megaprm.models import mapping
 
     rules = [(r, p) for r, p in mapping.stage_rules(model, spec, pp, pp_rank) if r.kind != "head"]
+    if getattr(model, "aux_lm", False) and model.post_process:  # the LM head, for aux_lm
+        lm_spec = dataclasses.replace(spec, head="lm")
+        rules.append((mapping.rule_for("output_layer.weight", lm_spec, pp, pp_rank),
+                      model.output_layer.weight))
     weights = mapping.HFWeights(model_dir)
     weights.check([n for r, _ in rules for n in r.hf_names])
     for rule, param in rules:

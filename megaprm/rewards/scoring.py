@@ -109,23 +109,26 @@ def batch_from_rollouts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
 
 
 def micro_batches(batch: PRMBatch, size: int, pp: int,
-                  labels: Optional[torch.Tensor] = None) -> List[pipeline.TokenBatch]:
+                  labels: Optional[torch.Tensor] = None,
+                  loss_mask: Optional[torch.Tensor] = None) -> List[pipeline.TokenBatch]:
     """TokenBatches of `size` rows; with pp > 1 every one has the same [size, L] shape (p2p),
     the short last one padded with empty rows (no steps). payload = (score_index, step_mask)
-    [b, S], plus step labels [b, S] when given (PRM training)."""
+    [b, S], plus step labels [b, S] when given (PRM training). `loss_mask [B, L]` (next-token
+    positions of an auxiliary LM loss) becomes each TokenBatch's loss_mask; zeros otherwise."""
     out = []
     B = batch.input_ids.shape[0]
+    if loss_mask is None:
+        loss_mask = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     for start in range(0, B, size):
         rows = slice(start, start + size)
-        parts = [batch.input_ids[rows], batch.score_index[rows], batch.step_mask[rows]]
+        parts = [batch.input_ids[rows], loss_mask[rows].float(), batch.score_index[rows],
+                 batch.step_mask[rows]]
         if labels is not None:
             parts.append(labels[rows])
         if pp > 1 and parts[0].shape[0] < size:
             extra = size - parts[0].shape[0]
             parts = [torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) for t in parts]
-        ids = parts[0]
-        out.append(pipeline.TokenBatch(ids, torch.zeros(ids.shape, dtype=torch.float32),
-                                       payload=tuple(parts[1:])))
+        out.append(pipeline.TokenBatch(parts[0], parts[1], payload=tuple(parts[2:])))
     return out
 
 
