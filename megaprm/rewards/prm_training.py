@@ -575,7 +575,7 @@ def load_prm_config(path: str, overrides: Sequence[str] = ()) -> Tuple[PRMTrainC
     import yaml
 
     if not os.path.isfile(path):
-        raise ValueError(f"PRM config {path!r} not found; see configs/prm_tiny.yaml for an example")
+        raise ValueError(f"PRM config {path!r} not found; see configs/prm/tiny.yaml for an example")
     with open(path, encoding="utf-8") as f:
         raw = yaml.safe_load(f) or {}
     if not isinstance(raw, dict):
@@ -627,7 +627,7 @@ def add_cli(sub) -> None:
     p = sub.add_parser("train-prm", help="train a discriminative PRM (two-stage PURE recipe) on "
                                          "the arithmetic task or stepwise JSONL")
     p.add_argument("--config", required=True, help="YAML of PRMTrainConfig fields, e.g. "
-                                                   "configs/prm_tiny.yaml")
+                                                   "configs/prm/tiny.yaml")
     p.add_argument("--nproc", type=int, default=1, help="ranks on this node (dp = nproc/(tp*pp))")
     p.add_argument("overrides", nargs="*", help="e.g. stage2_steps=200 arithmetic.operand_max=9")
     p.set_defaults(fn=cmd_train_prm)

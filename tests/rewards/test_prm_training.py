@@ -243,7 +243,7 @@ def test_train_prm_cli_runs_the_yaml_recipe_and_names_bad_keys(tmp_path):
     import subprocess
     import sys
 
-    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "prm_tiny.yaml")
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "prm", "tiny.yaml")
     d = _tiny_lm(tmp_path / "lm", seed=5, hidden_size=32, num_layers=2, intermediate_size=64)
     out = str(tmp_path / "prm")
     small = [f"model_dir={d}", f"output_dir={out}", "num_train=32", "num_eval=16",
@@ -260,3 +260,16 @@ def test_train_prm_cli_runs_the_yaml_recipe_and_names_bad_keys(tmp_path):
         p = subprocess.run(cli + small + bad, capture_output=True, text=True)
         err = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(err) == 1 and message in err[0], p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "pure_7b.yaml"])
+def test_prm_recipes_load(tmp_path, name):
+    """Every shipped PRM recipe is a valid PRMTrainConfig once its paths exist."""
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "prm", name)
+    d = _tiny_lm(tmp_path / "lm", hidden_size=32, num_layers=2, intermediate_size=64)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "1+1=", "completions": ["1+1=2"], "labels": [True]}))
+    over = [f"model_dir={d}"] + ([f"train_jsonl={rows}"] if name == "pure_7b.yaml" else [])
+    cfg, tp, pp = pt.load_prm_config(recipe, over)
+    assert cfg.model_dir == d and tp >= 1 and pp >= 1
+    assert cfg.stage1_steps > 0 and cfg.stage2_steps > 0  # the two-stage recipe
