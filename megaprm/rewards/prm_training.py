@@ -373,8 +373,9 @@ def prm_train_step(model, optimizer, groups: Groups, data: EncodedSteps, rows: t
     lm_mask, lm_denom = None, 1
     if lm_loss_weight:
         lm_mask = lm_loss_mask(local)
-        glob = data.select(rows)  # every rank: the global count of LM positions
-        lm_denom = max(int(lm_loss_mask(glob).sum()), 1)
+        # the global count of LM positions, the same on every rank (no select of the batch)
+        good = ((data.labels[rows] == 1) | ~data.batch.step_mask[rows]).all(1)
+        lm_denom = max(int(((data.batch.lengths[rows] - 1).clamp(min=0) * good).sum()), 1)
     if groups.pp_size > 1:  # one [b, L] shape for p2p: the global batch's longest row
         L = int(data.batch.lengths[rows].max())
         local = EncodedSteps(scoring.PRMBatch(pipeline.pad_to(local.batch.input_ids, L),
