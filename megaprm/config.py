@@ -226,24 +226,35 @@ def _set_dotted(d: dict, key: str, value: Any) -> None:
     d[parts[-1]] = value
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list] = None) -> Config:
-    """YAML file (optional) + `a.b.c=value` overrides (values parsed as YAML) -> validated Config."""
+def read_yaml_with_overrides(path: Optional[str], overrides: Optional[list], *,
+                             example: str, override_example: str) -> dict:
+    """A YAML mapping (optional file) with dotted `a.b.c=value` overrides applied (values parsed
+    as YAML), for every config loader. `example` / `override_example` go into the errors."""
     data: dict = {}
     if path is not None:
         if not os.path.exists(path):
-            raise ConfigError(f"config file {path!r} does not exist; pass a YAML file from "
-                              "configs/ (e.g. configs/prof_grpo_tiny.yaml)")
+            raise ConfigError(f"config file {path!r} does not exist; pass a YAML file such as "
+                              f"{example}")
         with open(path, encoding="utf-8") as f:
             try:
                 data = yaml.safe_load(f) or {}
             except yaml.YAMLError as e:
                 raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of config keys, got "
+                              f"{type(data).__name__}")
     for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.key=value "
-                              "(e.g. actor.optim.lr=1e-5)")
-        key, raw = item.split("=", 1)
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. {override_example}")
         _set_dotted(data, key.strip(), yaml.safe_load(raw))
+    return data
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list] = None) -> Config:
+    """YAML file (optional) + `a.b.c=value` overrides (values parsed as YAML) -> validated Config."""
+    data = read_yaml_with_overrides(path, overrides, example="configs/prof_grpo_tiny.yaml",
+                                    override_example="actor.optim.lr=1e-5")
     return _build(Config, data, "")
 
 

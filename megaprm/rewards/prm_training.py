@@ -573,26 +573,11 @@ def _write_hf_dir(tensors, spec, output_dir, tokenizer, fmt, extra) -> None:
 def load_prm_config(path: str, overrides: Sequence[str] = ()) -> Tuple[PRMTrainConfig, int, int]:
     """A YAML file of PRMTrainConfig fields (plus `parallel: {tp, pp}`) and dotted `key=value`
     overrides -> (config, tp, pp). Unknown keys and malformed overrides raise ValueError."""
-    import yaml
+    from megaprm.config import read_yaml_with_overrides
 
-    if not os.path.isfile(path):
-        raise ValueError(f"PRM config {path!r} not found; see configs/prm/tiny.yaml for an example")
-    with open(path, encoding="utf-8") as f:
-        raw = yaml.safe_load(f) or {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a mapping of PRMTrainConfig fields, got "
-                         f"{type(raw).__name__}")
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"override {item!r}: expected key=value, e.g. stage2_steps=200 or "
-                             f"arithmetic.operand_max=9")
-        node, parts = raw, key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(value)
+    raw = read_yaml_with_overrides(path, list(overrides), example="configs/prm/tiny.yaml",
+                                   override_example="stage2_steps=200 or "
+                                                    "arithmetic.operand_max=9")
     par = raw.pop("parallel", None) or {}
     fields = set(PRMTrainConfig.__dataclass_fields__)
     unknown = sorted(set(raw) - fields) + [f"parallel.{k}" for k in sorted(set(par) - {"tp", "pp"})]
