@@ -352,10 +352,15 @@ class PRMTrainResult:
     output_dir: Optional[str]
 
 
+def _all_steps_good(labels: torch.Tensor, step_mask: torch.Tensor) -> torch.Tensor:
+    """[N] True for the solutions whose every step is labelled good."""
+    return ((labels == 1) | ~step_mask).all(1)
+
+
 def lm_loss_mask(data: EncodedSteps) -> torch.Tensor:
     """[N, L] 1 at every next-token position (t predicts t+1) of the solutions whose steps are
     all good: the auxiliary LM loss imitates correct solutions only."""
-    good = ((data.labels == 1) | ~data.batch.step_mask).all(1)
+    good = _all_steps_good(data.labels, data.batch.step_mask)
     L = data.batch.input_ids.shape[1]
     pos = torch.arange(L)[None, :] < (data.batch.lengths - 1)[:, None]
     return (pos & good[:, None]).float()
@@ -374,7 +379,7 @@ def prm_train_step(model, optimizer, groups: Groups, data: EncodedSteps, rows: t
     if lm_loss_weight:
         lm_mask = lm_loss_mask(local)
         # the global count of LM positions, the same on every rank (no select of the batch)
-        good = ((data.labels[rows] == 1) | ~data.batch.step_mask[rows]).all(1)
+        good = _all_steps_good(data.labels[rows], data.batch.step_mask[rows])
         lm_denom = max(int(((data.batch.lengths[rows] - 1).clamp(min=0) * good).sum()), 1)
     if groups.pp_size > 1:  # one [b, L] shape for p2p: the global batch's longest row
         L = int(data.batch.lengths[rows].max())
