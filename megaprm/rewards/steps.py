@@ -111,3 +111,26 @@ def build_prm_inputs(
         score_index=torch.where(seg.step_mask, seg.step_end_index + P, 0),
         step_mask=seg.step_mask,
     )
+
+
+# ------------------------------------------------------------------------ PROF's text steps
+
+PROF_MAX_STEPS = 100  # released reward_model.model.max_steps: scores past step 100 are dropped
+
+
+def prof_steps(text: str, sep: str = STEP_SEP) -> list[str]:
+    """PROF-GRPO's steps of one decoded response (prof_dp_rm.py:272, research notes §3.1):
+    strip the text, split on "\\n\\n", strip every piece and drop the empty ones; a response with
+    no non-empty piece is one step (its stripped text, possibly ""), as released."""
+    steps = [s.strip() for s in text.strip().split(sep) if s.strip()]
+    return steps or [text.strip()]
+
+
+def prof_num_steps(texts, max_steps: int = PROF_MAX_STEPS) -> torch.Tensor:
+    """H_i of PROF's length penalty and mean PRM score: the number of text steps of each decoded
+    response (`prof_steps`; decode with skip_special_tokens=True as released), capped at
+    `max_steps` (the released score tensor has 100 columns, prof_dp_rm.py:230) -> [B] long.
+
+    Differs from `segment_steps(...).num_steps` (token separators, empty steps kept, a step
+    closed at EOS): "a\\n\\nb\\n\\n<eos>" has 2 PROF steps, a leading "\\n\\n" adds none."""
+    return torch.tensor([min(len(prof_steps(t)), max_steps) for t in texts], dtype=torch.long)

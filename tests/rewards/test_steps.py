@@ -178,3 +178,55 @@ def test_build_prm_inputs():
     # every non-closing response token is unchanged
     keep = mask & ~seg.is_step_end
     assert torch.equal(out.input_ids[:, 2:][keep], ids[keep])
+
+
+# ------------------------------------------------------------------ PROF's text step count (H_i)
+
+from megaprm.rewards.steps import PROF_MAX_STEPS, prof_num_steps, prof_steps  # noqa: E402
+
+
+def test_prof_num_steps_released_cases():
+    """Pinned to prof_dp_rm.py:272 (split the stripped text on "\\n\\n", strip, drop empties,
+    an empty response is one step) and :230 (100 score columns)."""
+    cases = {
+        "a\n\nb": 2,
+        "a\n\nb\n\n": 2,            # trailing separator: no empty last step (token count: 3)
+        "\n\na\n\nb": 2,            # leading separator: no empty first step
+        "a\n\n\n\nb": 2,            # double separator: the empty piece is dropped
+        "a\n\n \n\nb": 2,           # a whitespace-only piece is empty after strip
+        "a\n\n\nb": 2,              # "\n\n\n": the piece "\nb" strips to "b"
+        "one step only": 1,
+        "": 1,                      # nothing left: the whole (empty) response is one step
+        "\n\n\n\n": 1,
+        "\n\n".join(f"s{i}" for i in range(150)): PROF_MAX_STEPS,
+        "\n\n".join(f"s{i}" for i in range(100)): 100,
+        "\n\n".join(f"s{i}" for i in range(99)): 99,
+    }
+    got = prof_num_steps(list(cases))
+    assert got.dtype == torch.long
+    assert got.tolist() == list(cases.values())
+    assert prof_steps("  x \n\n\n\n y\n\n") == ["x", "y"]
+    assert prof_num_steps(["a\n\nb\n\nc"], max_steps=2).tolist() == [2]
+
+
+def _scan_steps(text):
+    """Independent reference: scan characters, cutting at every "\\n\\n" of the stripped text
+    (non-overlapping, left to right); count the pieces with a non-space character."""
+    t = text.strip()
+    pieces, cur, i = [], "", 0
+    while i < len(t):
+        if t[i:i + 2] == "\n\n":
+            pieces.append(cur)
+            cur, i = "", i + 2
+        else:
+            cur, i = cur + t[i], i + 1
+    pieces.append(cur)
+    n = sum(1 for p in pieces if any(not c.isspace() for c in p))
+    return max(n, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", " ", "\n", "\n\n", "\t", "."]), max_size=40))
+def test_prof_num_steps_matches_scan(parts):
+    text = "".join(parts)
+    assert prof_num_steps([text]).item() == min(_scan_steps(text), PROF_MAX_STEPS)
