@@ -2,6 +2,11 @@
 
 Pre/post-process flags follow the stage: only the first stage embeds tokens and only the last
 has the final norm + output layer. Logits come back vocab-sharded over tp: [b, s, padded_vocab/tp].
+
+Layer implementation (`impl`, see `hf_spec.IMPLS`): Transformer Engine where it imports with
+CUDA, else megaprm's fast local spec (torch SDPA core attention, `models.attention`). Two
+switches trade speed for memory or build time: `recompute` (Megatron's full activation
+recompute, one layer per checkpoint) and `compile` (torch.compile of each transformer layer).
 """
 from __future__ import annotations
 
@@ -9,24 +14,30 @@ from typing import Callable, Optional
 
 import torch
 
-from megaprm.models.hf_spec import ModelSpec, layer_spec, llama3_inv_freq, transformer_config
+from megaprm.models.hf_spec import ModelSpec, decoder_spec, llama3_inv_freq, transformer_config
 
 
 def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
-              dtype: torch.dtype = torch.float32, use_te: Optional[bool] = None,
+              dtype: torch.dtype = torch.float32, impl: Optional[str] = None,
               seq_length: Optional[int] = None, model_cls: Optional[Callable] = None,
-              **config_overrides):
+              compile: bool = False, recompute: bool = False, **config_overrides):
     """Build this rank's stage of a GPTModel equal to the HF model `spec` describes.
 
     Megatron's own init fills the weights; load real ones with `models.mapping.load_hf_weights`.
     `model_cls` builds a GPTModel subclass with the same arguments (the PRM: `models.prm`).
+    `impl`: "te" | "sdpa" | "local" (default: "te" where TE imports with CUDA, else "sdpa").
+    `recompute`: recompute each layer's activations in backward (less memory, ~1/3 more
+    compute). `compile`: torch.compile each transformer layer (first steps pay the compile).
     """
     from megatron.core.models.gpt import GPTModel
 
+    if recompute:
+        config_overrides = {"recompute_granularity": "full", "recompute_method": "uniform",
+                            "recompute_num_layers": 1, **config_overrides}
     config = transformer_config(spec, tp=tp, pp=pp, dtype=dtype, **config_overrides)
     model = (model_cls or GPTModel)(
         config=config,
-        transformer_layer_spec=layer_spec(spec, use_te),
+        transformer_layer_spec=decoder_spec(spec, pp, impl),
         vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=seq_length or spec.max_position_embeddings,
         pre_process=pp_rank == 0,
@@ -41,5 +52,8 @@ def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
         model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     if torch.cuda.is_available():
         model = model.cuda()
+    if compile:
+        for layer in model.decoder.layers:  # in place: parameter names stay as they are
+            layer.compile()
     model.megaprm_spec = spec  # read by mapping / weight sync; never changes after build
     return model

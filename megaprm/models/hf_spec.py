@@ -161,14 +161,56 @@ def te_available() -> bool:
     return True
 
 
-def layer_spec(spec: ModelSpec, use_te: Optional[bool] = None):
-    """The ModuleSpec of one transformer layer: TE kernels on GPU when available, else local."""
+# Layer implementations: "te" = Megatron's Transformer Engine spec (GPU with TE installed);
+# "sdpa" = megaprm's fast local spec (Megatron's local spec with core attention on torch SDPA and
+# RMSNorm weights in the params dtype, `models.attention`); "local" = Megatron's local spec as is
+# (kept as the slow reference the benchmark measures against).
+IMPLS = ("te", "sdpa", "local")
+
+
+def default_impl() -> str:
+    return "te" if te_available() else "sdpa"
+
+
+def layer_spec(spec: ModelSpec, impl: Optional[str] = None):
+    """The ModuleSpec of one transformer layer for `impl` (default: TE where it imports, else
+    the fast local spec)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    use_te = te_available() if use_te is None else use_te
-    if use_te:
+    impl = impl or default_impl()
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: choose one of {IMPLS}")
+    if impl == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    local = specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    if impl == "local":
+        return local
+    from megaprm.models.attention import RMSNorm, SDPAttention
+
+    layer = local.submodules
+    attn = layer.self_attention.submodules
+    attn.core_attention = SDPAttention
+    if spec.qk_norm:
+        attn.q_layernorm = attn.k_layernorm = RMSNorm
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    return local
+
+
+def decoder_spec(spec: ModelSpec, pp: int, impl: Optional[str] = None):
+    """What GPTModel takes as `transformer_layer_spec`: the layer spec, or for the fast local
+    spec a block spec so the final norm is megaprm's RMSNorm too (this stage's layers only)."""
+    impl = impl or default_impl()
+    layer = layer_spec(spec, impl)
+    if impl != "sdpa":
+        return layer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock, TransformerBlockSubmodules)
+
+    from megaprm.models.attention import RMSNorm
+
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=[layer] * spec.layers_per_stage(pp), layer_norm=RMSNorm))
 
 
 def transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,

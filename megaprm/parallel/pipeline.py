@@ -26,15 +26,19 @@ from megaprm.parallel.groups import Groups
 
 @dataclass
 class TokenBatch:
-    """Right-padded token sequences of one micro-batch.
+    """Token sequences of one micro-batch, as the model sees them.
 
     input_ids [b, s] long; loss_mask [b, s] float (1 on tokens whose *next-token* prediction
-    counts, i.e. position t predicts input_ids[t+1]); payload: method-specific tensors [b, ...].
+    counts, i.e. position t predicts input_ids[t+1]); payload: method-specific tensors [n, ...],
+    one row per sequence. `layout` (`parallel.microbatch.RowLayout`, from
+    `microbatch.make_micro_batches`) says which source rows the sequences are and, for packed
+    rows (b = 1, several sequences back to back), where each starts; None = right-padded rows.
     """
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     payload: Any = None
+    layout: Any = None
 
     @property
     def seq_length(self) -> int:
@@ -47,11 +51,19 @@ def causal_mask(seq_len: int, device=None) -> torch.Tensor:
 
 
 def gpt_forward(model, mb: TokenBatch) -> torch.Tensor:
-    """GPTModel stage forward on a right-padded batch: logits [b, s, V/tp] on the last stage."""
+    """GPTModel stage forward: logits [b, s, V/tp] on the last stage.
+
+    Right-padded rows pass no mask (causal attention: every real position sees only real
+    tokens, no [s, s] mask is built); packed rows pass Megatron's PackedSeqParams (thd), so
+    RoPE restarts and attention stays inside each sequence."""
     ids = mb.input_ids
+    layout = mb.layout
+    if layout is not None and layout.cu_seqlens is not None:
+        return model(input_ids=ids, position_ids=layout.position_ids(), attention_mask=None,
+                     packed_seq_params=layout.packed_seq_params())
     b, s = ids.shape
     pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
-    return model(input_ids=ids, position_ids=pos, attention_mask=causal_mask(s, ids.device))
+    return model(input_ids=ids, position_ids=pos, attention_mask=None)
 
 
 def pad_to(t: torch.Tensor, length: int, value=0) -> torch.Tensor:

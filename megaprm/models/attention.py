@@ -1,0 +1,150 @@
+"""Core attention and RMSNorm modules of megaprm's fast local spec (machines without TE).
+
+Megatron's local `DotProductAttention` materialises the [b, np, s, s] scores (and a boolean mask
+of the same size), repeats K/V for GQA and runs softmax in eager ops. `SDPAttention` keeps its
+constructor and forward contract but calls `torch.nn.functional.scaled_dot_product_attention`,
+which picks flash / cuDNN / memory-efficient kernels on GPU and a fused kernel on CPU:
+
+* right-padded causal batches (`attention_mask is None`): `is_causal=True`, no mask tensor at
+  all. A padded position attends causally to everything before it, exactly as transformers
+  treats right padding, so every real position sees only real tokens;
+* GQA: `enable_gqa=True`, K/V are not repeated;
+* packed rows (`packed_seq_params.qkv_format == "thd"`, cu_seqlens over one row): a
+  block-diagonal causal mask, built per call from cu_seqlens (CPU: one SDPA call with an
+  explicit [t, t] mask; CUDA: torch's varlen flash kernel where it exists, else one causal
+  SDPA call per sequence).
+
+`RMSNorm` holds its weight in the model's params dtype (Megatron's local spec wraps
+`torch.nn.RMSNorm`, whose weight stays fp32 in a bf16 model) and calls torch's fused
+`F.rms_norm`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+# torch >= 2.5 repeats K/V inside SDPA's kernels when asked; older torch needs it done here
+_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+def _varlen_attn(gqa: bool):
+    """torch's varlen flash attention as f(q, k, v, cu, max_len, scale) (CUDA), or None.
+
+    Its keyword arguments moved between torch releases (is_causal vs window_size=(-1, 0));
+    the signature is read once here, and None means "use the per-sequence SDPA loop"."""
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kw = {}
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0)
+    elif "is_causal" in params:
+        kw["is_causal"] = True
+    else:
+        return None
+    if gqa:
+        if "enable_gqa" not in params:
+            return None
+        kw["enable_gqa"] = True
+    return lambda q, k, v, cu, n, scale: varlen_attn(q, k, v, cu, cu, n, n, scale=scale, **kw)
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[t, t] bool, True = may attend: causal within each [cu[i], cu[i+1]) block, nothing across."""
+    pos = torch.arange(total, device=cu_seqlens.device)
+    doc = torch.bucketize(pos, cu_seqlens[1:].to(pos.dtype), right=True)  # [t] sequence index
+    return (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+
+
+def _sdpa(q, k, v, *, mask=None, causal=False, scale=None, dropout=0.0):
+    """q [b, np, sq, hn], k/v [b, ng, sk, hn] -> [b, np, sq, hn]."""
+    if q.shape[1] != k.shape[1] and not _HAS_GQA:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    kw = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                          is_causal=causal, scale=scale, **kw)
+
+
+class SDPAttention(DotProductAttention):
+    """Megatron core attention on torch SDPA (same constructor / forward contract)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__(config, layer_number, attn_mask_type, attention_type,
+                         attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        assert not config.apply_query_key_layer_scaling, "SDPAttention: no query-key scaling"
+        assert config.softmax_type == "vanilla", "SDPAttention: vanilla softmax only"
+        assert config.window_size is None, "SDPAttention: no sliding window"
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        """bshd: query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np*hn].
+        thd (packed): query [t, np, hn], key/value [t, ng, hn] -> [t, np*hn]."""
+        assert attention_bias is None, "SDPAttention: attention_bias is not supported"
+        dropout = self.dropout_p if self.training else 0.0
+        if packed_seq_params is not None:
+            assert packed_seq_params.qkv_format == "thd", "SDPAttention: packed rows need thd"
+            return self._packed(query, key, value, packed_seq_params, dropout)
+        # [s, b, n, d] -> [b, n, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if attention_mask is None:
+            out = _sdpa(q, k, v, causal=True, scale=self.softmax_scale, dropout=dropout)
+        else:  # Megatron's convention: True = masked; SDPA's: True = attend
+            out = _sdpa(q, k, v, mask=~attention_mask, scale=self.softmax_scale, dropout=dropout)
+        # [b, np, sq, hn] -> [sq, b, np*hn]
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+    def _packed(self, query, key, value, params, dropout):
+        t = query.shape[0]
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None \
+            else params.cu_seqlens_q
+        varlen = _varlen_attn(query.shape[1] != key.shape[1]) if query.is_cuda else None
+        if varlen is not None and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0:
+            out = varlen(query, key, value, cu.to(torch.int32), int(params.max_seqlen_q),
+                         self.softmax_scale)
+            return out.reshape(t, -1)
+        # [t, n, d] -> [1, n, t, d]
+        q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+        if query.is_cuda:  # one causal call per sequence: no [t, t] mask, flash kernels
+            bounds = cu.tolist()
+            outs = [_sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True,
+                          scale=self.softmax_scale, dropout=dropout)
+                    for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            out = torch.cat(outs, dim=2)
+        else:
+            out = _sdpa(q, k, v, mask=block_causal_mask(cu, t), scale=self.softmax_scale,
+                        dropout=dropout)
+        # [1, np, t, hn] -> [t, np*hn]
+        return out[0].permute(1, 0, 2).reshape(t, -1)
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm with its weight in the model's params dtype; torch's fused kernel.
+
+    Constructed like Megatron's norms: RMSNorm(config=, hidden_size=, eps=). The parameter is
+    named `weight`, as in torch.nn.RMSNorm, so checkpoints and the HF mapping are unchanged.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__()
+        assert config.normalization == "RMSNorm", "megaprm's RMSNorm for RMSNorm configs only"
+        assert not config.sequence_parallel, "RMSNorm: sequence parallel is not supported"
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype, device=device))
+        self.eps = eps
+        self.shape = (hidden_size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.shape, self.weight.to(x.dtype), self.eps)
