@@ -58,6 +58,7 @@ class DataConfig:
 
     task: str = "arithmetic"
     path: Optional[str] = None
+    eval_path: Optional[str] = None  # held-out prompts for trainer.eval_every (task=math)
     prompts_per_step: int = 16
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
 
@@ -102,9 +103,11 @@ class ActorConfig:
     micro_batch_size: int = 16
 
     def __post_init__(self):
-        _check(self.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
-               "actor.loss_agg", self.loss_agg,
-               "token-mean, seq-mean-token-mean or seq-mean-token-sum")
+        _check(self.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                 "seq-mean-token-sum-norm"),
+               "actor.loss_agg", self.loss_agg, "token-mean, seq-mean-token-mean, "
+               "seq-mean-token-sum or seq-mean-token-sum-norm (Dr.GRPO; divides by "
+               "rollout.max_tokens)")
         _check(self.kl_kind in ("k1", "k2", "k3", "low_var_kl"), "actor.kl_kind", self.kl_kind,
                "k1, k2, k3 or low_var_kl")
         _check(self.mini_batches >= 1, "actor.mini_batches", self.mini_batches, ">= 1")
@@ -120,6 +123,9 @@ class PRMConfig:
 
     kind: str = "discriminative"
     path: Optional[str] = None
+    # how responses are fed to a discriminative PRM (rewards.scoring): auto | qwen25_math_prm |
+    # pure | raw | megaprm; auto errors for a downloaded PRM it cannot identify
+    input_format: str = "auto"
     beta: float = 0.05
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, clip_grad=10.0))
     low_score: float = 0.5  # a step is "low" (PRM says wrong) below this probability
@@ -127,22 +133,40 @@ class PRMConfig:
     def __post_init__(self):
         _check(self.kind in ("discriminative", "implicit", "none"), "prm.kind", self.kind,
                "discriminative, implicit or none")
+        _check(self.input_format in ("auto", "qwen25_math_prm", "pure", "raw", "megaprm"),
+               "prm.input_format", self.input_format, "auto, qwen25_math_prm, pure, raw or megaprm")
 
 
 @dataclass
 class TrainerConfig:
+    """Run length, seed, run directory, checkpoints and logging.
+
+    `save_every`: 0 = only at the end; `keep_last`: checkpoints kept (0 = all); `resume`: restart
+    from `run_dir/checkpoints/latest` (refused when the method/model/data/rollout/update config
+    differs, unless `allow_config_change`); `eval_every`: held-out greedy evaluation every N steps
+    (0 = never) on `eval_problems` problems; `export_hf`: write the final policy as an HF
+    directory `run_dir/hf`; `log_samples`: generations per step written to samples.jsonl."""
+
     steps: int = 20
     seed: int = 1234
     run_dir: str = "runs/default"
-    save_every: int = 0  # 0: only at the end
+    save_every: int = 0
+    keep_last: int = 0
     resume: bool = True
+    allow_config_change: bool = False
     eval_every: int = 0
     eval_problems: int = 64
+    export_hf: bool = False
+    log_samples: int = 4
     wandb: str = "offline"  # offline | online | disabled
     progress: bool = True
 
     def __post_init__(self):
         _check(self.steps >= 0, "trainer.steps", self.steps, ">= 0")
+        for k in ("save_every", "keep_last", "eval_every", "log_samples"):
+            v = getattr(self, k)
+            _check(isinstance(v, int) and v >= 0, f"trainer.{k}", v, "an integer >= 0 (0 = off)")
+        _check(self.eval_problems >= 1, "trainer.eval_problems", self.eval_problems, ">= 1")
         _check(self.wandb in ("offline", "online", "disabled"), "trainer.wandb", self.wandb,
                "offline, online or disabled")
 
@@ -163,6 +187,9 @@ class Config:
         if needs_steps and self.prm.kind != "discriminative":
             raise ConfigError(f"advantage.method={self.advantage.method!r} needs per-step scores: "
                               f"set prm.kind=discriminative (got {self.prm.kind!r})")
+        if self.trainer.eval_every and self.data.task == "math" and not self.data.eval_path:
+            raise ConfigError("trainer.eval_every needs data.eval_path (held-out prompts) for "
+                              "data.task=math; set it or trainer.eval_every=0")
         if self.advantage.method == "prime" and self.prm.kind != "implicit":
             raise ConfigError("advantage.method='prime' needs prm.kind=implicit "
                               f"(got {self.prm.kind!r})")

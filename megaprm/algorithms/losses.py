@@ -14,13 +14,14 @@ import torch.nn.functional as F
 
 from megaprm.algorithms.validation import check_choice, check_mask, check_tensor
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,
                    global_tokens: float | None = None,
-                   global_seqs: float | None = None) -> torch.Tensor:
+                   global_seqs: float | None = None,
+                   norm_len: float | None = None) -> torch.Tensor:
     """Reduce a per-token `loss[B, T]` to a scalar (§5.4).
 
     * `"token-mean"`: `sum(loss * mask) / global_tokens` — pass the valid-token count of the whole
@@ -28,6 +29,10 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-me
       gradients over DP reproduces the mini-batch token mean (PRIME, PROF, PAPO).
     * `"seq-mean-token-mean"`: per-sequence token mean, summed and divided by `global_seqs` (PURE).
     * `"seq-mean-token-sum"`: per-sequence token sum, summed and divided by `global_seqs`.
+    * `"seq-mean-token-sum-norm"` (Dr.GRPO, arXiv 2503.20783; verl's `agg_loss` mode of that
+      name): per-sequence token sum divided by a constant `norm_len` (the generation budget,
+      e.g. rollout.max_tokens; default the padded width T as in verl), then the mean over
+      sequences (`global_seqs`), so no response length enters the normaliser.
     Without the global counts the local ones are used (single micro-batch, single rank).
     """
     check_choice(mode, "loss_agg_mode", AGG_MODES)
@@ -38,6 +43,12 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-me
     per_seq = (loss * m).sum(1)
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / m.sum(1).clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        width = float(loss.shape[-1]) if norm_len is None else float(norm_len)
+        if width <= 0:
+            raise ValueError(f"norm_len={norm_len!r}: seq-mean-token-sum-norm needs a constant > 0 "
+                             "(the generation budget, e.g. rollout.max_tokens)")
+        per_seq = per_seq / width
     denom = float(loss.shape[0]) if global_seqs is None else float(global_seqs)
     return per_seq.sum() / max(denom, 1.0)
 
@@ -78,13 +89,13 @@ def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.
                   mask: torch.Tensor, *, eps_low: float = 0.2, eps_high: float = 0.2,
                   dual_clip_c: float | None = 3.0, agg: str = "token-mean",
                   global_tokens: float | None = None, global_seqs: float | None = None,
-                  ) -> tuple[torch.Tensor, PolicyLossMetrics]:
+                  norm_len: float | None = None) -> tuple[torch.Tensor, PolicyLossMetrics]:
     """PPO clipped surrogate with clip-higher and dual clip (§5.3) -> `(loss, metrics)`.
 
     `rho = exp(logp - logp_old)` (log-ratio clamped to [-20, 20]); per token
     `l = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))`; where A < 0 and `dual_clip_c`
     is set, `l = min(l, -A c)` (c > 1; verl default 3; `None` disables it as in PRIME/PURE).
-    Shapes `[B, T]`; aggregated with `aggregate_loss(agg, global_tokens, global_seqs)`.
+    Shapes `[B, T]`; aggregated with `aggregate_loss(agg, global_tokens, global_seqs, norm_len)`.
     """
     shape = tuple(logp.shape)
     check_tensor(logp, "logp", (None, None), finite=False, dims="[B, T]")
@@ -106,7 +117,8 @@ def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.
         pg3 = -advantages * dual_clip_c
         dual = (advantages < 0) & (clipped > pg3)
         per_token = torch.where(advantages < 0, torch.minimum(clipped, pg3), clipped)
-    loss = aggregate_loss(per_token, m, agg, global_tokens=global_tokens, global_seqs=global_seqs)
+    loss = aggregate_loss(per_token, m, agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                          norm_len=norm_len)
 
     with torch.no_grad():
         n = m.sum().clamp(min=1)
@@ -123,9 +135,11 @@ def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.
 
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", *,
                   global_tokens: float | None = None,
-                  global_seqs: float | None = None) -> torch.Tensor:
+                  global_seqs: float | None = None,
+                  norm_len: float | None = None) -> torch.Tensor:
     """Aggregated token entropy `[B, T]` -> scalar; the actor loss subtracts `coef * this` (§5.6)."""
-    return aggregate_loss(entropy, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs)
+    return aggregate_loss(entropy, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                          norm_len=norm_len)
 
 
 def actor_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
@@ -134,12 +148,14 @@ def actor_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Ten
                entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
                logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
                kl_kind: str = "low_var_kl", global_tokens: float | None = None,
-               global_seqs: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+               global_seqs: float | None = None,
+               norm_len: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO loss `- entropy_coef * H + kl_coef * KL(pi || ref)` (KL as a loss, §5.5) -> `(loss, metrics)`.
 
-    The entropy and KL terms use the same aggregation and global normalisers as the PPO term.
+    The entropy and KL terms use the same aggregation and global normalisers as the PPO term;
+    `norm_len` is seq-mean-token-sum-norm's constant (pass rollout.max_tokens).
     """
-    norms = dict(global_tokens=global_tokens, global_seqs=global_seqs)
+    norms = dict(global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
     loss, pm = ppo_clip_loss(logp, logp_old, advantages, mask, eps_low=eps_low, eps_high=eps_high,
                              dual_clip_c=dual_clip_c, agg=agg, **norms)
     metrics = pm.as_dict()

@@ -306,9 +306,12 @@ def _papo(cfg, x, group, generator):
 
 @register("blend")
 def _blend(cfg, x, group, generator):
+    # GRPO on o + beta * mean step score (adv_lib.blend's reward) with advantage.grpo.eps, the
+    # eps of the released GRPO advantage that blend_grpo calls (verl default 1e-6).
     p = x.sequence_process_score("blend")
-    return _sequence_output(adv_lib.blend(x.outcome, p, x.group_ids, beta=cfg.blend.beta,
-                                          group=group), x)
+    reward = x.outcome.to(torch.float64) + cfg.blend.beta * p.to(torch.float64)
+    adv = adv_lib.grpo(reward, x.group_ids, eps=cfg.grpo.eps, group=group)
+    return _sequence_output(adv.to(x.outcome.dtype), x)
 
 
 @register("prof_grpo")

@@ -19,11 +19,27 @@ trained here is scored on exactly the token layout it was trained on):
 Sequences are compacted (no left padding) so a plain causal mask is exact and positions start
 at 0 in both training and scoring. A saved PRM records its format in config.json
 (`PRMInputFormat.to_hf` / `from_hf`).
+
+Formats by name (`prm.input_format`, resolved by `resolve_prm_input_format`):
+
+* `megaprm`: what a PRM written by `megaprm train-prm` recorded in its config.json;
+* `raw`: the token layout above with the policy's own closing tokens;
+* `pure`: PURE's PRM (CJReinforce/PURE experience_maker.py:831-852): the policy prompt tokens
+  (no chat template), every step's closing token replaced by the one token "\n";
+* `qwen25_math_prm`: Qwen2.5-Math-PRM-7B as PROF-GRPO calls it (prof_dp_rm.py:259-299), a
+  text-level format (`ChatStepFormat`): the decoded response is split into PROF's steps
+  (`steps.prof_steps`), joined and closed by "<extra_0>", and wrapped in the PRM's chat template
+  with PROF's system message; step h is scored at the h-th "<extra_0>" (at most 100);
+* `auto`: `megaprm` when config.json has the record, `qwen25_math_prm` for a
+  Qwen2ForProcessRewardModel whose tokenizer has "<extra_0>" and a chat template; anything
+  else is a ConfigError naming the choices (never a silent raw default).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -33,9 +49,14 @@ from megaprm.models.prm import (StepScores, gather_positions, head_step_scores,
                                 implicit_step_scores, implicit_token_rewards)
 from megaprm.parallel import pipeline
 from megaprm.parallel.groups import Groups
-from megaprm.rewards.steps import StepSegmentation, segment_steps
+from megaprm.rewards.steps import PROF_MAX_STEPS, StepSegmentation, prof_steps, segment_steps
 
 HF_CONFIG_KEY = "megaprm_prm_input"
+PRM_INPUT_FORMATS = ("auto", "qwen25_math_prm", "pure", "raw", "megaprm")
+QWEN_PRM_STEP_TOKEN = "<extra_0>"
+# PROF-GRPO's system message, exactly as released (prof_dp_rm.py:268): a plain string, so the
+# braces stay doubled; the PRM's model card writes "\boxed{}".
+PROF_PRM_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{{}}."
 
 
 @dataclass(frozen=True)
@@ -49,9 +70,116 @@ class PRMInputFormat:
 
     @classmethod
     def from_hf(cls, hf_config: dict) -> "PRMInputFormat":
-        """The format a megaprm-trained PRM recorded; raw when the config says nothing."""
+        """The format a megaprm-trained PRM recorded; raw when the config says nothing (prefer
+        `resolve_prm_input_format`, which refuses to guess for a downloaded PRM)."""
         entry = hf_config.get(HF_CONFIG_KEY) or {}
         return cls(step_marker_id=entry.get("step_marker_id"))
+
+
+@dataclass(frozen=True)
+class ChatStepFormat:
+    """A text-level PRM format (Qwen2.5-Math-PRM as PROF-GRPO calls it; module docstring).
+
+    `tokenizer` is the PRM's (it decodes the policy's ids too: PROF's policy and PRM share the
+    Qwen2.5 vocabulary); `max_length` truncates on the right like the released tokenizer call
+    (reward_model.model.max_length = actor.ppo_max_token_len_per_gpu, verl default 16384)."""
+
+    tokenizer: Any = field(compare=False, repr=False)
+    step_token: str = QWEN_PRM_STEP_TOKEN
+    system: str = PROF_PRM_SYSTEM
+    max_steps: int = PROF_MAX_STEPS
+    max_length: int = 16384
+    name: str = "qwen25_math_prm"
+
+    @property
+    def step_token_id(self) -> int:
+        return int(self.tokenizer.convert_tokens_to_ids(self.step_token))
+
+    def conversation(self, prompt_text: str, response_text: str) -> str:
+        """The released PRM input string of one sample (prof_dp_rm.py:269-280): the query is the
+        decoded prompt with the system message removed, the steps joined and closed by
+        `step_token`, through the PRM's chat template (no generation prompt)."""
+        query = prompt_text.replace(self.system, "").strip()
+        steps = prof_steps(response_text)
+        messages = [{"role": "system", "content": self.system},
+                    {"role": "user", "content": query},
+                    {"role": "assistant", "content": self.step_token.join(steps) + self.step_token}]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=False)
+
+
+AnyPRMFormat = Union[PRMInputFormat, ChatStepFormat]
+
+
+def _load_prm_tokenizer(prm_dir: str):
+    """The tokenizer saved with the PRM, or None. A plain tokenizer.json pipeline is loaded as
+    such (AutoTokenizer would rebuild it as the model family's class from config.json)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if not any(os.path.isfile(os.path.join(prm_dir, f))
+               for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    try:
+        cfg_file = os.path.join(prm_dir, "tokenizer_config.json")
+        if os.path.isfile(cfg_file):
+            with open(cfg_file, encoding="utf-8") as f:
+                if json.load(f).get("tokenizer_class") in ("TokenizersBackend",
+                                                           "PreTrainedTokenizerFast"):
+                    return PreTrainedTokenizerFast.from_pretrained(prm_dir)
+        return AutoTokenizer.from_pretrained(prm_dir)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def resolve_prm_input_format(name: str, prm_dir: str, *, hf_config: Optional[dict] = None,
+                             tokenizer=None, max_length: int = 16384) -> AnyPRMFormat:
+    """`prm.input_format` -> the format to score with (module docstring). `tokenizer`: the PRM's
+    (loaded from `prm_dir` when None and needed). Raises ConfigError with the choices."""
+    from megaprm.config import ConfigError
+
+    choices = ", ".join(PRM_INPUT_FORMATS)
+    if name not in PRM_INPUT_FORMATS:
+        raise ConfigError(f"prm.input_format={name!r} is not valid: one of {choices}")
+    if hf_config is None:
+        with open(os.path.join(prm_dir, "config.json"), encoding="utf-8") as f:
+            hf_config = json.load(f)
+    archs = hf_config.get("architectures") or []
+    recorded = HF_CONFIG_KEY in hf_config
+    if name == "auto":
+        if recorded:
+            name = "megaprm"
+        else:
+            tok = tokenizer if tokenizer is not None else _load_prm_tokenizer(prm_dir)
+            if ("Qwen2ForProcessRewardModel" in archs and tok is not None
+                    and QWEN_PRM_STEP_TOKEN in tok.get_vocab() and tok.chat_template):
+                name, tokenizer = "qwen25_math_prm", tok
+            else:
+                raise ConfigError(
+                    f"prm.input_format=auto cannot tell how to feed the PRM at prm.path={prm_dir!r} "
+                    f"(architectures={archs}, no {HF_CONFIG_KEY!r} record); set prm.input_format "
+                    f"to one of qwen25_math_prm, pure, raw, megaprm")
+    if name == "megaprm":
+        if not recorded:
+            raise ConfigError(f"prm.input_format=megaprm but {prm_dir}/config.json has no "
+                              f"{HF_CONFIG_KEY!r} record (not written by megaprm train-prm); "
+                              f"set prm.input_format to one of qwen25_math_prm, pure, raw")
+        return PRMInputFormat.from_hf(hf_config)
+    if name == "raw":
+        return PRMInputFormat()
+    tok = tokenizer if tokenizer is not None else _load_prm_tokenizer(prm_dir)
+    if tok is None:
+        raise ConfigError(f"prm.input_format={name} needs the PRM's tokenizer, and {prm_dir!r} has "
+                          "none; save the tokenizer next to the PRM")
+    if name == "pure":
+        ids = tok("\n", add_special_tokens=False).input_ids
+        if len(ids) != 1:
+            raise ConfigError(f"prm.input_format=pure: the tokenizer of {prm_dir!r} encodes "
+                              f"'\\n' as {len(ids)} tokens; PURE's PRM reads one '\\n' per step")
+        return PRMInputFormat(step_marker_id=ids[0])
+    if QWEN_PRM_STEP_TOKEN not in tok.get_vocab() or not tok.chat_template:
+        raise ConfigError(f"prm.input_format=qwen25_math_prm: the tokenizer of {prm_dir!r} needs "
+                          f"the {QWEN_PRM_STEP_TOKEN} token and a chat template (Qwen2.5-Math-PRM's)")
+    return ChatStepFormat(tokenizer=tok, max_length=max_length)
 
 
 @dataclass(frozen=True)
@@ -108,6 +236,44 @@ def batch_from_rollouts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     return build_prm_batch(prompts, responses, seg, fmt, pad_id), seg
 
 
+def build_chat_prm_batch(prompt_texts: Sequence[str], response_texts: Sequence[str],
+                         fmt: ChatStepFormat) -> PRMBatch:
+    """`ChatStepFormat` inputs of B samples: each conversation tokenised on its own (compacted,
+    right-padded with the tokenizer's pad id), truncated to `fmt.max_length` on the right;
+    step h is scored at the h-th `step_token` for h < max_steps (prof_dp_rm.py:240-246)."""
+    tok, marker = fmt.tokenizer, fmt.step_token_id
+    rows = [torch.tensor(tok(fmt.conversation(p, r), truncation=True, max_length=fmt.max_length,
+                             add_special_tokens=True).input_ids, dtype=torch.long)
+            for p, r in zip(prompt_texts, response_texts)]
+    B = len(rows)
+    marks = [torch.nonzero(row == marker).flatten()[: fmt.max_steps] for row in rows]
+    L = max([row.numel() for row in rows] + [1])
+    S = max([m.numel() for m in marks] + [1])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = torch.full((B, L), pad, dtype=torch.long)
+    index = torch.zeros(B, S, dtype=torch.long)
+    step_mask = torch.zeros(B, S, dtype=torch.bool)
+    for i, (row, m) in enumerate(zip(rows, marks)):
+        ids[i, : row.numel()] = row
+        index[i, : m.numel()] = m
+        step_mask[i, : m.numel()] = True
+    return PRMBatch(ids, torch.tensor([r.numel() for r in rows], dtype=torch.long), index,
+                    step_mask)
+
+
+def chat_batch_from_rollouts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                             response_ids: torch.Tensor, response_mask: torch.Tensor,
+                             fmt: ChatStepFormat) -> PRMBatch:
+    """Rollout tensors -> `build_chat_prm_batch` of their texts, decoded as released
+    (skip_special_tokens=True: padding and EOS vanish)."""
+    dec = fmt.tokenizer.decode
+    prompts = [dec(prompt_ids[i][prompt_mask[i].bool()].tolist(), skip_special_tokens=True)
+               for i in range(prompt_ids.shape[0])]
+    responses = [dec(response_ids[i][response_mask[i].bool()].tolist(), skip_special_tokens=True)
+                 for i in range(response_ids.shape[0])]
+    return build_chat_prm_batch(prompts, responses, fmt)
+
+
 def micro_batches(batch: PRMBatch, size: int, pp: int,
                   labels: Optional[torch.Tensor] = None,
                   loss_mask: Optional[torch.Tensor] = None) -> List[pipeline.TokenBatch]:
@@ -154,11 +320,16 @@ def run_prm(model, groups: Groups, batch: PRMBatch, *, head: str, micro_batch_si
 
 def score_rollouts(model, groups: Groups, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                    response_ids: torch.Tensor, response_mask: torch.Tensor, *, sep_ids,
-                   fmt: PRMInputFormat, head: str, micro_batch_size: int, pad_id: int = 0):
+                   fmt: AnyPRMFormat, head: str, micro_batch_size: int, pad_id: int = 0):
     """Per-step PRM scores of this rank's rollouts -> (StepScores [B, S], StepSegmentation).
 
     Step k of response i closes at response position seg.step_end_index[i, k] (where a
-    per-token reward for it goes)."""
+    per-token reward for it goes). A text-level `ChatStepFormat` has no token map: the
+    segmentation is None and the steps are PROF's text steps (scores.step_mask; their count is
+    `steps.prof_num_steps` of the decoded texts unless max_length truncated the input)."""
+    if isinstance(fmt, ChatStepFormat):
+        batch = chat_batch_from_rollouts(prompt_ids, prompt_mask, response_ids, response_mask, fmt)
+        return run_prm(model, groups, batch, head=head, micro_batch_size=micro_batch_size), None
     batch, seg = batch_from_rollouts(prompt_ids, prompt_mask, response_ids, response_mask,
                                      sep_ids, fmt, pad_id)
     return run_prm(model, groups, batch, head=head, micro_batch_size=micro_batch_size), seg

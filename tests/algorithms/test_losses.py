@@ -31,7 +31,7 @@ def _ref_token_loss(lp, old, a, el, eh, c):
     return l
 
 
-def _ref_agg(loss, mask, mode, tokens=None, seqs=None):
+def _ref_agg(loss, mask, mode, tokens=None, seqs=None, norm_len=None):
     b, t = len(loss), len(loss[0])
     if mode == "token-mean":
         n = sum(sum(r) for r in mask) if tokens is None else tokens
@@ -39,7 +39,11 @@ def _ref_agg(loss, mask, mode, tokens=None, seqs=None):
     per = []
     for i in range(b):
         tot = sum(loss[i][s] * mask[i][s] for s in range(t))
-        per.append(tot / sum(mask[i]) if mode == "seq-mean-token-mean" else tot)
+        if mode == "seq-mean-token-mean":
+            tot = tot / sum(mask[i])
+        elif mode == "seq-mean-token-sum-norm":  # Dr.GRPO: token sum / a constant length
+            tot = tot / (t if norm_len is None else norm_len)
+        per.append(tot)
     return sum(per) / (b if seqs is None else seqs)
 
 
@@ -48,12 +52,13 @@ def _ref_agg(loss, mask, mode, tokens=None, seqs=None):
        agg=st.sampled_from(list(L.AGG_MODES)), norm=st.booleans())
 def test_ppo_clip_matches_loop(seed, eps, c, agg, norm):
     logp, old, adv, mask = _data(seed)
-    tokens, seqs = (37.0, 9.0) if norm else (None, None)
+    tokens, seqs, norm_len = (37.0, 9.0, 64.0) if norm else (None, None, None)
     loss, m = L.ppo_clip_loss(logp, old, adv, mask, eps_low=eps[0], eps_high=eps[1], dual_clip_c=c,
-                              agg=agg, global_tokens=tokens, global_seqs=seqs)
+                              agg=agg, global_tokens=tokens, global_seqs=seqs, norm_len=norm_len)
     per = [[_ref_token_loss(logp[i, s].item(), old[i, s].item(), adv[i, s].item(), *eps, c)
             for s in range(logp.shape[1])] for i in range(logp.shape[0])]
-    assert loss.item() == pytest.approx(_ref_agg(per, mask.tolist(), agg, tokens, seqs), rel=1e-9, abs=1e-12)
+    want = _ref_agg(per, mask.tolist(), agg, tokens, seqs, norm_len)
+    assert loss.item() == pytest.approx(want, rel=1e-9, abs=1e-12)
     assert 0.0 <= m.clip_frac <= 1.0 and 0.0 <= m.dual_clip_frac <= 1.0
     assert set(m.as_dict()) >= {"actor/clip_frac", "actor/approx_kl"}
 
@@ -77,6 +82,34 @@ def test_token_mean_over_microbatches_equals_full_batch():
     parts = [L.ppo_clip_loss(logp[s], old[s], adv[s], mask[s], global_tokens=n)[0]
              for s in (slice(0, 2), slice(2, 6))]
     assert (parts[0] + parts[1]).item() == pytest.approx(full.item(), rel=1e-12)
+
+
+def test_drgrpo_seq_mean_token_sum_norm():
+    """Dr.GRPO: sum_t l_{i,t} / MAX_LEN averaged over sequences, on a hand-computed batch; the
+    micro-batch split with global counts gives the full-batch value; length does not normalise
+    (a response twice as long with the same per-token loss contributes twice as much)."""
+    loss = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 4.0, 9.0, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.float64)
+    got = L.aggregate_loss(loss, mask, "seq-mean-token-sum-norm", norm_len=10)
+    assert got.item() == pytest.approx(((1 + 2 + 3) / 10 + (4 + 4) / 10) / 2, rel=1e-12)
+    # verl's default divisor is the padded width T
+    assert L.aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == \
+        pytest.approx(((1 + 2 + 3) / 4 + (4 + 4) / 4) / 2, rel=1e-12)
+    parts = [L.aggregate_loss(loss[s], mask[s], "seq-mean-token-sum-norm", global_seqs=2,
+                              norm_len=10) for s in (slice(0, 1), slice(1, 2))]
+    assert (parts[0] + parts[1]).item() == pytest.approx(got.item(), rel=1e-12)
+    flat = torch.ones(2, 4, dtype=torch.float64)
+    short_long = L.aggregate_loss(flat, torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0]]).double(),
+                                  "seq-mean-token-sum-norm", global_seqs=1, norm_len=4)
+    assert short_long.item() == pytest.approx((1 + 2) / 4)
+    with pytest.raises(ValueError, match="norm_len=0"):
+        L.aggregate_loss(loss, mask, "seq-mean-token-sum-norm", norm_len=0)
+    lp, old, adv, m = _data(3)
+    total, _ = L.actor_loss(lp, old, adv, m, agg="seq-mean-token-sum-norm", norm_len=32,
+                            entropy=torch.ones_like(lp), entropy_coef=0.5)
+    pg, _ = L.ppo_clip_loss(lp, old, adv, m, agg="seq-mean-token-sum-norm", norm_len=32)
+    ent = (m.sum(1) / 32).mean()
+    assert total.item() == pytest.approx((pg - 0.5 * ent).item(), rel=1e-12)
 
 
 @settings(max_examples=30, deadline=None)
