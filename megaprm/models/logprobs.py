@@ -5,6 +5,12 @@ all-reduces over the tp group (max, sum of exp, the target's logit) give exact l
 values; entropy needs one more (sum of p*z). Padded vocabulary rows (>= the true vocab size)
 are masked to -inf so they carry no probability, as in the HF model.
 
+By default the computation is chunked over tokens (`_ChunkedLogProb`): the fp32 softmax of
+one chunk of `chunk_tokens` tokens at a time, recomputed chunk by chunk in backward, so neither
+an fp32 copy of the [b, s, V/tp] logits nor its exp / probabilities are kept; the collectives
+are batched over all chunks (one MAX and one SUM all-reduce per call). `chunk_tokens=0` is the
+unchunked path, kept as the reference the tests and the benchmark compare with.
+
 The tp group is passed in (None or size 1 = no communication); this module never reads
 Megatron's globals.
 """
@@ -78,13 +84,104 @@ class _VocabParallelLogProb(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def _blocks(b: int, s: int, chunk_tokens: int):
+    """(row slice, token slice) blocks of at most ~chunk_tokens tokens covering [b, s]: whole
+    rows together when rows are short, else token ranges within each row."""
+    if s <= chunk_tokens:
+        step = max(1, chunk_tokens // max(s, 1))
+        for r in range(0, b, step):
+            yield slice(r, min(r + step, b)), slice(0, s)
+    else:
+        for r in range(b):
+            for t in range(0, s, chunk_tokens):
+                yield slice(r, r + 1), slice(t, min(t + chunk_tokens, s))
+
+
+class _ChunkedLogProb(torch.autograd.Function):
+    """log p(target) and entropy, chunk by chunk in fp32; backward recomputes each chunk.
+
+    Per token, with z = x - max (x = logits / temperature over the valid vocabulary columns):
+    S = sum exp z, log p(target) = z_target - log S, H = log S - sum(exp z * z) / S.
+    Saved for backward: the input logits (already alive: the output layer made them), the
+    max [b, s], S [b, s] and E_p[z] [b, s]. d logp / dx = onehot - p; dH / dx = -p (z - E_p[z]).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, n_valid, group, with_entropy, temperature,
+                chunk_tokens):
+        b, s, local_v = logits.shape
+        dev = logits.device
+        z_max = torch.empty(b, s, dtype=torch.float32, device=dev)
+        blocks = list(_blocks(b, s, chunk_tokens))
+        for rows, toks in blocks:
+            x = logits[rows, toks, :n_valid].float()
+            z_max[rows, toks] = x.max(-1).values / temperature if n_valid else float("-inf")
+        _all_reduce(z_max, dist.ReduceOp.MAX, group)
+        in_shard = (target >= vocab_start) & (target < vocab_start + n_valid)
+        local_idx = (target - vocab_start).clamp(0, max(n_valid - 1, 0))
+        # stats[0] = S, stats[1] = z_target (0 off this shard), stats[2] = sum exp(z) * z
+        stats = torch.zeros(3, b, s, dtype=torch.float32, device=dev)
+        for rows, toks in blocks:
+            if not n_valid:
+                break
+            z = logits[rows, toks, :n_valid].float() / temperature - z_max[rows, toks, None]
+            e = z.exp()
+            stats[0, rows, toks] = e.sum(-1)
+            zt = z.gather(-1, local_idx[rows, toks, None]).squeeze(-1)
+            stats[1, rows, toks] = torch.where(in_shard[rows, toks], zt, torch.zeros_like(zt))
+            if with_entropy:
+                stats[2, rows, toks] = (e * z).sum(-1)
+        _all_reduce(stats, dist.ReduceOp.SUM, group)
+        sum_exp, tgt, sum_ez = stats
+        log_z = sum_exp.log()
+        logp = tgt - log_z
+        e_z = sum_ez / sum_exp
+        entropy = log_z - e_z if with_entropy else torch.zeros_like(logp)
+        ctx.save_for_backward(logits, z_max, sum_exp, e_z, local_idx, in_shard)
+        ctx.args = (n_valid, with_entropy, temperature, blocks)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, z_max, sum_exp, e_z, local_idx, in_shard = ctx.saved_tensors
+        n_valid, with_entropy, temperature, blocks = ctx.args
+        grad = torch.zeros_like(logits)
+        for rows, toks in blocks:
+            if not n_valid:
+                break
+            z = logits[rows, toks, :n_valid].float() / temperature - z_max[rows, toks, None]
+            p = z.exp() / sum_exp[rows, toks, None]
+            gl = g_logp[rows, toks, None]
+            g = -p * gl
+            onehot = in_shard[rows, toks, None].to(g.dtype) * gl
+            g.scatter_add_(-1, local_idx[rows, toks, None], onehot)
+            if with_entropy:
+                g -= p * (z - e_z[rows, toks, None]) * g_ent[rows, toks, None]
+            grad[rows, toks, :n_valid] = (g / temperature).to(grad.dtype)
+        return grad, None, None, None, None, None, None, None
+
+
 def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None,
                             tp_rank: int = 0, vocab_size: Optional[int] = None,
-                            with_entropy: bool = False, temperature: float = 1.0):
+                            with_entropy: bool = False, temperature: float = 1.0,
+                            chunk_tokens: int = 2048):
     """log p(target) [b, s] (and entropy [b, s]) from logits [b, s, V/tp] of this tp rank.
 
-    `vocab_size` is the true (unpadded) vocabulary; rows past it are excluded. Computed in fp32.
+    `vocab_size` is the true (unpadded) vocabulary; rows past it are excluded. Computed in fp32
+    (of logits / temperature), `chunk_tokens` tokens at a time (0 = all at once, unchunked).
     """
+    if chunk_tokens:
+        assert temperature > 0, f"temperature={temperature} must be > 0"
+        lead = logits.shape[:-1]
+        if logits.dim() != 3:  # [b, s, V] blocks; any other leading shape as one row
+            logits, target = logits.reshape(1, -1, logits.shape[-1]), target.reshape(1, -1)
+        local_v = logits.shape[-1]
+        vocab_start = tp_rank * local_v
+        n_valid = local_v if vocab_size is None else max(0, min(local_v, vocab_size - vocab_start))
+        logp, ent = _ChunkedLogProb.apply(logits, target, vocab_start, n_valid, tp_group,
+                                          with_entropy, float(temperature), int(chunk_tokens))
+        logp, ent = logp.reshape(lead), ent.reshape(lead)
+        return (logp, ent) if with_entropy else logp
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
