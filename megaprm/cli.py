@@ -1,103 +1,209 @@
-"""`megaprm {demo,train,train-prm,eval,bench,convert}`: thin wrappers over the packages.
+"""`megaprm {demo,train,train-prm,eval,bench,plot,convert}`: thin wrappers over the packages.
 
-Commands that need several ranks re-launch themselves under torchrun when they are not already
-running under it (`--nproc` ranks on this node). User errors print one line and exit 2.
+Commands that need several ranks validate everything they can without ranks (config, model vs
+tp/pp, paths, resume layout), then re-launch themselves under torchrun through
+`parallel.launch` (`--nproc` ranks per node; `--nnodes/--node-rank/--master-addr` for several
+nodes). A user error prints one line, once, and exits 2 - in the launcher or in any rank.
+The CLI imports the packages; no package imports the CLI.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
+import traceback
 
 
-def _torchrun(nproc: int, argv: list) -> int:
-    """Re-run `megaprm <argv>` as `nproc` torchrun ranks on this machine."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "megaprm.cli", *argv]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.call(cmd, env=env)
+def _user_errors() -> tuple:
+    """Exception types that are the user's to fix (one line, exit 2), not megaprm bugs."""
+    from megaprm.config import ConfigError
+    from megaprm.parallel.init import ParallelConfigError
+    from megaprm.parallel.launch import LaunchError
+    from megaprm.trainer.checkpoint import CheckpointError
+
+    types = [ConfigError, ParallelConfigError, LaunchError, CheckpointError, FileNotFoundError,
+             ValueError]
+    try:
+        from checkpoint_tools.layout import ConversionError
+        types.append(ConversionError)
+    except ImportError:
+        pass
+    return tuple(types)
 
 
-def _under_torchrun() -> bool:
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+def _on_ranks(args, argv, preflight, body) -> int:
+    """`preflight()` in the launcher, then `body()` on every torchrun rank."""
+    from megaprm.parallel import launch
 
+    if not launch.under_torchrun():
+        preflight()
+        return launch.relaunch(args, argv)
+    launch.die_with_parent()
+    return body()
+
+
+# ------------------------------------------------------------------------------ subcommands
 
 def cmd_demo(args) -> int:
-    if not _under_torchrun():
-        return _torchrun(args.nproc, sys.argv[1:])
     from megaprm import demo
-    from megaprm.parallel.init import destroy, init_distributed
 
     dcfg = demo.DemoConfig(run_dir=args.run_dir, method=args.method, seed=args.seed,
                            **({"rl_steps": args.rl_steps} if args.rl_steps else {}),
                            **({"warmup_steps": args.warmup_steps} if args.warmup_steps else {}))
-    groups = init_distributed(tp=1, pp=1, seed=args.seed)
-    summary = demo.run(dcfg, groups)
-    if groups.rank == 0:
-        demo.print_summary(summary)
-    destroy()
-    return 0
+
+    def preflight():
+        from megaprm.parallel.launch import world_size_of
+
+        world_size_of(args)  # --nproc vs GPUs, node rank
+
+    def body():
+        from megaprm.parallel.init import destroy, init_distributed
+
+        groups = init_distributed(tp=1, pp=1, seed=args.seed)
+        summary = demo.run(dcfg, groups)
+        if groups.rank == 0:
+            demo.print_summary(summary)
+        destroy()
+        return 0
+
+    return _on_ranks(args, sys.argv[1:], preflight, body)
 
 
 def cmd_train(args) -> int:
     from megaprm.config import load_config
 
-    cfg = load_config(args.config, args.overrides)  # validate before launching ranks
-    if not _under_torchrun():
-        return _torchrun(args.nproc, sys.argv[1:])
-    from megaprm.parallel.init import destroy, init_distributed
-    from megaprm.rewards.prm_training import load_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    cfg = load_config(args.config, args.overrides)
 
-    groups = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed)
-    # not AutoTokenizer: next to a Qwen2 config it would rebuild the char tokenizer as
-    # Qwen2Tokenizer, which splits the "\n\n" step separator into two tokens
-    tok = load_tokenizer(cfg.model.path)
-    RLTrainer(cfg, groups, tok).fit()
-    destroy()
+    def preflight():
+        from megaprm.parallel.launch import world_size_of
+        from megaprm.trainer.preflight import check_rl_launch
+
+        check_rl_launch(cfg, world_size_of(args))
+
+    def body():
+        from megaprm.parallel.init import destroy, init_distributed
+        from megaprm.trainer.loop import RLTrainer
+        from megaprm.trainer.prm_training import load_tokenizer
+
+        groups = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed)
+        # not AutoTokenizer: next to a Qwen2 config it would rebuild the char tokenizer as
+        # Qwen2Tokenizer, which splits the "\n\n" step separator into two tokens
+        tok = load_tokenizer(RLTrainer.tokenizer_dir(cfg.model.path))
+        RLTrainer(cfg, groups, tok).fit()
+        destroy()
+        return 0
+
+    return _on_ranks(args, sys.argv[1:], preflight, body)
+
+
+def cmd_train_prm(args) -> int:
+    from megaprm.trainer.prm_training import load_prm_config
+
+    cfg, tp, pp = load_prm_config(args.config, args.overrides)
+
+    def preflight():
+        from megaprm.parallel.init import check_layout
+        from megaprm.parallel.launch import world_size_of
+
+        check_layout(world_size_of(args), tp, pp)
+
+    def body():
+        import json
+
+        from megaprm.parallel.init import destroy, init_distributed
+        from megaprm.trainer.prm_training import train_prm
+
+        groups = init_distributed(tp=tp, pp=pp, seed=cfg.seed)
+        result = train_prm(cfg, groups)
+        if groups.rank == 0:
+            ev = result.eval
+            print(json.dumps({"auroc": ev.auroc, "f1": ev.f1, "accuracy": ev.accuracy,
+                              "held_out_steps": ev.num_steps, "bad_steps": ev.num_bad,
+                              "train_minutes": round(result.train_seconds / 60, 2),
+                              "skipped_rows": len(result.skipped),
+                              "output_dir": result.output_dir}))
+        destroy()
+        return 0
+
+    return _on_ranks(args, sys.argv[1:], preflight, body)
+
+
+def cmd_plot(args) -> int:
+    from megaprm.trainer.plots import plot_run
+
+    paths = plot_run(args.run_dir, out_dir=args.out)
+    for p in paths:
+        print(p)
     return 0
 
 
-def main(argv=None) -> int:
-    from megaprm.config import ConfigError
+def cmd_convert(args) -> int:
+    from checkpoint_tools.__main__ import main as convert_main
 
-    ap = argparse.ArgumentParser(prog="megaprm", description=__doc__)
+    return convert_main(args.convert_args)
+
+
+# ------------------------------------------------------------------------------ parser
+
+def _parser() -> argparse.ArgumentParser:
+    from megaprm.parallel.launch import add_launch_args
+
+    ap = argparse.ArgumentParser(prog="megaprm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
+
     d = sub.add_parser("demo", help="the embedded CPU demo (warm-up, PRM, RL, summary)")
     d.add_argument("--method", default="prof_grpo")
     d.add_argument("--run-dir", default="runs/demo")
-    d.add_argument("--nproc", type=int, default=2)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--rl-steps", type=int, default=0, help="override the demo's RL steps")
     d.add_argument("--warmup-steps", type=int, default=0, help="override warm-up steps")
+    add_launch_args(d, cpu_default=2)
     d.set_defaults(fn=cmd_demo)
+
     t = sub.add_parser("train", help="RL from a YAML recipe (configs/) + dotted overrides")
     t.add_argument("--config", required=True)
-    t.add_argument("--nproc", type=int, default=1)
     t.add_argument("overrides", nargs="*", help="e.g. actor.optim.lr=1e-6 trainer.steps=10")
+    add_launch_args(t, cpu_default=1)
     t.set_defaults(fn=cmd_train)
-    _register_optional(sub)
-    args = ap.parse_args(argv)
+
+    p = sub.add_parser("train-prm", help="train a discriminative PRM (two-stage PURE recipe) on "
+                                         "the arithmetic task or stepwise JSONL")
+    p.add_argument("--config", required=True, help="YAML of PRMTrainConfig fields, e.g. "
+                                                   "configs/prm/tiny.yaml")
+    p.add_argument("overrides", nargs="*", help="e.g. stage2_steps=200 arithmetic.operand_max=9")
+    add_launch_args(p, cpu_default=1)
+    p.set_defaults(fn=cmd_train_prm)
+
+    pl = sub.add_parser("plot", help="draw a run's metrics.jsonl curves into PNGs")
+    pl.add_argument("run_dir", help="a run directory holding metrics.jsonl")
+    pl.add_argument("--out", default=None, help="PNG directory (default RUN_DIR/plots)")
+    pl.set_defaults(fn=cmd_plot)
+
+    c = sub.add_parser("convert", help="HF <-> Megatron checkpoints: same as `python -m "
+                                       "checkpoint_tools {import-hf,export-hf,verify} ...`")
+    c.add_argument("convert_args", nargs=argparse.REMAINDER)
+    c.set_defaults(fn=cmd_convert)
+
+    from eval.cli import add_cli as add_eval
+    from megaprm.bench import add_cli as add_bench
+
+    add_eval(sub)
+    add_bench(sub)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"megaprm {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
+    except _user_errors() as e:
+        from megaprm.parallel.launch import report_user_error
 
-
-def _register_optional(sub) -> None:
-    """Subcommands owned by other packages (PRM training, eval, bench, conversion)."""
-    try:
-        from megaprm.rewards.prm_training import add_cli as add_prm
-        add_prm(sub)
-    except ImportError:
-        pass
-    for mod in ("eval.cli", "megaprm.bench", "checkpoint_tools.cli"):
-        try:
-            __import__(mod, fromlist=["add_cli"]).add_cli(sub)
-        except (ImportError, AttributeError):
-            pass
+        msg = f"megaprm {args.cmd}: error: {e}".splitlines()[0]
+        if os.environ.get("MEGAPRM_DEBUG"):
+            traceback.print_exc()
+        return report_user_error(msg)
 
 
 if __name__ == "__main__":

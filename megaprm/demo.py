@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -19,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from megaprm.config import load_config
-from megaprm.parallel import pipeline, weight_sync
+from megaprm.parallel import pipeline
 from megaprm.parallel.groups import Groups
-from megaprm.tasks.arithmetic import ArithmeticConfig, check_steps, generate_problems
+from megaprm.tasks.arithmetic import ArithmeticConfig, generate_problems
+from megaprm.trainer.export import save_hf
 
 
 @dataclass
@@ -49,21 +51,6 @@ class DemoConfig:
 
 
 TASK = ArithmeticConfig(num_ops=(2, 4), operand_max=20, ops="+-", seed=0)
-
-
-def save_hf(model, groups: Groups, out_dir: str, hf_config: dict, tokenizer) -> None:
-    """Gather the Megatron model into HF tensors and write an HF directory (rank 0)."""
-    from safetensors.torch import save_file
-
-    tensors = {k: v.contiguous().clone() for k, v in weight_sync.iter_hf_weights(model, groups)}
-    if groups.rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(hf_config, f, indent=2)
-        tokenizer.save_pretrained(out_dir)
-    if groups.world_size > 1:
-        dist.barrier()
 
 
 def init_policy(dcfg: DemoConfig, tokenizer, out_dir: str, rank: int) -> str:
@@ -125,62 +112,90 @@ def warmup(dcfg: DemoConfig, groups: Groups, tokenizer, init_dir: str, out_dir: 
                        vocab_size=spec.vocab_size)
         loss = res.loss
         bar.set_postfix(loss=f"{loss:.3f}")
-    save_hf(ddp, groups, out_dir, spec.hf_config, tokenizer)
+    save_hf(ddp, groups, out_dir, hf_config=spec.hf_config, tokenizer=tokenizer)
     return loss
 
 
 def evaluate(engine, tokenizer, groups: Groups, n: int, seed: int = 99) -> dict:
     """Greedy accuracy on held-out problems (dp-sharded) + exact step checks."""
-    from megaprm.rollout.engine import SamplingParams
+    from megaprm.trainer.evaluate import evaluate_arithmetic
 
-    probs = generate_problems(TASK, n, seed=seed)
-    per = n // groups.dp_size
-    local = probs[groups.dp_rank * per:(groups.dp_rank + 1) * per]
-    batch = engine.generate([tokenizer.encode(p.prompt, add_special_tokens=False) for p in local],
-                            SamplingParams(n=1, temperature=0.0, max_tokens=64,
-                                           stop_token_ids=(tokenizer.eos_token_id,)))
-    texts = batch.decode_responses(tokenizer)
-    checks = [check_steps(p, t, ends_with_eos=r == "stop")
-              for p, t, r in zip(local, texts, batch.finish_reason)]
-    counts = torch.tensor([len(checks), sum(c.final_correct for c in checks),
-                           sum(c.correct_with_wrong_step for c in checks),
-                           sum(c.all_steps_correct and c.final_correct for c in checks)],
-                          dtype=torch.float64)
-    if groups.dp_size > 1:
-        dist.all_reduce(counts, group=groups.dp)
-    total, correct, wrong_step, clean = counts.tolist()
-    return {"accuracy": correct / total, "correct_with_wrong_step": wrong_step / max(correct, 1),
-            "all_steps_correct": clean / total, "problems": int(total)}
+    return evaluate_arithmetic(engine, tokenizer, groups, generate_problems(TASK, n, seed=seed))
+
+
+def _stage_digest(dcfg: DemoConfig, stage: str) -> str:
+    """What a cached warm-up / PRM depends on: its own settings and everything before it."""
+    keys = ["seed", "warmup_steps", "warmup_batch", "warmup_lr", "hidden", "layers"]
+    if stage == "prm":
+        keys += ["prm_examples", "prm_stage1_steps", "prm_stage2_steps", "prm_lm_loss_weight"]
+    blob = {k: getattr(dcfg, k) for k in keys}
+    blob["task"] = repr(TASK)
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _cached(out_dir: str, digest: str) -> dict | None:
+    """The record of a finished stage with this digest, or None (then it is (re)built)."""
+    path = os.path.join(out_dir, "demo_stage.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        rec = json.load(f)
+    return rec if rec.get("digest") == digest else None
+
+
+def _mark_done(out_dir: str, digest: str, groups: Groups, **info) -> None:
+    if groups.rank == 0:
+        with open(os.path.join(out_dir, "demo_stage.json"), "w", encoding="utf-8") as f:
+            json.dump({"digest": digest, **info}, f, indent=2, default=float)
+    if groups.world_size > 1:
+        dist.barrier()
 
 
 def run(dcfg: DemoConfig, groups: Groups) -> dict:
-    from megaprm.rewards.prm_training import PRMTrainConfig, train_prm
+    """Warm-up and PRM are cached in RUN_DIR/sft and RUN_DIR/prm (reused when their settings
+    match, so another method costs only its RL); RL goes to RUN_DIR/rl/<method>."""
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.prm_training import PRMTrainConfig, train_prm
 
     t0 = time.perf_counter()
     times = {}
     rd = dcfg.run_dir
     tok = build_char_tokenizer()
-    init_dir = init_policy(dcfg, tok, os.path.join(rd, "init"), groups.rank)
     sft_dir, prm_dir = os.path.join(rd, "sft"), os.path.join(rd, "prm")
+    rl_dir = os.path.join(rd, "rl", dcfg.method)
+    say = print if groups.rank == 0 else (lambda *a, **k: None)
+
     t = time.perf_counter()
-    sft_loss = warmup(dcfg, groups, tok, init_dir, sft_dir)
+    sft_digest = _stage_digest(dcfg, "sft")
+    sft = _cached(sft_dir, sft_digest)
+    if sft is None:
+        init_dir = init_policy(dcfg, tok, os.path.join(rd, "init"), groups.rank)
+        sft = {"final_loss": warmup(dcfg, groups, tok, init_dir, sft_dir)}
+        _mark_done(sft_dir, sft_digest, groups, **sft)
+    else:
+        say(f"[demo] warm-up: reusing {sft_dir} (same settings)", flush=True)
     times["warmup_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    prm_cfg = PRMTrainConfig(model_dir=sft_dir, output_dir=prm_dir, arithmetic=TASK,
-                             num_train=dcfg.prm_examples, num_eval=512, seed=dcfg.seed,
-                             stage1_steps=dcfg.prm_stage1_steps, stage1_lr=1e-3,
-                             stage2_steps=dcfg.prm_stage2_steps, stage2_lr=1e-3,
-                             global_batch_size=32, micro_batch_size=16, weight_decay=0.0,
-                             lm_loss_weight=dcfg.prm_lm_loss_weight)
-    prm_result = train_prm(prm_cfg, groups)
-    prm_report = {"auroc": prm_result.eval.auroc, "f1": prm_result.eval.f1,
-                  "train_s": prm_result.train_seconds}
+    prm_digest = _stage_digest(dcfg, "prm")
+    prm_report = _cached(prm_dir, prm_digest)
+    if prm_report is None:
+        prm_cfg = PRMTrainConfig(model_dir=sft_dir, output_dir=prm_dir, arithmetic=TASK,
+                                 num_train=dcfg.prm_examples, num_eval=512, seed=dcfg.seed,
+                                 stage1_steps=dcfg.prm_stage1_steps, stage1_lr=1e-3,
+                                 stage2_steps=dcfg.prm_stage2_steps, stage2_lr=1e-3,
+                                 global_batch_size=32, micro_batch_size=16, weight_decay=0.0,
+                                 lm_loss_weight=dcfg.prm_lm_loss_weight)
+        prm_result = train_prm(prm_cfg, groups)
+        prm_report = {"auroc": prm_result.eval.auroc, "f1": prm_result.eval.f1,
+                      "train_s": prm_result.train_seconds}
+        _mark_done(prm_dir, prm_digest, groups, **prm_report)
+    else:
+        say(f"[demo] PRM: reusing {prm_dir} (same settings)", flush=True)
     times["prm_s"] = time.perf_counter() - t
 
-    overrides = [f"trainer.run_dir={os.path.join(rd, 'rl')}", f"model.path={sft_dir}",
+    overrides = [f"trainer.run_dir={rl_dir}", f"model.path={sft_dir}",
                  f"prm.path={prm_dir}", f"trainer.steps={dcfg.rl_steps}",
                  f"trainer.seed={dcfg.seed}", f"advantage.method={dcfg.method}"]
     if dcfg.method == "prime":
@@ -195,14 +210,16 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
     phases = {}
     for h in history:
         for k, v in h.items():
-            if k.startswith("timing/"):
+            if k.startswith("timing/") and k != "timing/step_s":
                 phases[k[7:]] = phases.get(k[7:], 0.0) + v
     summary = {"method": dcfg.method, "world_size": groups.world_size,
-               "sft_final_loss": sft_loss, "prm": prm_report,
+               "sft_final_loss": sft.get("final_loss"), "prm": prm_report,
                "before_rl": before, "after_rl": after, "times_s": times,
-               "rl_phase_times_s": phases, "total_s": time.perf_counter() - t0}
+               "rl_steps_run": len(history), "rl_phase_times_s": phases,
+               "total_s": time.perf_counter() - t0,
+               "dirs": {"warmup": sft_dir, "prm": prm_dir, "rl": rl_dir}}
     if groups.rank == 0:
-        with open(os.path.join(rd, "summary.json"), "w") as f:
+        with open(os.path.join(rl_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, default=float)
     return summary
 
@@ -220,6 +237,10 @@ def print_summary(s: dict) -> None:
           f"{a['all_steps_correct']:.3f}")
     t = s["times_s"]
     print(f"time: warm-up {t['warmup_s']:.0f}s  PRM {t['prm_s']:.0f}s  RL {t['rl_s']:.0f}s  "
-          f"total {s['total_s']:.0f}s")
+          f"total {s['total_s']:.0f}s  (RL steps run now: {s['rl_steps_run']})")
     print("RL phases (s): " + "  ".join(f"{k} {v:.1f}" for k, v in s["rl_phase_times_s"].items()))
+    d = s["dirs"]
+    print(f"wrote: warm-up policy {d['warmup']}, PRM {d['prm']}, RL run {d['rl']} "
+          f"(metrics.jsonl, samples.jsonl, checkpoints/, summary.json; plots: "
+          f"megaprm plot {d['rl']})")
     print("=======================================================\n")

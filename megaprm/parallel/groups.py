@@ -11,8 +11,11 @@ import torch.distributed as dist
 class Groups:
     """Sizes, ranks and process groups of this rank. A group of size 1 may be None.
 
-    `dp` is the data-parallel group (the one advantage reductions run over);
-    `mp` is the model-parallel group (tp x pp) a checkpoint shard belongs to.
+    `dp` is the data-parallel group; `mp` is the model-parallel group (tp x pp) a checkpoint
+    shard belongs to. `dp_host` / `world_host` are gloo groups over the same ranks for host-side
+    work (estimators' group statistics, metrics, fault agreement): under NCCL the device groups
+    take only CUDA tensors, and host work stays on the CPU (parallel/device.py). On CPU they are
+    the same groups as `dp` / the default group (None).
     """
 
     world_size: int
@@ -33,6 +36,14 @@ class Groups:
     embd: Optional[Any] = None  # first + last pp stage (tied embeddings)
     vpp_size: Optional[int] = None
     backend: str = "gloo"
+    dp_host: Optional[Any] = None
+    world_host: Optional[Any] = None
+    agree: Optional[Any] = None  # gloo, all ranks, short timeout (trainer fault agreement)
+
+    @property
+    def host_dp(self) -> Optional[Any]:
+        """The dp group for CPU tensors."""
+        return self.dp_host if self.dp_host is not None else self.dp
 
     @property
     def is_first_stage(self) -> bool:

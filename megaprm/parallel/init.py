@@ -42,7 +42,7 @@ def check_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
 
 def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None,
                      seed: int = 1234, backend: Optional[str] = None,
-                     timeout_minutes: int = 30) -> Groups:
+                     timeout_minutes: int = 30, agree_timeout_s: float = 300.0) -> Groups:
     """Create (or reuse) the default process group, initialise Megatron, seed its RNG tracker.
 
     torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; without them this is
@@ -73,6 +73,14 @@ def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] =
         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    dp_host = world_host = None
+    if backend == "nccl":  # host-side collectives (estimators, metrics) use gloo
+        dp_host = ps.get_data_parallel_group_gloo()
+        world_host = dist.new_group(backend="gloo")
+    # the trainer's fault agreement: a short timeout, so a dead rank is an error in minutes,
+    # not after the 30-minute default
+    agree = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=agree_timeout_s))
+             if world_size > 1 else None)
     return Groups(
         world_size=world_size, rank=rank, tp_size=tp, pp_size=pp, dp_size=dp, cp_size=cp,
         tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -85,7 +93,8 @@ def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] =
         cp=ps.get_context_parallel_group(),
         mp=ps.get_model_parallel_group(),
         embd=ps.get_embedding_group(),
-        vpp_size=vpp, backend=backend,
+        vpp_size=vpp, backend=backend, dp_host=dp_host, world_host=world_host,
+        agree=agree,
     )
 
 

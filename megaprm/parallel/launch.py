@@ -1,25 +1,52 @@
-"""Start `world_size` local ranks without torchrun (tests, `checkpoint_tools verify`, benches).
+"""Starting ranks: the one launcher every subcommand uses, and `spawn` for tests and benches.
 
-Each child gets the environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT), runs `fn(*args)` and sends back its return value or its traceback.
-Children use the spawn start method, so `fn` must be importable (a module-level function).
+* `add_launch_args` / `relaunch`: `megaprm <cmd> --nproc N [--nnodes M --node-rank R
+  --master-addr HOST --master-port P]` re-runs `megaprm <cmd>` as torchrun ranks. megaprm parses
+  its own flags and translates them into torchrun's (`--nproc-per-node`, `--nnodes`,
+  `--node-rank`, `--master-addr`, `--master-port`; `--standalone` on one node), so torchrun never
+  sees an argument it could misread. Ranks die with their launcher: the torchrun process gets
+  SIGKILL when the launcher dies (Linux parent-death signal), each rank likewise when torchrun
+  dies (`die_with_parent`, called by the CLI on every rank), and SIGINT/SIGTERM/SIGHUP sent to
+  the launcher are forwarded.
+* User errors inside ranks: a rank writes its one-line message to `$MEGAPRM_ERROR_DIR` and exits
+  2 (`report_user_error`); the launcher prints the lowest rank's line once and exits 2, with
+  torchrun's ChildFailedError report suppressed (`python -m megaprm.parallel.launch` is torchrun
+  with that one change).
+* `spawn(fn, world_size, *args)`: `world_size` local ranks without torchrun (tests,
+  `checkpoint_tools verify`, benches). Each child gets the environment torchrun would give it
+  (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), runs `fn(*args)` and sends back its
+  return value or its traceback. With more ranks than GPUs the children see no GPU
+  (`CUDA_VISIBLE_DEVICES=""`): multi-rank work on a one-GPU machine runs under gloo on the CPU.
 """
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import queue as queue_mod
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
-from typing import Any, Callable, List
+from contextlib import contextmanager
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.multiprocessing as mp
 
+ERROR_DIR_ENV = "MEGAPRM_ERROR_DIR"
+_PR_SET_PDEATHSIG = 1
+
 
 class RankFailed(RuntimeError):
     pass
+
+
+class LaunchError(ValueError):
+    """A launch request that cannot work (too many local ranks for the GPUs, bad node rank)."""
 
 
 def _free_port() -> int:
@@ -28,7 +55,188 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+# ------------------------------------------------------------------------------ the launcher
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_nproc(cpu_default: int) -> int:
+    """One rank per GPU where CUDA is present, else `cpu_default` ranks."""
+    return gpu_count() or cpu_default
+
+
+def add_launch_args(parser, cpu_default: int) -> None:
+    """megaprm's launch flags (never forwarded to torchrun as written)."""
+    g = parser.add_argument_group("launch (torchrun)")
+    g.add_argument("--nproc", type=int, default=None,
+                   help=f"ranks on this node (default: one per GPU, else {cpu_default})")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
+    g.add_argument("--master-addr", default="127.0.0.1", help="host of node 0")
+    g.add_argument("--master-port", type=int, default=29500, help="free port on node 0")
+    parser.set_defaults(_launch_cpu_default=cpu_default)
+
+
+_LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port")
+
+
+def strip_launch_args(argv: List[str]) -> List[str]:
+    """argv without megaprm's launch flags (`--flag value` and `--flag=value` forms)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in _LAUNCH_FLAGS:
+            skip = True
+            continue
+        if a.split("=", 1)[0] in _LAUNCH_FLAGS and "=" in a:
+            continue
+        out.append(a)
+    return out
+
+
+def world_size_of(args) -> int:
+    return resolve_nproc(args) * args.nnodes
+
+
+def resolve_nproc(args) -> int:
+    nproc = args.nproc if args.nproc is not None else default_nproc(args._launch_cpu_default)
+    if nproc < 1:
+        raise LaunchError(f"--nproc={nproc}: must be >= 1")
+    gpus = gpu_count()
+    if gpus and nproc > gpus:
+        raise LaunchError(f"--nproc={nproc} local ranks but this machine has {gpus} GPU(s); "
+                          f"use --nproc {gpus} or fewer (one rank per GPU)")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise LaunchError(f"--node-rank={args.node_rank} with --nnodes={args.nnodes}: the node "
+                          f"rank must be in 0..{args.nnodes - 1}")
+    return nproc
+
+
+def torchrun_args(args) -> List[str]:
+    nproc = resolve_nproc(args)
+    out = [f"--nproc-per-node={nproc}"]
+    if args.nnodes == 1:
+        out.append("--standalone")
+    else:
+        out += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
+                f"--master-addr={args.master_addr}", f"--master-port={args.master_port}"]
+    return out
+
+
+def _set_pdeathsig(sig: int = signal.SIGKILL) -> None:
+    """Linux: have the kernel send `sig` to this process when its parent dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except OSError:
+        pass
+
+
+def die_with_parent() -> None:
+    """Called on every rank: die when torchrun (our parent) dies, even by SIGKILL."""
+    expected = os.environ.get("MEGAPRM_TORCHRUN_PID")
+    _set_pdeathsig()
+    if expected and str(os.getppid()) != expected:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def relaunch(args, argv: List[str], module: str = "megaprm.cli") -> int:
+    """Re-run `python -m <module> <argv minus launch flags>` as torchrun ranks; returns the exit
+    code (2 after printing the first rank's user error once)."""
+    cmd = [sys.executable, "-m", "megaprm.parallel.launch", *torchrun_args(args),
+           "-m", module, *strip_launch_args(argv)]
+    with tempfile.TemporaryDirectory(prefix="megaprm-errors-") as err_dir:
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   **{ERROR_DIR_ENV: err_dir})
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=_set_pdeathsig)
+        forwarded = {s: signal.signal(s, lambda sig, _f: proc.send_signal(sig))
+                     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            rc = proc.wait()
+        finally:
+            for s, h in forwarded.items():
+                signal.signal(s, h)
+            if proc.poll() is None:
+                proc.kill()
+        line = first_user_error(err_dir)
+        if line is not None:
+            print(line, file=sys.stderr)
+            return 2
+        return rc
+
+
+def report_user_error(message: str) -> int:
+    """On a rank: record the one-line user error for the launcher (or print it when there is no
+    launcher, e.g. under a hand-written torchrun command: rank 0 only). Returns exit code 2."""
+    err_dir = os.environ.get(ERROR_DIR_ENV)
+    rank = int(os.environ.get("RANK", "0"))
+    if err_dir and os.path.isdir(err_dir):
+        with open(os.path.join(err_dir, f"rank_{rank:05d}.txt"), "w", encoding="utf-8") as f:
+            f.write(message)
+    elif rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    return 2
+
+
+def first_user_error(err_dir: str) -> Optional[str]:
+    files = sorted(f for f in os.listdir(err_dir) if f.startswith("rank_"))
+    if not files:
+        return None
+    with open(os.path.join(err_dir, files[0]), encoding="utf-8") as f:
+        return f.read().strip()
+
+
+def _torchrun_main(argv: List[str]) -> int:
+    """torchrun, quiet about a rank that exited with a user error (code 2)."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ["MEGAPRM_TORCHRUN_PID"] = str(os.getpid())
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(get_args_parser().parse_args(argv))
+    except ChildFailedError as e:
+        codes = {r: f.exitcode for r, f in e.failures.items()}
+        if 2 in codes.values():
+            return 2
+        rank, code = sorted(codes.items())[0]
+        print(f"megaprm: rank {rank} failed with exit code {code} (its output is above)",
+              file=sys.stderr)
+        return code if code > 0 else 1
+    return 0
+
+
+# ------------------------------------------------------------------------------ spawn
+
+@contextmanager
+def hidden_gpus(hide: bool):
+    """Children started inside see no GPU when `hide` (more local ranks than GPUs)."""
+    if not hide or not gpu_count():
+        yield
+        return
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
 def _child(rank, world_size, port, fn, args, queue, threads):
+    _set_pdeathsig()  # never outlive the test or bench that spawned us
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -59,8 +267,9 @@ def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 600.0) -> Lis
     threads = max(1, (os.cpu_count() or 1) // world_size)
     procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, threads))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with hidden_gpus(world_size > gpu_count()):
+        for p in procs:
+            p.start()
     results, errors = {}, {}
     deadline = time.monotonic() + timeout_s
     try:
@@ -87,11 +296,15 @@ def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 600.0) -> Lis
             p.join(timeout=5 if errors else 60)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
     if errors:
         rank, tb = sorted(errors.items())[0]
         raise RankFailed(f"rank {rank} of {world_size} failed:\n{tb}")
     return [results[r] for r in range(world_size)]
 
 
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+if __name__ == "__main__":
+    sys.exit(_torchrun_main(sys.argv[1:]))

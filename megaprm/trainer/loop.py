@@ -1,17 +1,32 @@
 """The RL step as named phases (ARCHITECTURE.md "One RL step"):
 
-    rollout -> outcome reward -> process reward -> advantages (+ filter) -> old/ref log-probs
-    -> PPO update -> implicit-PRM update (PRIME) -> weight sync
+    rollout -> outcome reward -> process reward -> [agree] -> advantages (+ filter)
+    -> old/ref log-probs -> PPO update (all or nothing) -> implicit-PRM update (PRIME)
+    -> weight sync
 
 Every rank runs the same code on its own data-parallel shard of the prompts; group statistics
 are reduced over the dp group inside the estimators; the Megatron models run under tp/pp
 through `parallel.pipeline`. Tensor shapes: B rollouts on this rank, R response tokens,
 L = prompt+response tokens (right-padded), S steps.
+
+Rules the phases keep:
+* Device (parallel/device.py): models and their micro-batches on the rank's device, everything
+  else (rollout batches, rewards, advantages, metrics) on the CPU; `pipeline.run` is the one
+  crossing into the model, `Policy.logprobs` returns host tensors.
+* Sampling distribution: the actor's old/new log-probs, entropy and KL and the reference's
+  log-probs are taken at the rollout temperature (`RLTrainer.temperature`, the one place that
+  decides it), as verl's actor does, so the PPO ratio of the first mini-batch is exactly 1.
+* Faults: a non-finite reward on any rank is agreed on by every rank (`agree`) before the next
+  collective, so all skip the step; a non-finite loss or grad norm in any mini-batch rolls the
+  whole update back (`Optimizer.snapshot/restore`), so a step is applied wholly or not at all
+  and the rollout engine always holds the actor's weights.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -23,12 +38,16 @@ from megaprm.algorithms.registry import AdvantageInputs, AdvantageOutputs, compu
 from megaprm.config import Config, ConfigError, save_config, to_dict
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.models.logprobs import vocab_parallel_logprobs
-from megaprm.models.mapping import load_hf_weights
 from megaprm.parallel import pipeline, weight_sync
+from megaprm.parallel.device import to_host
 from megaprm.parallel.groups import Groups
 from megaprm.rollout.engine import RightPadded, RolloutBatch, SamplingParams
-from megaprm.trainer import checkpoint
+from megaprm.trainer import checkpoint, model_source
 from megaprm.trainer.metrics import MetricsLogger, PhaseTimer
+
+
+class StepSkipped(Exception):
+    """A step every rank agreed to skip (non-finite reward, loss or grad norm on some rank)."""
 
 
 @dataclass
@@ -49,24 +68,68 @@ class ScoredBatch:
     correct_with_wrong_step: Optional[torch.Tensor] = None
 
 
-def dp_mean(values: dict, groups: Groups) -> dict:
-    """Average rank-local scalar metrics over the dp group (one all-reduce)."""
+# ----------------------------------------------------------------------------- host reductions
+
+def dp_reduce(values: dict, groups: Groups, op: str = "sum") -> dict:
+    """Reduce rank-local scalar metrics over the dp group (one all-reduce of a CPU tensor on the
+    host dp group). op: sum | max."""
     if not values:
         return {}
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     if groups.dp_size > 1:
-        dist.all_reduce(t, group=groups.dp)
-        t /= groups.dp_size
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                        group=groups.host_dp)
     return dict(zip(keys, t.tolist()))
 
 
-def dp_sum(x: float, groups: Groups) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    if groups.dp_size > 1:
-        dist.all_reduce(t, group=groups.dp)
-    return float(t.item())
+def dp_mean(values: dict, groups: Groups) -> dict:
+    return {k: v / groups.dp_size for k, v in dp_reduce(values, groups).items()}
 
+
+def dp_sum(x: float, groups: Groups) -> float:
+    return dp_reduce({"x": x}, groups)["x"]
+
+
+def agree(fault: Optional[str], groups: Groups) -> Optional[str]:
+    """Every rank learns whether any rank faulted (one gather over all ranks, on the agreement
+    group whose timeout is short); returns the first fault's message, or None."""
+    if groups.world_size == 1 or not dist.is_initialized():
+        return fault
+    msgs: list = [None] * groups.world_size
+    dist.all_gather_object(msgs, fault, group=groups.agree)
+    return next(((f"rank {r}: {m}") for r, m in enumerate(msgs) if m is not None), None)
+
+
+# ----------------------------------------------------------------------------- config digest
+
+_NOT_DIGESTED = {"trainer": ("steps", "save_every", "resume", "eval_every", "eval_problems",
+                             "wandb", "progress", "keep_last", "allow_config_change",
+                             "export_hf", "log_samples", "run_dir")}
+
+
+def config_digest_fields(cfg: Config) -> dict:
+    """The flattened config a checkpoint must match to be resumed: method, model, data, rollout,
+    update and seed (not run length, logging or checkpoint cadence)."""
+    flat = {}
+
+    def walk(prefix, node):
+        for k, v in node.items():
+            key = f"{prefix}.{k}" if prefix else k
+            if isinstance(v, dict):
+                walk(key, v)
+            else:
+                flat[key] = list(v) if isinstance(v, tuple) else v
+    d = to_dict(cfg)
+    d.pop("parallel", None)  # the layout is checked separately (world, tp, pp)
+    for section, keys in _NOT_DIGESTED.items():
+        for k in keys:
+            d.get(section, {}).pop(k, None)
+    walk("", d)
+    return flat
+
+
+# ----------------------------------------------------------------------------- layout helpers
 
 def response_to_targets(values: torch.Tensor, rp: RightPadded) -> torch.Tensor:
     """Response-layout values [B, R] -> target-aligned [B, L-1] (index t is input token t+1)."""
@@ -85,15 +148,25 @@ def targets_to_response(values: torch.Tensor, rp: RightPadded, width: int) -> to
     return rp.to_response(padded, width)
 
 
-class Policy:
-    """A Megatron causal LM on this rank (actor, reference or implicit PRM) + its optimiser."""
+def logprob_post(spec, groups: Groups, temperature: float, with_entropy: bool = False):
+    """`post` for pipeline.run: token log-probs [b, s-1] (and entropy) at `temperature`."""
+    def post(mb, logits):
+        out = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=groups.tp,
+                                      tp_rank=groups.tp_rank, vocab_size=spec.vocab_size,
+                                      with_entropy=with_entropy, temperature=temperature)
+        return None, out
+    return post
 
-    def __init__(self, spec, groups: Groups, model_dir: str, *, trainable: bool,
-                 optim=None, dtype=torch.float32):
-        self.spec, self.groups = spec, groups
+
+class Policy:
+    """A Megatron causal LM on this rank (actor, reference or implicit PRM) + its optimiser.
+    `temperature`: the distribution its log-probs describe (the rollout's, for actor and ref)."""
+
+    def __init__(self, spec, groups: Groups, src: model_source.ModelSource, *, trainable: bool,
+                 optim=None, dtype=torch.float32, temperature: float = 1.0):
+        self.spec, self.groups, self.src, self.temperature = spec, groups, src, temperature
         model = pipeline.build_stage(spec, groups, dtype=dtype)
-        load_hf_weights(model, model_dir, spec, tp_rank=groups.tp_rank, tp_size=groups.tp_size,
-                        pp=groups.pp_size, pp_rank=groups.pp_rank)
+        model_source.load_weights(model, src, spec, groups)
         if trainable:
             self.model = pipeline.wrap_ddp(model, groups)
             self.opt = pipeline.Optimizer(self.model, optim, groups)
@@ -102,24 +175,14 @@ class Policy:
             for p in model.parameters():
                 p.requires_grad_(False)
 
-    def _post_logprobs(self, with_entropy=False):
-        g = self.groups
-
-        def post(mb, logits):
-            out = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=g.tp,
-                                          tp_rank=g.tp_rank, vocab_size=self.spec.vocab_size,
-                                          with_entropy=with_entropy)
-            return None, out
-        return post
-
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
-        """log p(input_ids[:, t+1] | <=t) [B, L-1] on every rank (forward only)."""
+        """log p_T(input_ids[:, t+1] | <=t) [B, L-1] on every rank, on the host (forward only)."""
         mbs = _split(input_ids, torch.zeros_like(input_ids, dtype=torch.float32), None,
                      micro_batch_size, self.groups.pp_size)
-        parts = pipeline.run(self.model, mbs, groups=self.groups, post=self._post_logprobs(),
-                             forward_only=True)
-        out = pipeline.broadcast_from_last_stage(torch.cat(parts) if parts else None,
+        parts = pipeline.run(self.model, mbs, groups=self.groups, forward_only=True,
+                             post=logprob_post(self.spec, self.groups, self.temperature))
+        out = pipeline.broadcast_from_last_stage(to_host(torch.cat(parts)) if parts else None,
                                                  self.groups)
         return out[: input_ids.shape[0]]
 
@@ -141,35 +204,46 @@ def _split(ids, mask, payload, size, pp) -> List[pipeline.TokenBatch]:
     return out
 
 
+# Per micro-batch sums the update reports; the step's value of each is sum / count over every
+# micro-batch, mini-batch and dp rank ("tokens" counts valid tokens, "minibatches" updates).
+_TOKEN_MEANS = ("actor/clip_frac", "actor/dual_clip_frac", "actor/approx_kl", "actor/ratio_mean",
+                "actor/entropy_token_mean")
+_MINIBATCH_MEANS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/loss")
+
+
 class RLTrainer:
-    """Builds the models for one rank and runs RL steps. `cfg.model.path` is the policy (HF dir);
-    `cfg.prm.path` the discriminative PRM (HF dir) when `prm.kind == discriminative`."""
+    """Builds the models for one rank and runs RL steps. `cfg.model.path`: the policy (an HF
+    directory or a megaprm checkpoint); `cfg.prm.path`: the discriminative PRM."""
 
     def __init__(self, cfg: Config, groups: Groups, tokenizer):
         from megaprm.rewards.steps import separator_token_ids
+        from megaprm.trainer.preflight import check_batch
 
         self.cfg, self.groups, self.tok = cfg, groups, tokenizer
-        if cfg.model.path is None or not os.path.isdir(cfg.model.path):
-            raise ConfigError(f"model.path={cfg.model.path!r} is not a directory; point it at an "
-                              "HF model directory (config.json + safetensors)")
-        if cfg.data.prompts_per_step % groups.dp_size:
-            raise ConfigError(f"data.prompts_per_step={cfg.data.prompts_per_step} must be a "
-                              f"multiple of dp={groups.dp_size}")
-        self.spec = spec_from_hf(cfg.model.path)
+        check_batch(cfg, groups.dp_size)
+        self.src = model_source.resolve(cfg.model.path, "model.path")
+        self.spec = spec_from_hf(self.src.hf_dir)
         self.spec.check_parallel(groups.tp_size, groups.pp_size)
+        self.temperature = cfg.rollout.temperature  # the one place: actor, ref, PURE's KL
         dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
-        self.actor = Policy(self.spec, groups, cfg.model.path, trainable=True,
-                            optim=cfg.actor.optim, dtype=dtype)
+        self.actor = Policy(self.spec, groups, self.src, trainable=True, optim=cfg.actor.optim,
+                            dtype=dtype, temperature=self.temperature)
         needs_ref = (cfg.actor.kl_coef or cfg.prm.kind == "implicit"
                      or (cfg.advantage.method == "pure" and cfg.advantage.pure.kl_coef))
-        self.ref = (Policy(self.spec, groups, cfg.model.path, trainable=False, dtype=dtype)
-                    if needs_ref else None)
+        self.ref = (Policy(self.spec, groups, self.src, trainable=False, dtype=dtype,
+                           temperature=self.temperature) if needs_ref else None)
         self.prm = self.implicit = None
         if cfg.prm.kind == "discriminative":
             self._build_discriminative_prm()
-        elif cfg.prm.kind == "implicit":  # PRIME: the implicit PRM starts from the policy
-            self.implicit = Policy(self.spec, groups, cfg.prm.path or cfg.model.path,
-                                   trainable=True, optim=cfg.prm.optim, dtype=dtype)
+        elif cfg.prm.kind == "implicit":
+            # PRIME: the implicit PRM starts from the policy and, with its reference, scores at
+            # T = 1 (q = log pi_prm - log pi_ref of the sampled tokens; PRIME samples at T = 1)
+            imp_src = model_source.resolve(cfg.prm.path or cfg.model.path, "prm.path")
+            self.implicit = Policy(self.spec, groups, imp_src, trainable=True,
+                                   optim=cfg.prm.optim, dtype=dtype)
+            self.implicit_ref = (self.ref if self.temperature == 1.0 else
+                                 Policy(self.spec, groups, self.src, trainable=False,
+                                        dtype=dtype))
         self.engine = self._build_engine()
         self.sep_ids = separator_token_ids(tokenizer)
         self.eos = tokenizer.eos_token_id
@@ -177,6 +251,7 @@ class RLTrainer:
         self.data = _make_data(cfg)
         self.run_dir = cfg.trainer.run_dir
         self.ckpt_root = os.path.join(self.run_dir, "checkpoints")
+        self.digest_fields = config_digest_fields(cfg)
         self.logger = MetricsLogger(self.run_dir, enabled=groups.rank == 0,
                                     wandb_mode=cfg.trainer.wandb, config=to_dict(cfg))
         if groups.rank == 0:
@@ -184,43 +259,60 @@ class RLTrainer:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
         self.skipped_steps = 0
         self.start_step = 0
+        self.last_sync: dict = {}
         self.sync_weights()
+
+    @staticmethod
+    def tokenizer_dir(model_path: str) -> str:
+        """Where the tokenizer of `model.path` lives (the HF dir, or a checkpoint's hf/)."""
+        return model_source.resolve(model_path, "model.path").hf_dir
 
     # ------------------------------------------------------------------ construction helpers
     def _build_discriminative_prm(self):
         from megaprm.models.prm import build_prm
         from megaprm.rewards.scoring import PRMInputFormat
 
-        path = self.cfg.prm.path
-        if path is None or not os.path.isdir(path):
-            raise ConfigError(f"prm.path={path!r} is not a directory; prm.kind=discriminative "
-                              "needs a trained PRM (megaprm train-prm writes one)")
+        src = model_source.resolve(self.cfg.prm.path, "prm.path")
         g = self.groups
-        spec = spec_from_hf(path)
+        spec = spec_from_hf(src.hf_dir)
         model = build_prm(spec, tp=g.tp_size, pp=g.pp_size, pp_rank=g.pp_rank)
-        load_hf_weights(model, path, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, pp=g.pp_size,
-                        pp_rank=g.pp_rank)
+        model_source.load_weights(model, src, spec, g)
         self.prm, self.prm_spec = model.eval(), spec
         self.prm_fmt = PRMInputFormat.from_hf(spec.hf_config)
 
     def _build_engine(self):
+        from megaprm.parallel.device import rank_device
+
         if self.cfg.rollout.engine == "vllm":
             from megaprm.rollout.vllm_engine import VLLMEngine
 
-            return VLLMEngine.from_pretrained(self.cfg.model.path)
+            return VLLMEngine.from_pretrained(self.src.hf_dir)
         from megaprm.rollout.hf_engine import HFEngine, HFEngineConfig
 
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        return HFEngine.from_pretrained(self.cfg.model.path, HFEngineConfig(
-            device=dev, pad_token_id=self.tok.pad_token_id, eos_token_ids=(self.tok.eos_token_id,)))
+        return HFEngine.from_pretrained(self.src.hf_dir, HFEngineConfig(
+            device=str(rank_device()), pad_token_id=self.tok.pad_token_id,
+            eos_token_ids=(self.tok.eos_token_id,)))
 
     # ------------------------------------------------------------------ phases
     def sync_weights(self) -> None:
-        """Phase: new actor weights -> the colocated rollout engine (HF names, streamed)."""
-        self.engine.load_weights(weight_sync.iter_hf_weights(self.actor.model, self.groups))
+        """Phase: new actor weights -> the colocated rollout engine (HF names, bucketed)."""
+        t0 = time.perf_counter()
+        nbytes = 0
+
+        def stream():
+            nonlocal nbytes
+            for bucket in weight_sync.iter_hf_buckets(self.actor.model, self.groups):
+                for name, t in bucket:
+                    nbytes += t.numel() * t.element_size()
+                    yield name, t
+        self.engine.update_weights(stream())  # wake weights, load, reset cache, wake KV
+        dt = time.perf_counter() - t0
+        self.last_sync = {"weight_sync/seconds": dt, "weight_sync/gbytes": nbytes / 1e9,
+                          "weight_sync/gbps": nbytes / 1e9 / max(dt, 1e-9)}
 
     def rollout(self, step: int):
-        """Phase: this rank's prompts -> n samples each. Same seed on every tp/pp peer."""
+        """Phase: this rank's prompts -> n samples each, then the engine sleeps (frees its
+        memory for training). Same seed on every tp/pp peer."""
         cfg, g = self.cfg, self.groups
         problems, truths = self.data(step)
         per = len(problems) // g.dp_size
@@ -232,9 +324,17 @@ class RLTrainer:
                                 stop_token_ids=(self.eos,),
                                 seed=(cfg.trainer.seed * 1_000_003 + step * 7919
                                       + g.dp_rank * 104_729) % (2**31))
+        self._engine_awake()
         batch = self.engine.generate(ids, params)
+        self.engine.sleep()
         group_ids = (step * len(problems) + lo + batch.group_index).long()
         return batch, truths[lo:lo + per], group_ids
+
+    def _engine_awake(self) -> None:
+        """After a skipped step (or an evaluation) the engine sleeps holding the actor's
+        unchanged weights: wake it as is."""
+        if self.engine.asleep:
+            self.engine.wake()
 
     def outcome_reward(self, batch: RolloutBatch, truths: list, group_ids):
         """Phase: verifier. Arithmetic: exact per-step check; math: math-verify."""
@@ -255,9 +355,22 @@ class RLTrainer:
             from megaprm.rewards.verifiers import score_outcomes
 
             outcome = score_outcomes(texts, truths_b, kind="math")
+        outcome = self._fault_hook("outcome", outcome)
         if not torch.isfinite(outcome).all():
             raise FloatingPointError("verifier returned non-finite rewards")
         return ScoredBatch(batch, outcome, group_ids, seg, correct_with_wrong_step=wrong_step)
+
+    def _fault_hook(self, where: str, t: torch.Tensor) -> torch.Tensor:
+        """Fault injection for the reliability tests: MEGAPRM_FAULT=where:rank:step puts a NaN
+        into `where` on that rank at that step. Inert unless the variable is set."""
+        spec = os.environ.get("MEGAPRM_FAULT")
+        if not spec:
+            return t
+        w, r, s = spec.split(":")
+        if w == where and int(r) == self.groups.rank and int(s) == self._step:
+            t = t.clone().float()
+            t.view(-1)[0] = float("nan")
+        return t
 
     def process_reward(self, sb: ScoredBatch) -> None:
         """Phase: PRM. Discriminative: P(step correct) per step; implicit: q per token."""
@@ -269,22 +382,22 @@ class RLTrainer:
                                        b.response_ids, b.response_mask, sep_ids=self.sep_ids,
                                        fmt=self.prm_fmt, head=self.prm_spec.head,
                                        micro_batch_size=mbs, pad_id=self.pad)
-            s = scores.scores
+            s = to_host(scores.scores)
             if self.prm_spec.head == "token_cls":  # PURE's PR = 2p - 1 -> p
-                s = torch.where(scores.step_mask, (s + 1) / 2, torch.zeros_like(s))
+                s = torch.where(to_host(scores.step_mask), (s + 1) / 2, torch.zeros_like(s))
             sb.step_scores = s
         elif self.implicit is not None:
-            imp = implicit_prm_rewards(self.implicit.model, self.ref.model, self.groups,
+            imp = implicit_prm_rewards(self.implicit.model, self.implicit_ref.model, self.groups,
                                        b.prompt_ids, b.prompt_mask, b.response_ids,
                                        b.response_mask, sep_ids=self.sep_ids,
                                        vocab_size=self.spec.vocab_size, micro_batch_size=mbs,
                                        pad_id=self.pad)
-            sb.q = imp.q
+            sb.q = to_host(imp.q)
             if not torch.isfinite(sb.q).all():
                 raise FloatingPointError("implicit PRM produced non-finite rewards")
 
     def advantages(self, sb: ScoredBatch, logp_old_resp, logp_ref_resp) -> AdvantageOutputs:
-        """Phase: estimator from the registry; group statistics reduced over dp."""
+        """Phase: estimator from the registry; group statistics reduced over dp (host group)."""
         b = sb.rollout
         q_prm = q_ref = None
         if sb.q is not None:  # the registry takes log-probs; q = logp_prm - logp_ref
@@ -300,59 +413,114 @@ class RLTrainer:
             logp_old=logp_old_resp)
         gen = torch.Generator().manual_seed(self.cfg.trainer.seed + int(sb.group_ids.min()))
         return compute_advantages(self.cfg.advantage, inputs, group=pipeline.optional_group(
-            self.groups.dp), generator=gen)
+            self.groups.host_dp), generator=gen)
 
     def update_actor(self, rp: RightPadded, adv_t, logp_old_t, logp_ref_t, keep) -> dict:
-        """Phase: PPO-clip through Megatron's schedule; normalisers are global (all dp ranks,
-        all micro-batches) so any layout takes the same step."""
-        cfg, g = self.cfg.actor, self.groups
+        """Phase: PPO-clip through Megatron's schedule, `actor.mini_batches` optimiser steps.
+        Normalisers are global (all dp ranks, all micro-batches) so any layout takes the same
+        step. All or nothing: a non-finite loss or grad norm in any mini-batch restores the
+        parameters and optimiser state of before the first one and raises StepSkipped."""
+        cfg = self.cfg.actor
         mask_t = rp.loss_mask[:, :-1] * keep[:, None].float()
         B = rp.input_ids.shape[0]
-        metrics = {}
-        order = torch.arange(B)
-        for mb_rows in order.chunk(cfg.mini_batches):
-            m = mask_t[mb_rows]
-            tokens = dp_sum(m.sum().item(), g)
-            seqs = dp_sum((m.sum(1) > 0).sum().item(), g)
-            if tokens == 0:
-                continue
-            payload = {"adv": adv_t[mb_rows], "old": logp_old_t[mb_rows], "m": m}
-            if logp_ref_t is not None:
-                payload["ref"] = logp_ref_t[mb_rows]
-            mbs = _split(rp.input_ids[mb_rows], m, payload, cfg.micro_batch_size, g.pp_size)
-
-            def post(mb, logits):
-                need_ent = cfg.entropy_coef != 0
-                lp = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=g.tp,
-                                             tp_rank=g.tp_rank, vocab_size=self.spec.vocab_size,
-                                             with_entropy=need_ent)
-                lp, ent = lp if need_ent else (lp, None)
-                p = mb.payload
-                loss, met = actor_loss(lp, p["old"], p["adv"], p["m"], eps_low=cfg.eps_low,
-                                       eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
-                                       agg=cfg.loss_agg, entropy=ent,
-                                       entropy_coef=cfg.entropy_coef, logp_ref=p.get("ref"),
-                                       kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind,
-                                       global_tokens=tokens, global_seqs=seqs)
-                return loss, {**met, "loss": float(loss.detach())}
-
+        rows_per = B // cfg.mini_batches  # check_batch: mini_batches divides B
+        snap = self.actor.opt.snapshot() if cfg.mini_batches > 1 else None
+        sums: dict = {}
+        maxes = {"actor/ratio_max": 0.0, "actor/grad_norm_max": 0.0}
+        updates = 0
+        try:
+            for k in range(cfg.mini_batches):
+                rows = slice(k * rows_per, (k + 1) * rows_per)
+                mb_metrics = self._update_minibatch(rp.input_ids[rows], mask_t[rows],
+                                                    adv_t[rows], logp_old_t[rows],
+                                                    None if logp_ref_t is None else logp_ref_t[rows])
+                if mb_metrics is None:  # no valid token in this mini-batch on any rank
+                    continue
+                updates += 1
+                if updates == 1:  # the live guard: 1 when the trainer sees the sampler's policy
+                    first = mb_metrics["actor/ratio_mean"] / mb_metrics["tokens"]
+                for key, v in mb_metrics.items():
+                    if key in maxes:
+                        maxes[key] = max(maxes[key], v)
+                    else:
+                        sums[key] = sums.get(key, 0.0) + v
+        except StepSkipped:
+            if snap is not None:
+                self.actor.opt.restore(snap)
             self.actor.opt.zero_grad()
-            parts = pipeline.run(self.actor.model, mbs, groups=g, post=post, forward_only=False)
-            loss = sum(p.pop("loss") for p in parts) if parts else 0.0
-            loss = pipeline.broadcast_from_last_stage(dp_sum(loss, g), g)
-            if not math.isfinite(loss):
-                self.actor.opt.zero_grad()
-                raise FloatingPointError(f"actor loss is {loss}")
-            grad_norm, applied = self.actor.opt.step()
-            if not applied:
-                raise FloatingPointError(f"actor grad norm is {grad_norm}")
-            local = {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]} if parts else {}
-            local = pipeline.broadcast_from_last_stage(local, g)
-            metrics = {**local, "actor/loss": loss, "actor/grad_norm": grad_norm}
-        return metrics
+            raise
+        out = {"actor/updates": float(updates), **maxes}
+        tokens = max(sums.get("tokens", 0.0), 1.0)
+        for key in _TOKEN_MEANS:
+            if key in sums:
+                out[key] = sums[key] / tokens
+        for key in _MINIBATCH_MEANS:
+            if key in sums:
+                out[key] = sums[key] / max(updates, 1)
+        if updates:
+            out["actor/ratio_first_minibatch"] = first
+        out["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) / max(updates, 1)
+        out["actor/lr"] = self.cfg.actor.optim.lr
+        return out
+
+    def _update_minibatch(self, ids, m, adv, old, ref) -> Optional[dict]:
+        """One optimiser step on one mini-batch; returns dp-reduced sums (token-weighted means
+        as sums x tokens) or None when the mini-batch has no valid token anywhere."""
+        cfg, g = self.cfg.actor, self.groups
+        local_tokens = float(m.sum())
+        tokens = dp_sum(local_tokens, g)
+        seqs = dp_sum(float((m.sum(1) > 0).sum()), g)
+        if tokens == 0:
+            return None
+        payload = {"adv": adv, "old": old, "m": m}
+        if ref is not None:
+            payload["ref"] = ref
+        mbs = _split(ids, m, payload, cfg.micro_batch_size, g.pp_size)
+        temperature = self.temperature
+
+        def post(mb, logits):
+            lp, ent = vocab_parallel_logprobs(
+                logits[:, :-1], mb.input_ids[:, 1:], tp_group=g.tp, tp_rank=g.tp_rank,
+                vocab_size=self.spec.vocab_size, with_entropy=True, temperature=temperature)
+            p = mb.payload
+            loss, met = actor_loss(lp, p["old"], p["adv"], p["m"], eps_low=cfg.eps_low,
+                                   eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
+                                   agg=cfg.loss_agg, entropy=ent, entropy_coef=cfg.entropy_coef,
+                                   logp_ref=p.get("ref"), kl_coef=cfg.kl_coef,
+                                   kl_kind=cfg.kl_kind, global_tokens=tokens, global_seqs=seqs)
+            n = float(p["m"].sum())
+            sums = {k: met[k] * n for k in ("actor/clip_frac", "actor/dual_clip_frac",
+                                            "actor/approx_kl", "actor/ratio_mean")}
+            sums["actor/entropy_token_mean"] = float((ent.detach() * p["m"]).sum())
+            for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
+                if k in met:
+                    sums[k] = met[k]  # already divided by the global normaliser
+            sums["actor/loss"] = float(loss.detach())
+            return loss, {"sums": sums, "ratio_max": met["actor/ratio_max"]}
+
+        self.actor.opt.zero_grad()
+        parts = pipeline.run(self.actor.model, mbs, groups=g, post=post, forward_only=False)
+        local = {}
+        for part in parts:
+            for k, v in part["sums"].items():
+                local[k] = local.get(k, 0.0) + v
+        ratio_max = max((part["ratio_max"] for part in parts), default=0.0)
+        local = pipeline.broadcast_from_last_stage(local, g)
+        ratio_max = pipeline.broadcast_from_last_stage(ratio_max, g)
+        summed = dp_reduce(local, g)
+        loss = summed.get("actor/loss", 0.0)
+        if not math.isfinite(loss):
+            raise StepSkipped(f"actor loss is {loss}")
+        grad_norm, applied = self.actor.opt.step()
+        if not applied:
+            raise StepSkipped(f"actor grad norm is {grad_norm}")
+        return {**summed, "tokens": tokens, "actor/grad_norm": grad_norm,
+                "actor/grad_norm_max": grad_norm,
+                "actor/ratio_max": dp_reduce({"r": ratio_max}, g, op="max")["r"]}
 
     def update_implicit_prm(self, rp: RightPadded, sb: ScoredBatch, logp_ref_t) -> dict:
-        """Phase (PRIME): BCE(sigmoid(beta * sum_t q_t), outcome) on the same rollouts (§1.3)."""
+        """Phase (PRIME): BCE(sigmoid(beta * sum_t q_t), outcome) on the same rollouts (§1.3).
+        Padding rows (pp > 1 micro-batches) carry no mask and are left out of the loss."""
         g, beta = self.groups, self.cfg.prm.beta
         mask_t = rp.loss_mask[:, :-1]
         seqs = dp_sum(rp.input_ids.shape[0], g)
@@ -364,8 +532,9 @@ class RLTrainer:
             lp = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=g.tp,
                                          tp_rank=g.tp_rank, vocab_size=self.spec.vocab_size)
             p = mb.payload
-            loss = implicit_prm_ce_loss(lp, p["ref"], p["m"], p["o"][:, 0], beta=beta,
-                                        global_seqs=seqs)
+            rows = p["m"].sum(1) > 0
+            loss = implicit_prm_ce_loss(lp[rows], p["ref"][rows], p["m"][rows], p["o"][rows, 0],
+                                        beta=beta, global_seqs=seqs)
             return loss, float(loss.detach())
 
         self.implicit.opt.zero_grad()
@@ -376,14 +545,23 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict:
-        cfg, g = self.cfg, self.groups
+        cfg = self.cfg
+        self._step = step
         t = PhaseTimer()
-        with t("rollout"):
-            batch, truths, group_ids = self.rollout(step)
-        with t("outcome_reward"):
-            sb = self.outcome_reward(batch, truths, group_ids)
-        with t("process_reward"):
-            self.process_reward(sb)
+        t0 = time.perf_counter()
+        fault = None
+        try:
+            with t("rollout"):
+                batch, truths, group_ids = self.rollout(step)
+            with t("outcome_reward"):
+                sb = self.outcome_reward(batch, truths, group_ids)
+            with t("process_reward"):
+                self.process_reward(sb)
+        except FloatingPointError as e:
+            fault = str(e)
+        fault = agree(fault, self.groups)  # every rank skips, or none does
+        if fault is not None:
+            raise StepSkipped(fault)
         rp = batch.to_right_padded(self.pad)
         mbs = cfg.actor.micro_batch_size
         with t("old_logprobs"):
@@ -395,42 +573,60 @@ class RLTrainer:
         with t("advantages"):
             adv = self.advantages(sb, logp_old, logp_ref)
         adv_t = response_to_targets(adv.advantages, rp)
-        metrics = self._rollout_metrics(sb, adv)
+        metrics = self._rollout_metrics(sb, adv, logp_old)
         with t("update"):
             metrics.update(self.update_actor(rp, adv_t, logp_old_t,
                                              logp_ref_t if cfg.actor.kl_coef else None,
                                              adv.keep))
         if self.implicit is not None:
             with t("prm_update"):
-                metrics.update(self.update_implicit_prm(rp, sb, logp_ref_t))
+                imp_ref_t = (logp_ref_t if self.implicit_ref is self.ref
+                             else self.implicit_ref.logprobs(rp.input_ids, mbs))
+                metrics.update(self.update_implicit_prm(rp, sb, imp_ref_t))
         with t("weight_sync"):
             self.sync_weights()
+        metrics.update(self.last_sync)
         metrics.update(t.times)
+        elapsed = time.perf_counter() - t0
+        tokens = float(batch.response_mask.sum() + batch.prompt_mask.sum())
+        metrics["timing/step_s"] = elapsed
+        metrics["throughput/tokens_per_s"] = dp_sum(tokens, self.groups) / max(elapsed, 1e-9)
+        self._log_samples(step, sb)
         return metrics
 
-    def _rollout_metrics(self, sb: ScoredBatch, adv: AdvantageOutputs) -> dict:
+    def _rollout_metrics(self, sb: ScoredBatch, adv: AdvantageOutputs, logp_old) -> dict:
+        """Rank-local means (averaged over dp by `fit`) and the sampler-vs-trainer guard."""
         b = sb.rollout
         lens = b.response_lengths.float()
+        mask = b.response_mask.float()
+        diff = (b.sampler_logprobs - logp_old).abs() * mask
         m = {"reward/outcome_mean": float(sb.outcome.mean()),
              "response/length_mean": float(lens.mean()),
+             "response/length_max": float(lens.max()),
+             "response/length_min": float(lens.min()),
              "response/truncated_frac": float(sum(r == "length" for r in b.finish_reason)
                                               / max(1, b.batch_size)),
              "response/steps_mean": float(sb.seg.num_steps.float().mean()),
              "response/tokens_per_step": float(lens.sum() / sb.seg.num_steps.sum().clamp(min=1)),
              "filter/keep_frac": float(adv.keep.float().mean()),
-             "rollout/sampler_logprob_mean": float(
-                 (b.sampler_logprobs * b.response_mask).sum() / b.response_mask.sum().clamp(min=1)),
+             "rollout/sampler_logprob_mean": float((b.sampler_logprobs * mask).sum()
+                                                   / mask.sum().clamp(min=1)),
+             "rollout/trainer_logprob_mean": float((logp_old * mask).sum()
+                                                   / mask.sum().clamp(min=1)),
+             # verl's training/rollout_probs_diff: the engine and the trainer must agree
+             "rollout/logprob_diff_mean": float(diff.sum() / mask.sum().clamp(min=1)),
+             "rollout/logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
              }
         if sb.correct_with_wrong_step is not None:
             correct = sb.outcome > 0.5
             m["exact/correct_with_wrong_step_frac"] = float(
                 sb.correct_with_wrong_step[correct].float().mean()) if correct.any() else 0.0
         if sb.step_scores is not None:
-            s, mask = sb.step_scores, sb.seg.step_mask
-            min_score = torch.where(mask, s, torch.ones_like(s)).min(1).values
+            s, smask = sb.step_scores, sb.seg.step_mask
+            min_score = torch.where(smask, s, torch.ones_like(s)).min(1).values
             prm_ok = min_score >= self.cfg.prm.low_score
             correct = sb.outcome > 0.5
-            m["prm/score_mean"] = float(s[mask].mean()) if mask.any() else 0.0
+            m["prm/score_mean"] = float(s[smask].mean()) if smask.any() else 0.0
             m["prm/outcome_agreement"] = float((prm_ok == correct).float().mean())
             m["prm/correct_with_low_prm_frac"] = float(
                 (~prm_ok[correct]).float().mean()) if correct.any() else 0.0
@@ -439,33 +635,84 @@ class RLTrainer:
         m.update(adv.metrics)
         return m
 
+    def _log_samples(self, step: int, sb: ScoredBatch) -> None:
+        """A few generations per step to samples.jsonl (rank 0's first rollouts)."""
+        n = self.cfg.trainer.log_samples
+        if self.groups.rank != 0 or n <= 0:
+            return
+        b = sb.rollout
+        texts = b.decode_responses(self.tok)
+        prompts = b.decode_prompts(self.tok, skip_special_tokens=True)
+        with open(os.path.join(self.run_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
+            for i in range(min(n, b.batch_size)):
+                row = {"step": step, "prompt": prompts[i], "response": texts[i],
+                       "outcome": float(sb.outcome[i]), "finish_reason": b.finish_reason[i]}
+                if sb.step_scores is not None:
+                    k = int(sb.seg.num_steps[i])
+                    row["step_scores"] = [round(float(x), 4) for x in sb.step_scores[i, :k]]
+                f.write(json.dumps(row) + "\n")
+
+    def evaluate(self) -> dict:
+        """Held-out greedy accuracy (arithmetic: plus the exact flawed-step shares)."""
+        from megaprm.trainer import evaluate
+
+        self._engine_awake()
+        cfg = self.cfg
+        n = cfg.trainer.eval_problems
+        if cfg.data.task == "arithmetic":
+            from megaprm.tasks.arithmetic import generate_problems
+
+            problems = generate_problems(cfg.data.arithmetic, n, seed=HELD_OUT_SEED)
+            r = evaluate.evaluate_arithmetic(self.engine, self.tok, self.groups, problems,
+                                             max_tokens=cfg.rollout.max_tokens)
+        else:
+            from megaprm.tasks.datasets import load_prompts
+
+            records, _ = load_prompts(cfg.data.eval_path, limit=n)
+            r = evaluate.evaluate_math(self.engine, self.tok, self.groups,
+                                       [x.prompt for x in records], [x.answer for x in records],
+                                       max_tokens=cfg.rollout.max_tokens)
+        self.engine.sleep()
+        return {f"eval/{k}": float(v) for k, v in r.items()}
+
     # ------------------------------------------------------------------ checkpoints and loop
     def _ckpt_parts(self):
         models = {"actor": self.actor.model}
         optims = {"actor": self.actor.opt}
+        sources = {"actor": self.src}
         if self.implicit is not None:
             models["prm"], optims["prm"] = self.implicit.model, self.implicit.opt
-        return models, optims
+            sources["prm"] = self.implicit.src
+        return models, optims, sources
 
     def save(self, step: int, crash_after_models: bool = False) -> str:
-        models, optims = self._ckpt_parts()
-        return checkpoint.save(self.ckpt_root, step, self.groups, models=models,
-                               optimizers=optims,
-                               trainer_state={"next_step": step + 1,
-                                              "skipped_steps": self.skipped_steps},
-                               crash_after_models=crash_after_models)
+        models, optims, sources = self._ckpt_parts()
+        dtype = self.cfg.model.dtype
+        return checkpoint.save(
+            self.ckpt_root, step, self.groups, models=models, optimizers=optims,
+            sources={k: checkpoint.ModelSource(src.hf_dir, dtype) for k, src in sources.items()},
+            trainer_state={"next_step": step + 1, "skipped_steps": self.skipped_steps},
+            config=self.digest_fields, keep_last=self.cfg.trainer.keep_last,
+            crash_after_models=crash_after_models)
 
     def maybe_resume(self) -> int:
-        path = checkpoint.latest_checkpoint(self.ckpt_root) if self.cfg.trainer.resume else None
-        if path is None:
+        """Resume from the newest intact checkpoint (a damaged one is reported and skipped);
+        refused when the layout or the digested config differ."""
+        if not self.cfg.trainer.resume:
             return 0
-        models, optims = self._ckpt_parts()
-        state = checkpoint.load(path, self.groups, models=models, optimizers=optims)
+        models, optims, _ = self._ckpt_parts()
+        state = checkpoint.load(self.ckpt_root, self.groups, models=models, optimizers=optims,
+                                config=self.digest_fields,
+                                allow_config_change=self.cfg.trainer.allow_config_change,
+                                log=print if self.groups.rank == 0 else (lambda _m: None))
+        if state is None:
+            return 0
         self.skipped_steps = state.get("skipped_steps", 0)
         self.logger.truncate_after(state["step"])
         self.sync_weights()
         if self.groups.rank == 0:
-            print(f"[megaprm] resumed from {path} (next step {state['next_step']})", flush=True)
+            print(f"[megaprm] resumed from {state['path']} (next step {state['next_step']})",
+                  flush=True)
         return state["next_step"]
 
     def fit(self, on_step=None) -> List[dict]:
@@ -480,14 +727,20 @@ class RLTrainer:
         for step in bar:
             try:
                 metrics = self.step(step)
-            except FloatingPointError as e:  # NaN/inf reward or loss: skip, count, log
+                metrics = {**dp_mean({k: v for k, v in metrics.items()
+                                      if not k.startswith("actor/")}, g),
+                           **{k: v for k, v in metrics.items() if k.startswith("actor/")}}
+            except StepSkipped as e:  # agreed on by every rank; nothing was applied
                 self.actor.opt.zero_grad()
                 self.skipped_steps += 1
                 metrics = {"guard/skipped": 1.0}
                 if g.rank == 0:
                     print(f"[megaprm] step {step} skipped: {e}", flush=True)
-            metrics = dp_mean(metrics, g)
             metrics["guard/skipped_total"] = float(self.skipped_steps)
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
+                with_eval = self.evaluate()
+                metrics.update(with_eval)
+            self._warn_on_drift(step, metrics)
             self.logger.log(step, metrics)
             history.append(metrics)
             bar.set_postfix(reward=f"{metrics.get('reward/outcome_mean', float('nan')):.3f}")
@@ -496,8 +749,27 @@ class RLTrainer:
             last = step == cfg.steps - 1
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
                 self.save(step, crash_after_models=step == crash_at)
+        if cfg.export_hf:
+            from megaprm.trainer.export import save_hf
+
+            out = save_hf(self.actor.model, g, os.path.join(self.run_dir, "hf"),
+                          side_files_from=self.src.hf_dir)
+            if g.rank == 0:
+                print(f"[megaprm] final policy exported to {out}", flush=True)
         self.logger.close()
         return history
+
+    def _warn_on_drift(self, step: int, metrics: dict) -> None:
+        """The engine and the trainer disagree on the sampled tokens' log-probs: a wrong
+        temperature, stale engine weights, or a numerics problem (docs/rollout.md)."""
+        d = metrics.get("rollout/logprob_diff_max")
+        if d is not None and d > LOGPROB_DIFF_WARN and self.groups.rank == 0:
+            print(f"[megaprm] warning: step {step}: sampler vs trainer log-prob max |diff| "
+                  f"{d:.3g} > {LOGPROB_DIFF_WARN} (see docs/rollout.md)", flush=True)
+
+
+HELD_OUT_SEED = 987_654_321  # arithmetic eval problems; training draws seed*100_003 + step
+LOGPROB_DIFF_WARN = 1e-2     # fp32 engines agree to ~1e-6; bf16 vLLM vs Megatron ~1e-2 typical
 
 
 def _make_data(cfg: Config):

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -592,33 +591,3 @@ def load_prm_config(path: str, overrides: Sequence[str] = ()) -> Tuple[PRMTrainC
     if "betas" in raw:
         raw["betas"] = tuple(raw["betas"])
     return PRMTrainConfig(**raw), int(par.get("tp", 1)), int(par.get("pp", 1))
-
-
-def cmd_train_prm(args) -> int:
-    """`megaprm train-prm --config prm.yaml [key=value ...]` (re-launched under torchrun)."""
-    from megaprm.cli import _torchrun, _under_torchrun
-    from megaprm.parallel.init import destroy, init_distributed
-
-    cfg, tp, pp = load_prm_config(args.config, args.overrides)  # validate before launching
-    if not _under_torchrun():
-        return _torchrun(args.nproc, sys.argv[1:])
-    groups = init_distributed(tp=tp, pp=pp, seed=cfg.seed)
-    result = train_prm(cfg, groups)
-    if groups.rank == 0:
-        ev = result.eval
-        print(json.dumps({"auroc": ev.auroc, "f1": ev.f1, "accuracy": ev.accuracy,
-                          "held_out_steps": ev.num_steps, "bad_steps": ev.num_bad,
-                          "train_minutes": round(result.train_seconds / 60, 2),
-                          "skipped_rows": len(result.skipped), "output_dir": result.output_dir}))
-    destroy()
-    return 0
-
-
-def add_cli(sub) -> None:
-    p = sub.add_parser("train-prm", help="train a discriminative PRM (two-stage PURE recipe) on "
-                                         "the arithmetic task or stepwise JSONL")
-    p.add_argument("--config", required=True, help="YAML of PRMTrainConfig fields, e.g. "
-                                                   "configs/prm/tiny.yaml")
-    p.add_argument("--nproc", type=int, default=1, help="ranks on this node (dp = nproc/(tp*pp))")
-    p.add_argument("overrides", nargs="*", help="e.g. stage2_steps=200 arithmetic.operand_max=9")
-    p.set_defaults(fn=cmd_train_prm)

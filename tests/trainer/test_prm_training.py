@@ -9,7 +9,7 @@ import torch
 
 from megaprm.models.tiny import save_tiny_model
 from megaprm.parallel import launch
-from megaprm.rewards import prm_training as pt
+from megaprm.trainer import prm_training as pt
 from megaprm.tasks.arithmetic import CORRUPTION_KINDS, ArithmeticConfig
 from megaprm.tasks.tokenizer import build_char_tokenizer
 

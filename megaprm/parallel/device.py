@@ -1,0 +1,52 @@
+"""The one device rule (ARCHITECTURE.md "One device rule").
+
+* A rank's models live on `rank_device()`: `cuda:LOCAL_RANK` when CUDA is present, else the CPU.
+* Host-side work - tokenising, verifiers, estimators' Python bookkeeping, metrics - stays on the
+  CPU. Tensors cross between the two only at phase boundaries, through `to_device` (host ->
+  model) and `to_host` (model -> host), so a test can check the rule by looking at devices.
+* Collectives run on the process group's device: CUDA tensors for NCCL, CPU tensors for gloo
+  (`comm_device`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+
+def rank_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def model_device(model) -> torch.device:
+    """The device of a model's parameters (the CPU for a stage that holds none)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def comm_device(backend: str) -> torch.device:
+    """Where a collective's tensors must live for `backend` (nccl: this rank's GPU)."""
+    return rank_device() if backend == "nccl" else torch.device("cpu")
+
+
+def to_device(obj, device: torch.device):
+    """Move every tensor inside `obj` (tensors, dataclasses, dicts, lists, tuples) to `device`;
+    other values pass through. Returns a new container; tensors already there are not copied."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=device.type == "cuda")
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+def to_host(obj):
+    return to_device(obj, torch.device("cpu"))

@@ -1,0 +1,56 @@
+"""Greedy evaluation on held-out problems through a rollout engine (the demo's before/after and
+the trainer's `trainer.eval_every`). dp-sharded: every rank decodes its share, counts are summed
+over the dp group (host side). Arithmetic is checked step by step; math is graded by math-verify.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megaprm.parallel.groups import Groups
+from megaprm.rollout.engine import SamplingParams
+
+
+def _dp_sum(counts: torch.Tensor, groups: Groups) -> torch.Tensor:
+    if groups.dp_size > 1:
+        dist.all_reduce(counts, group=groups.host_dp)
+    return counts
+
+
+def evaluate_arithmetic(engine, tokenizer, groups: Groups, problems: list,
+                        max_tokens: int = 64) -> dict:
+    """accuracy, the share of correct answers resting on a wrong step, fully-correct share."""
+    from megaprm.tasks.arithmetic import check_steps
+
+    per = len(problems) // groups.dp_size
+    local = problems[groups.dp_rank * per:(groups.dp_rank + 1) * per]
+    batch = engine.generate([tokenizer.encode(p.prompt, add_special_tokens=False) for p in local],
+                            SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens,
+                                           stop_token_ids=(tokenizer.eos_token_id,)))
+    texts = batch.decode_responses(tokenizer)
+    checks = [check_steps(p, t, ends_with_eos=r == "stop")
+              for p, t, r in zip(local, texts, batch.finish_reason)]
+    counts = _dp_sum(torch.tensor([len(checks), sum(c.final_correct for c in checks),
+                                   sum(c.correct_with_wrong_step for c in checks),
+                                   sum(c.all_steps_correct and c.final_correct for c in checks)],
+                                  dtype=torch.float64), groups)
+    total, correct, wrong_step, clean = counts.tolist()
+    return {"accuracy": correct / max(total, 1),
+            "correct_with_wrong_step": wrong_step / max(correct, 1),
+            "all_steps_correct": clean / max(total, 1), "problems": int(total)}
+
+
+def evaluate_math(engine, tokenizer, groups: Groups, prompts: list, answers: list,
+                  max_tokens: int) -> dict:
+    from megaprm.rewards.verifiers import score_outcomes
+
+    per = len(prompts) // groups.dp_size
+    lo = groups.dp_rank * per
+    batch = engine.generate([tokenizer.encode(p, add_special_tokens=False)
+                             for p in prompts[lo:lo + per]],
+                            SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens,
+                                           stop_token_ids=(tokenizer.eos_token_id,)))
+    scores = score_outcomes(batch.decode_responses(tokenizer), answers[lo:lo + per], kind="math")
+    counts = _dp_sum(torch.tensor([float(len(scores)), float(scores.sum())], dtype=torch.float64),
+                     groups)
+    return {"accuracy": float(counts[1] / counts[0].clamp(min=1)), "problems": int(counts[0])}
