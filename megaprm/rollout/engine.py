@@ -7,6 +7,7 @@ of prompt i are rows i*n .. i*n+n-1 of every [B, ...] tensor (B = len(prompts) *
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -192,22 +193,83 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
     return ids, mask
 
 
+class EngineAsleepError(RuntimeError):
+    """A call that needs the engine's weights (or KV cache) resident came while it sleeps."""
+
+
+@contextlib.contextmanager
+def preserved_rng_and_device():
+    """Run a block (building an engine) without letting it change the caller's random state or
+    current CUDA device: python `random`, numpy's global generator, torch's CPU generator, every
+    CUDA generator and `torch.cuda.current_device()` are saved before and restored after.
+
+    vLLM reseeds all four while it builds (0.33.0 `vllm/v1/worker/gpu_worker.py:517` and `:1094`
+    call `set_random_seed(seed)`, `vllm/utils/torch_utils.py:528`) and sets the worker's device
+    (`gpu_worker.py:496`); a trainer that seeded its dropout / data order would silently change.
+    """
+    import random
+
+    import numpy as np
+
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        dev, cuda_states = torch.cuda.current_device(), torch.cuda.get_rng_state_all()
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.random.set_rng_state(cpu)
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda_states)
+            torch.cuda.set_device(dev)
+
+
+def finish_reason(tokens: Sequence[int], stop_ids: Iterable[int]) -> str:
+    """"stop" when the response ends with a stop/EOS id (also when that id is the max_tokens-th
+    token), else "length". Decided from the tokens, not from the engine's own label: vLLM 0.10.2
+    checks the length cap first (`vllm/v1/core/sched/utils.py:46-49`) and calls an EOS sampled as
+    the last allowed token "length"; 0.33.0 checks EOS/stop ids first (`utils.py:104-119`)."""
+    return "stop" if len(tokens) and int(tokens[-1]) in set(stop_ids) else "length"
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the RL loop needs from a generator.
+    """What the RL loop needs from a generator: one lifecycle, the same for every engine.
 
-    `load_weights` consumes the whole stream; with strict=True an unknown name raises at once and
-    names the model never received raise after the stream ends (a partial update needs
+        build -> [update_weights] -> generate -> sleep -> (train) -> update_weights -> generate
+                 -> sleep -> ...
+
+    `sleep()` (after each rollout) frees the engine's accelerator memory for training: the
+    weights (offloaded or dropped) and the KV cache. `update_weights(stream)` (before the next
+    rollout) does, in the order vLLM requires: wake the weights only -> load the stream -> reset
+    the prefix cache (cached KV was computed by the old weights) -> wake the KV cache. It also
+    works on an awake engine (then it only loads and resets). It returns how many tensors it
+    loaded.
+
+    `load_weights` is the awake-only primitive (what `parallel.weight_sync.sync_weights` calls):
+    on a sleeping engine it raises `EngineAsleepError`, since vLLM would write into unmapped
+    memory or have the write overwritten by the stale offloaded copy at wake-up. `wake()` wakes
+    everything without loading (evaluation, not the RL loop). `generate` on a sleeping engine
+    raises `EngineAsleepError`.
+
+    Streams: (hf_name, tensor) pairs, consumed once; with strict=True an unknown name raises at
+    once and names the model never received raise after the stream ends (a partial update needs
     strict=False). Tensors are copied: the caller may free them after they are consumed.
-    `sleep()` frees the engine's accelerator memory (weights and KV cache) for training and
-    `wake()` takes it back; both are no-ops where the engine holds nothing worth freeing.
     """
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch: ...
 
+    def sleep(self) -> None: ...
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                       strict: bool = True) -> int: ...
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
                      strict: bool = True) -> int: ...
 
-    def sleep(self) -> None: ...
-
     def wake(self) -> None: ...
+
+    @property
+    def asleep(self) -> bool: ...

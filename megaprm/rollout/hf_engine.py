@@ -19,7 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from megaprm.rollout.engine import RolloutBatch, SamplingParams, left_pad
+from megaprm.rollout.engine import (
+    EngineAsleepError,
+    RolloutBatch,
+    SamplingParams,
+    left_pad,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,7 +100,7 @@ class HFEngine:
         self.pad_token_id = int(pad)
         self.vocab_size = int(mc.vocab_size)
         self.max_positions = int(getattr(mc, "max_position_embeddings", 1 << 30))
-        self._asleep = False
+        self._asleep = False  # the RolloutEngine lifecycle state (see engine.RolloutEngine)
 
     @classmethod
     def from_pretrained(cls, model_dir: str, cfg: HFEngineConfig = HFEngineConfig()) -> HFEngine:
@@ -126,8 +131,13 @@ class HFEngine:
 
         Unknown names raise at once; with strict=True, parameters never received raise after the
         stream ends. With tied embeddings `lm_head.weight` is the embedding: an incoming
-        `lm_head.weight` is skipped (the embedding carries it), as vLLM does.
+        `lm_head.weight` is skipped (the embedding carries it). Raises `EngineAsleepError` on a
+        sleeping engine: the RL loop calls `update_weights`, which wakes the weights first.
         """
+        if self._asleep:
+            raise EngineAsleepError(
+                "HFEngine.load_weights() while asleep: call update_weights(), which wakes the "
+                "weights before loading (the order vLLM needs)")
         params = dict(self.model.named_parameters())  # a tied lm_head is deduplicated away
         tied_head = self._tied() and "lm_head.weight" not in params
         seen = set()
@@ -154,23 +164,47 @@ class HFEngine:
                     "strict=False for a partial update")
         return len(seen)
 
+    # ------------------------------------------------------------------------------ lifecycle
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
     def sleep(self) -> None:
-        """On GPU: move the weights to host memory and release the cache; no-op on CPU."""
-        if self.device.type == "cuda" and not self._asleep:
+        """After a rollout. On GPU: the weights go to host memory and the cached blocks are
+        released (vLLM's level-1 sleep: weights offloaded, KV cache dropped; this engine keeps no
+        KV cache between calls). On CPU nothing is freed: only the state changes, so CPU runs go
+        through the same calls and errors as GPU runs."""
+        if self._asleep:
+            return
+        if self.device.type == "cuda":
             self.model.to("cpu")
             torch.cuda.empty_cache()
-            self._asleep = True
+        self._asleep = True
+
+    def _wake_weights(self) -> None:
+        if self.device.type == "cuda" and self._asleep:
+            self.model.to(self.device)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                       strict: bool = True) -> int:
+        """Before a rollout: wake the weights, load the stream, (no prefix cache to reset),
+        wake the KV cache (nothing to do: this engine allocates its cache per call)."""
+        self._wake_weights()
+        self._asleep = False
+        return self.load_weights(weights, strict=strict)
 
     def wake(self) -> None:
-        if self._asleep:
-            self.model.to(self.device)
-            self._asleep = False
+        """Wake without loading (evaluation); the weights are the ones held at sleep()."""
+        self._wake_weights()
+        self._asleep = False
 
     # ------------------------------------------------------------------------------ sampling
 
     def _check(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
         if self._asleep:
-            raise RuntimeError("generate() on a sleeping engine: call wake() first")
+            raise EngineAsleepError("HFEngine.generate() while asleep: call update_weights() "
+                                    "(RL loop) or wake() before generating")
         longest = max((len(p) for p in prompts), default=0)
         if longest + params.max_tokens > self.max_positions:
             raise ValueError(

@@ -169,3 +169,45 @@ def test_with_the_task_tokenizer():
     assert out.decode_prompts(tok) == ["1+2=?", "1+2=?", "3*4=", "3*4="]
     texts = out.decode_responses(tok)
     assert len(texts) == 4 and all(isinstance(t, str) for t in texts)
+
+
+def test_lifecycle_sleep_update_gives_the_same_generations():
+    """generate -> sleep -> update_weights(same weights) -> generate repeats the first rollout
+    bit for bit; a different stream gives the fresh engine's rollout; the errors of a sleeping
+    engine are the vLLM engine's (the CPU run goes through the GPU run's calls)."""
+    from megaprm.rollout.engine import EngineAsleepError
+
+    model = _peaked_model("qwen2", seed=5)
+    state = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    eng = HFEngine(model, HFEngineConfig(eos_token_ids=(EOS,), pad_token_id=PAD))
+    params = SamplingParams(n=2, max_tokens=10, seed=4)
+    before = eng.generate(PROMPTS, params)
+    eng.sleep()
+    assert eng.asleep
+    with pytest.raises(EngineAsleepError, match="update_weights"):
+        eng.generate(PROMPTS, params)
+    with pytest.raises(EngineAsleepError, match="update_weights"):
+        eng.load_weights(iter(state))
+    assert eng.update_weights(iter(state)) == len(state) and not eng.asleep
+    after = eng.generate(PROMPTS, params)
+    assert torch.equal(before.response_ids, after.response_ids)
+    assert torch.equal(before.sampler_logprobs, after.sampler_logprobs)
+    assert before.finish_reason == after.finish_reason
+
+    other = _peaked_model("qwen2", seed=6)
+    eng.sleep()
+    eng.update_weights((n, p.detach()) for n, p in other.named_parameters())
+    fresh = HFEngine(other, HFEngineConfig(eos_token_ids=(EOS,), pad_token_id=PAD))
+    assert torch.equal(eng.generate(PROMPTS, params).response_ids,
+                       fresh.generate(PROMPTS, params).response_ids)
+    eng.sleep()
+    eng.wake()  # evaluation: wake without loading keeps the weights held at sleep()
+    assert torch.equal(eng.generate(PROMPTS, params).response_ids,
+                       fresh.generate(PROMPTS, params).response_ids)
+
+
+def test_eos_as_the_last_allowed_token_is_stop(engine):
+    first = int(_last_logits(engine, PROMPTS[0]).argmax())
+    eng = HFEngine(engine.model, HFEngineConfig(eos_token_ids=(first,), pad_token_id=PAD))
+    out = eng.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=1))
+    assert out.response_token_lists() == [[first]] and out.finish_reason == ["stop"]

@@ -1,0 +1,47 @@
+"""Build the rollout engine a run asks for (`rollout.engine`: hf | vllm), placed like the trainer.
+
+The trainer calls this once per rank, after its models exist:
+
+    engine = build_engine(cfg.rollout, cfg.model.path, tokenizer, world_size=groups.world_size,
+                          tp_size=groups.tp_size, seed=cfg.trainer.seed, device=device)
+
+and then drives the lifecycle of `engine.RolloutEngine` (generate -> sleep -> update_weights).
+Building never changes the caller's RNG states or current CUDA device.
+"""
+from __future__ import annotations
+
+import torch
+
+from megaprm.config import RolloutConfig
+from megaprm.rollout.engine import RolloutEngine, preserved_rng_and_device
+
+# vLLM memory settings, read from RolloutConfig when it carries them (field name -> default).
+VLLM_DEFAULTS = {"gpu_memory_utilization": 0.5, "sleep_level": 1}
+
+
+def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, world_size: int,
+                 tp_size: int, seed: int, device) -> RolloutEngine:
+    """One engine for this rank. `device`: the rank's device (the HF engine runs there; vLLM
+    takes LOCAL_RANK's GPU under external_launcher, which must be the same one).
+
+    vllm: tensor_parallel_size = the trainer's tp; `external_launcher` whenever world_size > 1;
+    the same `seed` on every rank (one seed per tp group). hf: the model at `model_path` on
+    `device` in fp32, stopping on the tokenizer's EOS.
+    """
+    if world_size < 1 or tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"build_engine: world_size={world_size} must be a positive multiple of "
+                         f"tp_size={tp_size}")
+    eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or (0,))[0]
+    if rollout_cfg.engine == "vllm":
+        from megaprm.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+        extra = {k: getattr(rollout_cfg, k, v) for k, v in VLLM_DEFAULTS.items()}
+        cfg = VLLMEngineConfig(tensor_parallel_size=tp_size, external_launcher=world_size > 1,
+                               seed=seed, pad_token_id=int(pad), eos_token_ids=eos, **extra)
+        return VLLMEngine(model_path, cfg)  # saves/restores RNG and device itself
+    from megaprm.rollout.hf_engine import HFEngine, HFEngineConfig
+
+    with preserved_rng_and_device():
+        return HFEngine.from_pretrained(model_path, HFEngineConfig(
+            device=str(torch.device(device)), pad_token_id=int(pad), eos_token_ids=eos))
