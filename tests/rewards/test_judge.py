@@ -174,3 +174,19 @@ def test_judge_config_validation():
         J.JudgeConfig(engine="api")
     with pytest.raises(ValueError, match="prm.judge.max_tokens=0"):
         J.JudgeConfig(max_tokens=0)
+
+
+def test_prompt_goes_through_the_graders_chat_template():
+    """One user message, generation prompt added (the released chat-completions call)."""
+    tok = _printable_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + "
+                         "m['content'] + '<|im_end|>\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    eng = _CannedEngine(tok, ["Score: \\boxed{1}"])
+    res = J.judge_process_scores(eng, tok, ["p"], ["r"], ["s"], torch.tensor([1.0]))
+    want = ("<|im_start|>user\n" + J.build_judge_prompt("p", "r", "s")
+            + "<|im_end|>\n<|im_start|>assistant\n")
+    assert all(isinstance(t, int) for t in eng.prompts[0])
+    assert tok.decode(eng.prompts[0]) == want
+    assert res.scores.tolist() == [1.0]
