@@ -229,8 +229,13 @@ class HFWeights:
             raise KeyError(name)
         return self._handles[self._where[name]].get_tensor(name)
 
-    def check(self, required: Iterable[str], *, allow_unexpected: Iterable[str] = ()) -> None:
-        """Raise listing every missing tensor (and unexpected ones) before any copy happens."""
+    def check(self, required: Iterable[str], *, expected: Optional[Iterable[str]] = None,
+              ignore_unexpected: bool = False) -> None:
+        """Raise, before any copy, listing every missing tensor and every tensor nothing would
+        use. `required`: what this stage loads; `expected`: every HF name of the whole model
+        (all stages; default: what the directory's own config.json describes). A tensor outside
+        `expected` is as fatal as a missing one (it would be dropped without a word) unless
+        `ignore_unexpected`."""
         required = set(required)
         missing = sorted(required - set(self._where))
         if missing:
@@ -238,11 +243,65 @@ class HFWeights:
                 f"HF checkpoint {self.dir!r} is missing {len(missing)} tensor(s) the model needs: "
                 f"{missing[:20]}{' ...' if len(missing) > 20 else ''}; the checkpoint does not "
                 "match its config.json (wrong num_hidden_layers / architecture?) or is incomplete")
+        if ignore_unexpected:
+            return
+        if expected is None:
+            import os
+
+            from megaprm.models.hf_spec import spec_from_hf
+
+            if not os.path.isfile(os.path.join(self.dir, "config.json")):
+                return  # nothing describes the checkpoint: only `required` can be checked
+            spec = spec_from_hf(self.dir)
+        else:
+            spec = None
+        expected = set(expected) if spec is None else expected_hf_names(spec)
+        expected |= required
+        unexpected = sorted(n for n in set(self._where) - expected
+                            if not n.endswith("rotary_emb.inv_freq"))  # old rope buffers
+        hint = ""
+        if "lm_head.weight" in unexpected and "model.embed_tokens.weight" in self._where:
+            # A tied model may store its output layer: harmless only if it is the embedding.
+            if torch.equal(self("lm_head.weight"), self("model.embed_tokens.weight")):
+                unexpected.remove("lm_head.weight")
+            else:
+                hint = (" (lm_head.weight differs from model.embed_tokens.weight: set "
+                        "tie_word_embeddings=false in config.json if the model has its own "
+                        "LM head)")
+        if unexpected:
+            raise ValueError(
+                f"HF checkpoint {self.dir!r} holds {len(unexpected)} tensor(s) the model would "
+                f"not use: {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}{hint}; its "
+                "config.json does not describe them (biases? more layers? another head?): fix "
+                "config.json, or pass ignore_unexpected=True to drop them knowingly")
+
+
+def expected_hf_names(spec: ModelSpec) -> set:
+    """Every HF tensor name of the whole model `spec` describes (all pipeline stages)."""
+    layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
+             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+             "mlp.down_proj.weight"]
+    if spec.qkv_bias:
+        layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    if spec.qk_norm:
+        layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    names = {f"model.layers.{i}.{s}" for i in range(spec.num_layers) for s in layer}
+    names |= {"model.embed_tokens.weight", "model.norm.weight"}
+    if spec.head == "lm" and not spec.tie_embeddings:
+        names.add("lm_head.weight")
+    elif spec.head == "token_cls":
+        names |= {"score.weight", "score.bias"}
+    elif spec.head == "prm_mlp":
+        names |= {"score.0.weight", "score.0.bias", "score.2.weight", "score.2.bias"}
+    return names
 
 
 def load_hf_weights(model, model_dir: str, spec: ModelSpec, *, tp_rank: int, tp_size: int,
-                    pp: int, pp_rank: int) -> None:
-    """Load an HF directory into this rank's stage, reading only this stage's tensors."""
+                    pp: int, pp_rank: int, ignore_unexpected: bool = False) -> None:
+    """Load an HF directory into this rank's stage, reading only this stage's tensors. Every
+    tensor of the directory must belong to the model (`HFWeights.check`)."""
     weights = HFWeights(model_dir)
-    weights.check(required_hf_names(model, spec, pp, pp_rank))
+    weights.check(required_hf_names(model, spec, pp, pp_rank), expected=expected_hf_names(spec),
+                  ignore_unexpected=ignore_unexpected)
     load_stage(model, weights, spec, tp_rank=tp_rank, tp_size=tp_size, pp=pp, pp_rank=pp_rank)

@@ -55,11 +55,17 @@ def build_hf_model(cfg, seed: int = 0):
     arch = cfg.architectures[0]
     cls = getattr(tf, arch)
     model = cls(cfg).float().eval()
-    # Random norms (HF inits them to 1): a mapping bug in a norm must change the logits.
+    # Every tensor random: HF inits norms to 1 and biases to 0, and a zero bias (or a unit norm)
+    # looks the same in any order, so a layout bug in one would not change the logits.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+        constant = [n for n, p in model.named_parameters()
+                    if p.numel() > 1 and bool((p == p.flatten()[0]).all())]
+        assert not constant, f"tiny model tensors left constant: {constant}"
     return model
 
 
