@@ -126,6 +126,10 @@ def spec_from_hf(path_or_config) -> ModelSpec:
         unsupported.append(f"hidden_act={cfg.get('hidden_act')!r} (only silu/SwiGLU)")
     if family == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         unsupported.append("attention_bias/mlp_bias on Llama")
+    if family == "qwen3" and cfg.get("attention_bias"):
+        # q/k/v/o biases: Megatron ties an o_proj bias to MLP biases (add_bias_linear), which
+        # Qwen3 does not have, so the biases would be dropped or wrong; refuse instead.
+        unsupported.append("attention_bias=true on Qwen3 (q/k/v/o_proj biases)")
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     rope_type = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
     if rope_type not in ("default", "llama3"):
