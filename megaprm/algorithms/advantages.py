@@ -200,14 +200,29 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8
 
     mean and unbiased variance over all valid tokens of `values[B, T]` on every DP rank (two
     all-reduces; §1.4 "Whiten"). Padded positions are returned as 0.
+
+    Row sums and row sums of squares (float32 over T, accumulated in float64 over rows) give
+    the centred sum of squares as `sum x^2 - 2 mean sum x + n mean^2`: two reading passes and
+    two writing passes over `[B, T]`, no float64 `[B, T]` temporaries.
     """
-    m = mask.to(torch.float64)
-    x = values.to(torch.float64)
-    s = all_reduce(torch.stack([m.sum(), (x * m).sum()]), "sum", group)
+    m = mask.to(values.dtype)
+    return _whiten_masked(values * m, m, eps=eps, group=group, inplace=True).to(values.dtype)
+
+
+def _whiten_masked(x: torch.Tensor, m: torch.Tensor, *, eps: float, group: Any | None,
+                   inplace: bool) -> torch.Tensor:
+    """`masked_whiten` of `x[B, T]` that is already 0 off the mask `m` (same dtype)."""
+    n_local = m.sum(1).to(torch.float64).sum()
+    s_local = x.sum(1).to(torch.float64).sum()
+    s = all_reduce(torch.stack([n_local, s_local]), "sum", group)
     n, mean = s[0], s[1] / s[0].clamp(min=1)
-    ss = all_reduce(((x - mean) ** 2 * m).sum().reshape(1), "sum", group)[0]
+    sq = torch.linalg.vector_norm(x, dim=1).to(torch.float64).square().sum()
+    local = sq - 2 * mean * s_local + mean * mean * n_local
+    ss = all_reduce(local.clamp(min=0).reshape(1), "sum", group)[0]
     var = ss / (n - 1).clamp(min=1)
-    return ((x - mean) * torch.rsqrt(var + eps) * m).to(values.dtype)
+    rstd = float(torch.rsqrt(var + eps))
+    out = x.sub_(m, alpha=float(mean)) if inplace else torch.sub(x, m, alpha=float(mean))
+    return out.mul_(rstd)
 
 
 # --------------------------------------------------------------------------- PRIME (§1)
@@ -222,7 +237,7 @@ def implicit_process_reward(logp_prm: torch.Tensor, logp_ref: torch.Tensor,
     check_tensor(logp_prm, "logp_prm", (None, None), dims="[B, T]")
     check_tensor(logp_ref, "logp_ref", tuple(logp_prm.shape), dims="[B, T]")
     mask = check_mask(response_mask, "response_mask", tuple(logp_prm.shape), "[B, T]")
-    return (logp_prm - logp_ref) * mask.to(logp_prm.dtype)
+    return torch.sub(logp_prm, logp_ref).mul_(mask.to(logp_prm.dtype))
 
 
 def prime_step_rewards(q: torch.Tensor, response_mask: torch.Tensor, granularity: str = "token",
@@ -295,6 +310,11 @@ def prime(outcome: torch.Tensor, logp_prm: torch.Tensor, logp_ref: torch.Tensor,
     4. `R = outcome_coef * G^o + process_coef * G^p` with discounts gamma_outcome/gamma_process
        (released: coefficients 1 — its rm_coef/reward_coef never reach the advantage, §1.4 ⚠).
     5. advantages = masked_whiten(R) over the global batch.
+
+    With gamma = 1 (the released setting) every step is a per-row affine map of one forward
+    cumsum: with C the cumsum of r and V_t the valid tokens at or after t,
+    `G^p_t = a_i (C_T - C_{t-1}) - c_i V_t` and `G^o_t = o_i` on valid tokens, so the whole
+    estimator costs ~10 passes over `[B, T]` (see `_prime_returns_gamma1`).
     """
     check_choice(norm, "norm", ("batch_norm", "none"))
     check_choice(rloo_form, "rloo_form", ("code", "paper"))
@@ -303,29 +323,111 @@ def prime(outcome: torch.Tensor, logp_prm: torch.Tensor, logp_ref: torch.Tensor,
     check_tensor(logp_prm, "logp_prm", (b, None), dims="[B, T]")
     q = implicit_process_reward(logp_prm, logp_ref, response_mask)
     mask = response_mask.to(q.dtype)
-    r = prime_step_rewards(q, response_mask, granularity, step_end_mask)
+    # q is already 0 off-mask; token granularity keeps it as is
+    r = q if granularity == "token" else prime_step_rewards(q, response_mask, granularity,
+                                                             step_end_mask)
     index = group_index(group_ids, group, b)
+    if gamma_outcome == 1.0 and gamma_process == 1.0:
+        returns = _prime_returns_gamma1(outcome, r, mask, index, norm=norm, norm_scope=norm_scope,
+                                        rloo_form=rloo_form, outcome_coef=outcome_coef,
+                                        process_coef=process_coef, group=group)
+        adv = _whiten_masked(returns, mask, eps=1e-8, group=group, inplace=False)
+        return adv.to(logp_prm.dtype), returns.to(logp_prm.dtype)
     if norm == "batch_norm":
         r = prime_batch_norm(r, response_mask, scope=norm_scope, group=group)
     r = r.to(torch.float64)
     n_tok = mask.sum(1).to(torch.float64)
     mu = (r * mask).sum(1) / n_tok.clamp(min=1)                       # [B] per-token mean
-    o = outcome.to(torch.float64)
-    s = index.per_sample(group_sums(torch.stack([torch.ones_like(o), o, mu], dim=1), index))
-    k, sum_o, sum_mu = s[:, 0], s[:, 1], s[:, 2]
-    loo = (k >= 2)
-    km1 = (k - 1).clamp(min=1)
-    out_last = torch.where(loo, (k * o - sum_o) / km1, torch.zeros_like(o))
-    if rloo_form == "code":
-        proc = r * (k / km1)[:, None] - (sum_mu / km1)[:, None]
-    else:
-        proc = r - ((sum_mu - mu) / km1)[:, None]
-    proc = torch.where(loo[:, None], proc, torch.zeros_like(proc)) * mask
+    a, c, out_last = _prime_rloo_coefficients(outcome, mu, index, rloo_form)
+    proc = (r * a[:, None] - c[:, None]) * mask
     g_out = discounted_returns(_put_last(out_last, response_mask), gamma_outcome)
     g_proc = discounted_returns(proc, gamma_process)
     returns = (outcome_coef * g_out + process_coef * g_proc) * mask
     adv = masked_whiten(returns, mask, group=group)
     return adv.to(logp_prm.dtype), returns.to(logp_prm.dtype)
+
+
+def _prime_rloo_coefficients(outcome: torch.Tensor, mu: torch.Tensor, index: GroupIndex,
+                             rloo_form: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RLOO of step 3 as per-row coefficients (float64 `[B]` each, one all-reduce):
+    process reward `a_i r_t - c_i` on valid tokens, outcome term `out_i` at the last token;
+    all three 0 for a group of one."""
+    o = outcome.to(torch.float64)
+    s = index.per_sample(group_sums(torch.stack([torch.ones_like(o), o, mu], dim=1), index))
+    k, sum_o, sum_mu = s[:, 0], s[:, 1], s[:, 2]
+    loo = (k >= 2).to(torch.float64)
+    km1 = (k - 1).clamp(min=1)
+    out_last = (k * o - sum_o) / km1 * loo
+    if rloo_form == "code":
+        a, c = k / km1, sum_mu / km1
+    else:
+        a, c = torch.ones_like(k), (sum_mu - mu) / km1
+    return a * loo, c * loo, out_last
+
+
+def _prime_returns_gamma1(outcome: torch.Tensor, r: torch.Tensor, mask: torch.Tensor,
+                          index: GroupIndex, *, norm: str, norm_scope: str, rloo_form: str,
+                          outcome_coef: float, process_coef: float,
+                          group: Any | None) -> torch.Tensor:
+    """PRIME returns `[B, T]` for gamma = 1 from one cumsum of `r[B, T]` (zero off-mask;
+    overwritten).
+
+    reverse-cumsum_t r = C_T - C_{t-1} (C the forward cumsum, C_{-1} = 0), so
+    * batch_norm's max |return-to-go| is `max_i max(C_T - min_t C_{t-1}, max_t C_{t-1} - C_T)`
+      (row min / max of C, no `[B, T]` temporary);
+    * returns_t = m_t (kappa_i - alpha_i C_{t-1} + gamma_i W_{t-1}), W the cumsum of the mask
+      (W_{t-1} = t for a right-padded mask), with alpha = pc a / peak, gamma = pc c and
+      kappa = oc out + alpha C_T - gamma n: three fused passes.
+    """
+    b, t = r.shape
+    dt = r.dtype
+    csum = r.cumsum_(1)                              # [B, T], in place: r is this call's own
+    total = csum[:, -1].to(torch.float64) if t else r.new_zeros(b, dtype=torch.float64)
+    scale = torch.ones((), dtype=torch.float64, device=r.device)
+    if norm == "batch_norm":
+        if t > 1:
+            prev = csum[:, :-1]
+            lo = prev.amin(1).to(torch.float64).clamp(max=0)
+            hi = prev.amax(1).to(torch.float64).clamp(min=0)
+        else:
+            lo = hi = torch.zeros_like(total)
+        peak = torch.maximum(total - lo, hi - total).amax().reshape(1) if b else \
+            torch.zeros(1, dtype=torch.float64, device=r.device)
+        if norm_scope == "global":
+            peak = all_reduce(peak, "max", group)
+        scale = 1.0 / (peak[0] + 1e-6)
+    n_tok, prefix = _row_counts(mask)
+    mu = total * scale / n_tok.clamp(min=1)                           # per-token mean of r / peak
+    a, c, out_last = _prime_rloo_coefficients(outcome, mu, index, rloo_form)
+    alpha = process_coef * a * scale
+    gamma = process_coef * c
+    kappa = outcome_coef * out_last + alpha * total - gamma * n_tok
+    if prefix:
+        counts_before = torch.arange(t, dtype=dt, device=r.device)   # W_{t-1} = t
+        ret = torch.addcmul(kappa.to(dt)[:, None], gamma.to(dt)[:, None], counts_before[None, :])
+    else:
+        w = mask.cumsum(1)
+        ret = kappa.to(dt)[:, None].expand(b, t).clone()
+        ret[:, 1:].addcmul_(gamma.to(dt)[:, None], w[:, :-1])
+    ret[:, 1:].addcmul_(csum[:, :-1], alpha.to(dt)[:, None], value=-1.0)
+    return ret.mul_(mask)
+
+
+def _row_counts(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """`(n[B] float64 valid tokens per row, prefix)` for a {0,1} `mask[B, T]`; `prefix` is True
+    when every row is right-padded (valid tokens = positions 0..n-1).
+
+    A row's n ones sit at positions summing to at least n(n-1)/2, with equality only for the
+    prefix, so one matrix-vector product checks it (exact: float32 sums of integers < 2^24, or
+    float64 for long rows).
+    """
+    b, t = mask.shape
+    dt = torch.float32 if t <= 5792 else torch.float64
+    m = mask.to(dt)
+    n = m.sum(1)
+    pos = m @ torch.arange(t, dtype=dt, device=mask.device)
+    prefix = bool(torch.equal(pos, n * (n - 1) / 2)) if b else True
+    return n.to(torch.float64), prefix
 
 
 # --------------------------------------------------------------------------- PURE (§2)
@@ -367,15 +469,17 @@ def pure_step_weights(step_scores: torch.Tensor, step_mask: torch.Tensor, *, cre
 
 
 def pure_whiten(adv: torch.Tensor, response_mask: torch.Tensor, *, var_includes_zeros: bool = True,
-                group: Any | None = None) -> torch.Tensor:
-    """PURE's global whitening (§2.5): tokens whose advantage is exactly 0 are left at 0 and not
-    counted; mean = sum / count; `rstd = rsqrt(clamp(var_sum / count, 1e-8))`.
+                exclude_zeros: bool = True, group: Any | None = None) -> torch.Tensor:
+    """PURE's global whitening (§2.5): `(x - mean) * rsqrt(clamp(var_sum / count, 1e-8))`.
 
-    The released var_sum still includes the zero tokens' `(0 - mean)^2` (§2.5 ⚠,
-    `var_includes_zeros=True`); False sums only over the counted tokens. 2 all-reduces.
+    `exclude_zeros=True` (the released code with separator masking): tokens whose advantage is
+    exactly 0 are left at 0 and not counted, mean = sum / count; the released var_sum still
+    includes the zero tokens' `(0 - mean)^2` (§2.5 ⚠, `var_includes_zeros=True`); False sums
+    only over the counted tokens. `exclude_zeros=False` (released with
+    `--nomask_separator_adv`): every valid token is counted and whitened. 2 all-reduces.
     """
     valid = response_mask.bool()
-    nz = valid & (adv != 0)
+    nz = valid & (adv != 0) if exclude_zeros else valid
     x = adv.to(torch.float64)
     s = all_reduce(torch.stack([(x * valid).sum(), nz.sum().to(torch.float64)]), "sum", group)
     count = s[1]
@@ -386,12 +490,15 @@ def pure_whiten(adv: torch.Tensor, response_mask: torch.Tensor, *, var_includes_
     return torch.where(nz, (x - mean) * rstd, torch.zeros_like(x)).to(adv.dtype)
 
 
+WHITEN_ZEROS = ("released", "exclude")
+
+
 def pure(outcome: torch.Tensor, step_scores: torch.Tensor, step_mask: torch.Tensor,
          step_end_index: torch.Tensor, response_mask: torch.Tensor, group_ids: torch.Tensor, *,
          credit: str = "min", temperature: float = 0.1, baseline: str = "token",
          reward_mode: str = "PRMVR", vr_coef: float = 1.0, kl: torch.Tensor | None = None,
          kl_coef: float = 0.0, mask_separator: bool = True, whiten: bool = True,
-         whiten_var_includes_zeros: bool = True,
+         whiten_var_includes_zeros: bool = True, whiten_zeros: str = "released",
          group: Any | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PURE min-form token advantages, OpenRLHF branch (§2.3–2.5) -> `(advantages, returns)` `[B, T]`.
 
@@ -408,9 +515,19 @@ def pure(outcome: torch.Tensor, step_scores: torch.Tensor, step_mask: torch.Tens
     closing token, the baselines (leave-one-out over the group; 0 for a group of size 1) are
     `"token"` (released script): `b_i L_k`, `b_i = sum_{j!=i} O_j / sum_{j!=i} |y_j|`;
     `"step"` (the older default): `b_i` at every step end, `b_i = mean_{j!=i} O_j / K_j`; `"none"`.
+
+    `whiten_zeros`: `"released"` (default) excludes zero-advantage tokens from the whitening
+    count and leaves them at 0 only with `mask_separator`, as CJReinforce/PURE's
+    `NaiveReplayBuffer.normalize`; `"exclude"` always does (megaprm's earlier behaviour).
+
+    Without the KL term the rewards sit only at step ends, so G is constant on each step's
+    tokens: inputs that follow the documented layout (right-padded mask, steps tiling the
+    response) are computed per step `[B, S]` and expanded to tokens with one
+    `repeat_interleave` per output; other inputs take the dense `[B, T]` path.
     """
     check_choice(baseline, "baseline", ("token", "step", "none"))
     check_choice(reward_mode, "reward_mode", ("PRM", "VR", "PRMVR"))
+    check_choice(whiten_zeros, "whiten_zeros", WHITEN_ZEROS)
     check_vector(outcome, "outcome")
     b = outcome.shape[0]
     check_tensor(step_scores, "step_scores", (b, None), dims="[B, S]")
@@ -430,17 +547,25 @@ def pure(outcome: torch.Tensor, step_scores: torch.Tensor, step_mask: torch.Tens
         check_tensor(kl, "kl", (b, t), dims="[B, T]")
     ends = torch.where(smask, ends, torch.zeros_like(ends))
     index = group_index(group_ids, group, b)
+    exclude_zeros = mask_separator or whiten_zeros == "exclude"
+    y_len, prefix = _row_counts(tmask)
+    kl_on = kl is not None and bool(kl_coef)
+    tiled = not kl_on and prefix and _steps_tile_rows(ends, smask, y_len)
 
     pr = step_scores.to(torch.float64)
     w = pure_step_weights(pr, smask, credit=credit, temperature=temperature)
     rew_step = w * pr * smask                                              # [B, S]
     big_o = rew_step.sum(1)                                                # O_i ~ min PR
     k_i = smask.sum(1).to(torch.float64)
-    y_len = tmask.sum(1).to(torch.float64)
-    csum = tmask.to(torch.float64).cumsum(1)
-    at_end = torch.gather(csum, 1, ends) * smask                           # tokens up to e_k
-    prev = torch.cat([torch.zeros_like(at_end[:, :1]), at_end.cummax(1).values[:, :-1]], dim=1)
-    l_k = ((at_end - prev - 1).clamp(min=0)) * smask                       # L_k, closing token excluded
+    if tiled:   # step k holds the tokens (e_{k-1}, e_k]
+        prev = torch.cat([ends.new_full((b, 1), -1), ends[:, :-1]], dim=1)
+        seg_len = (ends - prev) * smask                                    # [B, S] long
+        l_k = ((seg_len - 1) * smask).to(torch.float64)
+    else:
+        csum = tmask.to(torch.float64).cumsum(1)
+        at_end = torch.gather(csum, 1, ends) * smask                       # tokens up to e_k
+        prev_c = torch.cat([torch.zeros_like(at_end[:, :1]), at_end.cummax(1).values[:, :-1]], dim=1)
+        l_k = ((at_end - prev_c - 1).clamp(min=0)) * smask                 # L_k, closing token excluded
     o = outcome.to(torch.float64)
     s = index.per_sample(group_sums(torch.stack([torch.ones_like(o), big_o, y_len,
                                                  big_o / k_i.clamp(min=1), o], dim=1), index))
@@ -456,25 +581,116 @@ def pure(outcome: torch.Tensor, step_scores: torch.Tensor, step_mask: torch.Tens
         base = b_i[:, None] * smask
     else:
         base = torch.zeros_like(rew_step)
-
-    rewards = torch.zeros((b, t), dtype=torch.float64, device=outcome.device)
-    if reward_mode in ("PRM", "PRMVR"):
-        rewards.scatter_add_(1, ends, (rew_step - base) * smask)
+    step_reward = (rew_step - base) * smask if reward_mode in ("PRM", "PRMVR") else \
+        torch.zeros_like(rew_step)
+    vr = None
     if reward_mode in ("VR", "PRMVR"):
-        vr = torch.where(loo, (n * o - s[:, 4]) / (n - 1).clamp(min=1), zero)  # RLOO(solved - 1)
-        rewards += vr_coef * _put_last(vr, tmask)
-    if kl is not None and kl_coef:
+        vr = vr_coef * torch.where(loo, (n * o - s[:, 4]) / (n - 1).clamp(min=1), zero)  # RLOO(solved - 1)
+    whiten_args = {"whiten": whiten, "mask_separator": mask_separator,
+                   "exclude_zeros": exclude_zeros, "var_includes_zeros": whiten_var_includes_zeros,
+                   "group": group, "dtype": step_scores.dtype}
+    if tiled:
+        return _pure_tiled(step_reward, vr, seg_len, smask, k_i, y_len, t, **whiten_args)
+    return _pure_dense(step_reward, vr, ends, smask, tmask, kl if kl_on else None, kl_coef,
+                       **whiten_args)
+
+
+def _steps_tile_rows(ends: torch.Tensor, smask: torch.Tensor, n_tok: torch.Tensor) -> bool:
+    """True when the valid steps of every row are a prefix of `[B, S]`, close at strictly
+    increasing positions, and the last one closes at the last valid token (rows without tokens
+    have no steps): then step k covers exactly the tokens (e_{k-1}, e_k] of a right-padded row."""
+    if not smask.numel():
+        return bool((n_tok == 0).all())
+    if bool((smask[:, 1:] & ~smask[:, :-1]).any()):
+        return False
+    if bool(((ends[:, 1:] <= ends[:, :-1]) & smask[:, 1:]).any()):
+        return False
+    k = smask.sum(1)
+    last_end = ends.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0]
+    has_tokens = n_tok > 0
+    return bool(torch.equal(k > 0, has_tokens)) and \
+        bool(((last_end.to(torch.float64) == n_tok - 1) | ~has_tokens).all())
+
+
+def _pure_tiled(step_reward: torch.Tensor, vr: torch.Tensor | None, seg_len: torch.Tensor,
+                smask: torch.Tensor, k_i: torch.Tensor, y_len: torch.Tensor, t: int, *,
+                whiten: bool, mask_separator: bool, exclude_zeros: bool,
+                var_includes_zeros: bool, group: Any | None,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """PURE returns / advantages from per-step values (no KL term, steps tiling each row).
+
+    `step_reward[B, S]` float64 sits at each step's closing token, `vr[B]` at the last one. G on
+    the tokens of step k is the reverse cumsum over steps, `G_k` (the same float64 additions as
+    a token-by-token scan, whose extra terms are exact zeros). The whitening statistics are
+    per-step counts times values; each output is one `repeat_interleave` of `[B, 2S + 1]`
+    (value, length) pairs into `[B * T]`.
+    """
+    b, n_steps = step_reward.shape
+    rew = step_reward
+    last = (k_i.long() - 1).clamp(min=0)[:, None]
+    if vr is not None and n_steps:
+        rew = rew.scatter_add(1, last, (vr * (k_i > 0))[:, None])
+    g = rew.flip(1).cumsum(1).flip(1) * smask                                  # [B, S] G_k
+    seg = seg_len.to(torch.float64)
+    sep = smask.to(torch.float64) if mask_separator else torch.zeros_like(seg)
+    cnt = seg - sep                                                            # tokens valued G_k
+    tail = (t - y_len).long()[:, None]                                         # [B, 1] padding
+    adv_val = g
+    if whiten:
+        nz = (g != 0).to(torch.float64) if exclude_zeros else torch.ones_like(g)
+        count_local = (cnt * nz).sum()
+        s = all_reduce(torch.stack([(cnt * g).sum(), count_local]), "sum", group)
+        count = s[1].clamp(min=1)
+        mean = s[0] / count
+        # valid tokens not counted (separators, zero G_k) contribute (0 - mean)^2 when the
+        # released var_sum includes them
+        var_local = (cnt * nz * (g - mean) ** 2).sum()
+        if exclude_zeros and var_includes_zeros:
+            var_local = var_local + (y_len.sum() - count_local) * mean * mean
+        var_sum = all_reduce(var_local.reshape(1), "sum", group)[0]
+        rstd = torch.rsqrt((var_sum / count).clamp(min=1e-8))
+        adv_val = (g - mean) * rstd * nz
+    # one token -> segment index shared by both outputs; segments per row: for each step the
+    # tokens before its closing token, the closing token, then the padding
+    sep_len = smask.long()
+    ret_vals = torch.stack([g, g], dim=2)
+    adv_vals = torch.stack([adv_val, adv_val * (1 - sep)], dim=2)    # 0 on separators
+    lengths = torch.stack([seg_len - sep_len, sep_len], dim=2).reshape(b, 2 * n_steps)
+    lengths = torch.cat([lengths, tail], dim=1).reshape(-1)
+    idx = torch.repeat_interleave(lengths, output_size=b * t)           # [B * T]
+
+    def expand(vals: torch.Tensor) -> torch.Tensor:
+        v = torch.cat([vals.reshape(b, 2 * n_steps).to(dtype), vals.new_zeros(b, 1, dtype=dtype)],
+                      dim=1)
+        return v.reshape(-1).index_select(0, idx).reshape(b, t)
+
+    return expand(adv_vals), expand(ret_vals)
+
+
+def _pure_dense(step_reward: torch.Tensor, vr: torch.Tensor | None, ends: torch.Tensor,
+                smask: torch.Tensor, tmask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float,
+                *, whiten: bool, mask_separator: bool, exclude_zeros: bool,
+                var_includes_zeros: bool, group: Any | None,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """PURE on `[B, T]` token rewards: any mask layout and the per-token KL term."""
+    b, t = tmask.shape
+    device = step_reward.device
+    rewards = torch.zeros((b, t), dtype=torch.float64, device=device)
+    rewards.scatter_add_(1, ends, step_reward * smask)
+    if vr is not None:
+        rewards += _put_last(vr, tmask)
+    if kl is not None:
         rewards -= kl_coef * kl.to(torch.float64)
     rewards = rewards * tmask
     returns = discounted_returns(rewards, 1.0)
     adv = returns.clone()
     if mask_separator:
-        sep = torch.zeros((b, t), dtype=torch.bool, device=outcome.device)
+        sep = torch.zeros((b, t), dtype=torch.bool, device=device)
         rows, steps = torch.nonzero(smask, as_tuple=True)
         sep[rows, ends[rows, steps]] = True
-        sep |= _put_last(torch.ones(b, device=outcome.device), tmask).bool()
+        sep |= _put_last(torch.ones(b, device=device), tmask).bool()
         adv = torch.where(sep, torch.zeros_like(adv), adv)
     if whiten:
-        adv = pure_whiten(adv, tmask, var_includes_zeros=whiten_var_includes_zeros, group=group)
-    dtype = step_scores.dtype
+        adv = pure_whiten(adv, tmask, var_includes_zeros=var_includes_zeros,
+                          exclude_zeros=exclude_zeros, group=group)
     return adv.to(dtype), returns.to(dtype)

@@ -143,6 +143,7 @@ class PureConfig:
     mask_separator: bool = True
     whiten: bool = True
     whiten_var_includes_zeros: bool = True
+    whiten_zeros: str = "released"   # "exclude": zero-advantage tokens never whitened (megaprm's earlier rule)
     step_scores_are_probs: bool = False
 
     def __post_init__(self) -> None:
@@ -151,6 +152,7 @@ class PureConfig:
         _choice("advantage.pure.reward_mode", self.reward_mode, ("PRM", "VR", "PRMVR"))
         _positive("advantage.pure.temperature", self.temperature)
         _positive("advantage.pure.kl_coef", self.kl_coef, allow_zero=True)
+        _choice("advantage.pure.whiten_zeros", self.whiten_zeros, adv_lib.WHITEN_ZEROS)
 
 
 @dataclass
@@ -368,7 +370,8 @@ def _pure(cfg, x, group, generator):
                             credit=pc.credit, temperature=pc.temperature, baseline=pc.baseline,
                             reward_mode=pc.reward_mode, vr_coef=pc.vr_coef, kl=kl, kl_coef=pc.kl_coef,
                             mask_separator=pc.mask_separator, whiten=pc.whiten,
-                            whiten_var_includes_zeros=pc.whiten_var_includes_zeros, group=group)
+                            whiten_var_includes_zeros=pc.whiten_var_includes_zeros,
+                            whiten_zeros=pc.whiten_zeros, group=group)
     return AdvantageOutputs(adv, ret, torch.ones_like(x.outcome, dtype=torch.bool), {})
 
 

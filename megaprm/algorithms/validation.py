@@ -59,9 +59,17 @@ def check_mask(mask: torch.Tensor, name: str, shape: Sequence[int | None],
                dims: str) -> torch.Tensor:
     """A {0,1} mask of `shape` (bool or float); returned as float."""
     check_tensor(mask, name, shape, dims=dims)
-    if mask.dtype != torch.bool and mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+    # m - m*m is exactly 0 iff m is 0 or 1 (NaN/inf give NaN/inf): float passes only, about a
+    # quarter of the cost of ((m == 0) | (m == 1)).all() on CPU.
+    if mask.dtype != torch.bool and mask.numel() and not _is_binary(mask):
         raise ValueError(f"{name} must hold only 0/1 (or be bool); got values outside {{0, 1}}")
     return mask.to(torch.float32) if mask.dtype == torch.bool else mask
+
+
+def _is_binary(mask: torch.Tensor) -> bool:
+    if not mask.dtype.is_floating_point:
+        return bool(((mask == 0) | (mask == 1)).all())
+    return float(torch.addcmul(mask, mask, mask, value=-1).abs_().amax()) == 0.0
 
 
 def check_choice(value: str, name: str, choices: Sequence[str]) -> str:

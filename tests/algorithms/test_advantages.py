@@ -175,13 +175,108 @@ def test_pure_matches_loop(seed, credit, baseline, mode, sep, whiten, var_zero, 
     adv, ret = A.pure(b.outcome, b.step_scores, b.step_mask, b.step_end_index, b.response_mask,
                       b.group_ids, credit=credit, baseline=baseline, reward_mode=mode, kl=kl,
                       kl_coef=kl_coef, mask_separator=sep, whiten=whiten,
-                      whiten_var_includes_zeros=var_zero)
+                      whiten_var_includes_zeros=var_zero, whiten_zeros="exclude")
     want_adv, want_ret = ref_pure(b.outcome, b.step_scores, b.step_mask, b.step_end_index,
                                   b.response_mask, b.group_ids, credit=credit, baseline=baseline,
                                   reward_mode=mode, kl=kl, kl_coef=kl_coef, mask_separator=sep,
                                   whiten=whiten, var_includes_zeros=var_zero)
     close(ret, want_ret, atol=1e-5)
     close(adv, want_adv, atol=1e-4)
+
+
+def _perturbed(b, seed):
+    """Inputs off the documented layout: a hole in some masks (not right-padded) and rows whose
+    last step closes before the last valid token; PURE must take its dense path and agree."""
+    gen = torch.Generator().manual_seed(seed)
+    mask, smask = b.response_mask.clone(), b.step_mask.clone()
+    for i in range(mask.shape[0]):
+        n = int(mask[i].sum())
+        k = int(smask[i].sum())
+        if n >= 3 and torch.rand(1, generator=gen).item() < 0.5:
+            hole = int(torch.randint(0, n - 1, (1,), generator=gen))
+            if hole not in b.step_end_index[i, :k].tolist():
+                mask[i, hole] = 0
+        if k >= 2 and torch.rand(1, generator=gen).item() < 0.5:
+            smask[i, k - 1] = False
+    return mask, smask
+
+
+@FAST
+@given(seed=SEEDS, sep=st.booleans(), baseline=st.sampled_from(["token", "step"]))
+def test_pure_off_layout_inputs_match_loop(seed, sep, baseline):
+    b = random_batch(seed, n_groups=4, t=8)
+    mask, smask = _perturbed(b, seed)
+    adv, ret = A.pure(b.outcome, b.step_scores, smask, b.step_end_index, mask, b.group_ids,
+                      baseline=baseline, mask_separator=sep, whiten_zeros="exclude")
+    want_adv, want_ret = ref_pure(b.outcome, b.step_scores, smask, b.step_end_index, mask,
+                                  b.group_ids, baseline=baseline, mask_separator=sep)
+    close(ret, want_ret, atol=1e-5)
+    close(adv, want_adv, atol=1e-4)
+
+
+@FAST
+@given(seed=SEEDS)
+def test_prime_off_layout_mask_matches_loop(seed):
+    b = random_batch(seed, n_groups=4, t=8)
+    mask, _ = _perturbed(b, seed)
+    adv, ret = A.prime(b.outcome, b.logp_a, b.logp_b, mask, b.group_ids)
+    want_adv, want_ret = ref_prime(b.outcome, b.logp_a, b.logp_b, mask, b.group_ids)
+    close(ret, want_ret)
+    close(adv, want_adv, atol=1e-4)
+
+
+@FAST
+@given(seed=SEEDS, sep=st.booleans(), mode=st.sampled_from(["PRM", "VR", "PRMVR"]))
+def test_pure_step_path_equals_token_path(seed, sep, mode):
+    """The per-step path (no KL) and the dense token path give the same result; a KL term that
+    is exactly 0 forces the dense one."""
+    b = random_batch(seed, n_groups=4, t=8)
+    args = (b.outcome, b.step_scores, b.step_mask, b.step_end_index, b.response_mask, b.group_ids)
+    kw = {"reward_mode": mode, "mask_separator": sep}
+    step = A.pure(*args, **kw)
+    dense = A.pure(*args, kl=torch.zeros_like(b.logp_a), kl_coef=1.0, **kw)
+    for got, want in zip(step, dense):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def released_pure_normalize(adv, mask, mask_separator):
+    """CJReinforce/PURE@41f9363 NaiveReplayBuffer.normalize, one token at a time: the count is
+    every valid token, minus the exactly-zero ones only with separator masking; mean = sum /
+    count; var = sum over valid tokens of (x - mean)^2 / count, clamped at 1e-8; zeros are
+    refilled with 0 only with separator masking."""
+    valid = [(i, t) for i in range(len(adv)) for t in range(len(adv[i])) if mask[i][t] > 0]
+    zeros = [(i, t) for (i, t) in valid if adv[i][t] == 0.0]
+    count = len(valid) - (len(zeros) if mask_separator else 0)
+    mean = sum(adv[i][t] for i, t in valid) / count
+    rstd = 1.0 / max(sum((adv[i][t] - mean) ** 2 for i, t in valid) / count, 1e-8) ** 0.5
+    zero_set = set(zeros)
+    return [[0.0 if mask[i][t] == 0 or (mask_separator and (i, t) in zero_set)
+             else (adv[i][t] - mean) * rstd for t in range(len(adv[i]))] for i in range(len(adv))]
+
+
+@pytest.mark.parametrize("sep", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pure_whitening_is_released_by_default(sep, seed):
+    """Issue 13 item 4: without separator masking the released code whitens every valid token,
+    zero-advantage ones included; "exclude" keeps megaprm's earlier behaviour."""
+    b = random_batch(seed, n_groups=5, t=8)
+    args = (b.outcome, b.step_scores, b.step_mask, b.step_end_index, b.response_mask, b.group_ids)
+    # VR only: a group with one outcome has G = 0 on all its tokens, so zeros are present
+    kw = {"reward_mode": "VR", "mask_separator": sep}
+    raw, _ = A.pure(*args, whiten=False, **kw)
+    assert (raw[b.response_mask.bool()] == 0).any()
+    want = released_pure_normalize(raw.double().tolist(), b.response_mask.tolist(), sep)
+    got, _ = A.pure(*args, **kw)
+    close(got, want, atol=1e-5)
+    old, _ = A.pure(*args, whiten_zeros="exclude", **kw)
+    if sep:
+        torch.testing.assert_close(old, got)
+    else:
+        assert not torch.allclose(old, got)
+        cfg = RG.AdvantageConfig(method="pure", pure=RG.PureConfig(mask_separator=False,
+                                                                   reward_mode="VR"))
+        reg = RG.compute_advantages(cfg, _inputs(b)).advantages
+        torch.testing.assert_close(reg, got)
 
 
 def test_min_form_weights_approach_min():
