@@ -11,8 +11,13 @@ Accepted row layouts (the first that matches wins):
   the answer is in `answer` (AMC: a float, written "27" for 27.0), `final_answer` (a list,
   joined with ", "), or the last `\\boxed{...}` of `solution` (Minerva).
 
-A row that cannot be read is skipped, counted and reported (`LoadReport.skipped`, with file,
-1-based line or row number, and the reason); it never stops the load. A missing file raises
+A row that cannot be read is skipped, counted by reason and reported (`LoadReport`: file,
+1-based line or row number, reason; `LoadReport.text()` is the printable report with the first
+examples), or with `on_bad_row="error"` stops the load with a DataError naming the row.
+Invalid UTF-8 is always an error naming the file and byte offset (never silently replaced).
+A row without an answer is skipped, or kept with answer "" (`keep_unanswered=True`: PURE
+trains on such prompts with verifiable reward 0). `max_prompt_tokens` (with a tokenizer)
+truncates, drops or refuses longer prompts (`long_prompt`). A missing file raises
 FileNotFoundError naming the path.
 """
 
@@ -20,24 +25,33 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 BENCHMARKS = ("math500", "aime24", "amc23", "minerva_math", "olympiadbench")
 # eval/data/ sits next to the megaprm package (repo checkout or installed, see setup.py)
 EVAL_DATA_DIR = Path(__file__).resolve().parents[2] / "eval" / "data"
 
 _PROMPT_FIELDS = ("prompt", "problem", "question")
+ON_BAD_ROW = ("skip", "error")
+LONG_PROMPT = ("truncate", "drop", "error")
+_EXAMPLES = 3
 
 
 @dataclass(frozen=True)
 class PromptRecord:
     prompt: str
-    answer: str  # ground truth as text; "" never occurs (such rows are skipped)
+    answer: str  # ground truth as text; "" only for rows kept with keep_unanswered=True
     data_source: str
     index: int
     meta: dict = field(default_factory=dict, compare=False)
+
+
+class DataError(ValueError):
+    """A prompt file the user must fix (encoding, a bad row under on_bad_row=error, a prompt
+    over max_prompt_tokens under long_prompt=error); the message is one line."""
 
 
 @dataclass
@@ -46,18 +60,43 @@ class LoadReport:
     rows_read: int = 0
     loaded: int = 0
     skipped: list[tuple[str, int, str]] = field(default_factory=list)  # (path, line, reason)
+    skip_kinds: Counter = field(default_factory=Counter)  # reason kind -> rows
+    truncated: int = 0  # prompts cut to max_prompt_tokens
+    unanswered: int = 0  # rows kept without an answer (keep_unanswered)
+    examples: list[tuple[str, str]] = field(default_factory=list)  # first (prompt, answer)
+
+    def skip(self, line: int, kind: str, why: str) -> None:
+        self.skipped.append((self.path, line, why))
+        self.skip_kinds[kind] += 1
 
     def summary(self) -> str:
+        """One line: counts, then the first skipped rows."""
         head = f"{self.path}: loaded {self.loaded} of {self.rows_read} rows"
+        extra = [f"{n} {what}" for n, what in ((self.truncated, "truncated"),
+                                              (self.unanswered, "kept without an answer")) if n]
+        if extra:
+            head += f" ({', '.join(extra)})"
         if not self.skipped:
             return head
+        kinds = ", ".join(f"{k} {n}" for k, n in self.skip_kinds.most_common())
         shown = "; ".join(f"line {line}: {why}" for _, line, why in self.skipped[:5])
         more = f" (+{len(self.skipped) - 5} more)" if len(self.skipped) > 5 else ""
-        return f"{head}, skipped {len(self.skipped)}: {shown}{more}"
+        return f"{head}, skipped {len(self.skipped)} [{kinds}]: {shown}{more}"
+
+    def text(self) -> str:
+        """The printable report: the summary and the first examples used."""
+        lines = [f"[megaprm] data: {self.summary()}"]
+        for prompt, answer in self.examples:
+            p = " ".join(prompt.split())
+            p = p if len(p) <= 70 else p[:67] + "..."
+            lines.append(f"[megaprm]   e.g. {p!r} -> {answer!r}")
+        return "\n".join(lines)
 
 
 class _BadRow(ValueError):
-    pass
+    def __init__(self, why: str, kind: str = "bad field"):
+        super().__init__(why)
+        self.kind = kind
 
 
 def last_boxed(text: str) -> str | None:
@@ -103,7 +142,7 @@ def _answer_text(value: Any, name: str) -> str:
 def _prompt_of(row: dict) -> tuple[str, dict]:
     name = next((f for f in _PROMPT_FIELDS if row.get(f) is not None), None)
     if name is None:
-        raise _BadRow(f"no prompt field (expected one of {_PROMPT_FIELDS})")
+        raise _BadRow(f"no prompt field (expected one of {_PROMPT_FIELDS})", "no prompt")
     value = row[name]
     if isinstance(value, str):
         if not value.strip():
@@ -134,14 +173,21 @@ def _answer_of(row: dict) -> tuple[str, str]:
         boxed = last_boxed(solution)
         if boxed is not None and boxed.strip():
             return boxed.strip(), "solution"
-    raise _BadRow("no answer (expected reward_model.ground_truth, answer, final_answer or a \\boxed{} in solution)")
+    raise _BadRow("no answer (expected reward_model.ground_truth, answer, final_answer or a "
+                  "\\boxed{} in solution)", "no answer")
 
 
-def _record(row: Any, default_source: str, position: int) -> PromptRecord:
+def _record(row: Any, default_source: str, position: int,
+            keep_unanswered: bool = False) -> PromptRecord:
     if not isinstance(row, dict):
-        raise _BadRow(f"row is a {type(row).__name__}, not an object")
+        raise _BadRow(f"row is a {type(row).__name__}, not an object", "not an object")
     prompt, meta = _prompt_of(row)
-    answer, answer_field = _answer_of(row)
+    try:
+        answer, answer_field = _answer_of(row)
+    except _BadRow as e:
+        if not (keep_unanswered and e.kind == "no answer"):
+            raise
+        answer, answer_field = "", "answer"
     extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
     index = extra.get("index", position)
     try:
@@ -161,30 +207,78 @@ def _record(row: Any, default_source: str, position: int) -> PromptRecord:
 
 
 def _rows_jsonl(path: Path, report: LoadReport):
-    with path.open("r", encoding="utf-8", errors="replace") as fh:
-        for line_no, line in enumerate(fh, start=1):
+    offset = 0
+    with path.open("rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            start, offset = offset, offset + len(raw)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{path}: invalid UTF-8 at byte offset {start + exc.start} (line {line_no}); "
+                    "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+            if line_no == 1:
+                line = line.removeprefix("\ufeff")  # a UTF-8 byte order mark
             if not line.strip():
                 continue
             report.rows_read += 1
             try:
                 yield line_no, json.loads(line)
             except json.JSONDecodeError as exc:
-                report.skipped.append((str(path), line_no, f"bad JSON: {exc.msg} at column {exc.colno}"))
+                yield line_no, _BadRow(f"bad JSON: {exc.msg} at column {exc.colno}", "bad JSON")
 
 
 def _rows_parquet(path: Path, report: LoadReport):
     import pyarrow.parquet as pq
 
-    for row_no, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # noqa: BLE001 - arrow's errors vary; name the file
+        raise DataError(f"{path}: cannot read the parquet file ({exc})") from None
+    for row_no, row in enumerate(table.to_pylist(), start=1):
         report.rows_read += 1
         yield row_no, row
 
 
+def _over_limit(prompt: str, tokenizer, max_tokens: int) -> Optional[tuple[str, str]]:
+    """None when `prompt` fits in max_tokens tokens, else (its first max_tokens tokens as text,
+    how many tokens it has). A huge prompt is never tokenized whole: a prefix that already
+    exceeds the limit decides (the 10 MB prompt costs a prefix's tokenization)."""
+    def encode(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    probe = max_tokens * 16 + 256  # chars
+    ids, exact = encode(prompt[:probe]), len(prompt) <= probe
+    if len(ids) <= max_tokens and not exact:
+        ids, exact = encode(prompt), True
+    if len(ids) <= max_tokens:
+        return None
+    return tokenizer.decode(ids[:max_tokens]), (f"{len(ids)} tokens" if exact
+                                                else f"over {len(ids)} tokens")
+
+
 def load_prompts(
-    path: str | Path, data_source: str | None = None, limit: int | None = None
+    path: str | Path, data_source: str | None = None, limit: int | None = None, *,
+    on_bad_row: str = "skip", keep_unanswered: bool = False,
+    max_prompt_tokens: Optional[int] = None, long_prompt: str = "error", tokenizer=None,
+    log: Optional[Callable[[str], None]] = None,
 ) -> tuple[list[PromptRecord], LoadReport]:
     """Read a .parquet, .jsonl or .json(l) prompt file. `data_source` is used for rows that do
-    not name one (default: the parent folder's name). Returns the records and a LoadReport."""
+    not name one (default: the parent folder's name). Returns the records and a LoadReport.
+
+    on_bad_row: "skip" (count and report) or "error" (DataError naming file, line, reason).
+    keep_unanswered: keep rows without an answer, with answer "" (verifiable reward 0).
+    max_prompt_tokens (needs `tokenizer`, an HF tokenizer; counted without special tokens or
+    chat template): longer prompts are cut to that many tokens (long_prompt="truncate"),
+    skipped ("drop"), or refused ("error"). log: called once with `LoadReport.text()`.
+    """
+    if on_bad_row not in ON_BAD_ROW:
+        raise ValueError(f"on_bad_row={on_bad_row!r}: expected one of {ON_BAD_ROW}")
+    if long_prompt not in LONG_PROMPT:
+        raise ValueError(f"long_prompt={long_prompt!r}: expected one of {LONG_PROMPT}")
+    if max_prompt_tokens is not None and (max_prompt_tokens <= 0 or tokenizer is None):
+        raise ValueError(f"max_prompt_tokens={max_prompt_tokens!r}: must be a positive token "
+                         "count and needs the model's tokenizer")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
@@ -201,10 +295,36 @@ def load_prompts(
         if limit is not None and len(records) >= limit:
             break
         try:
-            records.append(_record(row, source, position=line_no - 1))
+            if isinstance(row, _BadRow):
+                raise row
+            rec = _record(row, source, position=line_no - 1, keep_unanswered=keep_unanswered)
+            if max_prompt_tokens is not None:
+                over = _over_limit(rec.prompt, tokenizer, max_prompt_tokens)
+                if over is not None:
+                    prompt, many = over
+                    if long_prompt == "error":
+                        raise DataError(
+                            f"{path} line {line_no}: the prompt has {many} > max_prompt_tokens="
+                            f"{max_prompt_tokens}; raise the limit or set long_prompt to "
+                            "truncate or drop")
+                    if long_prompt == "drop":
+                        raise _BadRow(f"prompt has {many} > max_prompt_tokens="
+                                      f"{max_prompt_tokens}", "too long")
+                    rec = PromptRecord(prompt, rec.answer, rec.data_source, rec.index, rec.meta)
+                    report.truncated += 1
         except _BadRow as exc:
-            report.skipped.append((str(path), line_no, str(exc)))
+            if on_bad_row == "error":
+                raise DataError(f"{path} line {line_no}: {exc}; fix the row or set on_bad_row to "
+                                "skip") from None
+            report.skip(line_no, exc.kind, str(exc))
+            continue
+        report.unanswered += rec.answer == ""
+        if len(report.examples) < _EXAMPLES:
+            report.examples.append((rec.prompt, rec.answer))
+        records.append(rec)
     report.loaded = len(records)
+    if log is not None:
+        log(report.text())
     return records, report
 
 

@@ -104,3 +104,105 @@ def test_missing_file_and_bad_names(tmp_path):
     bad.write_text("a,b\n")
     with pytest.raises(ValueError, match="extension"):
         load_prompts(bad)
+
+
+# ---------------------------------------------------------------- report, bad rows, UTF-8, length
+
+from megaprm.tasks.datasets import DataError  # noqa: E402
+
+
+def _mixed(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    lines = [
+        json.dumps({"problem": "ok 1", "answer": "1"}),
+        "{not json",
+        json.dumps({"problem": "no answer here"}),
+        json.dumps({"answer": "5"}),
+        json.dumps({"question": "ok 2", "final_answer": ["$3$"]}),
+        json.dumps([1, 2]),
+        json.dumps({"problem": "empty answer", "answer": "  "}),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_report_counts_reasons_and_shows_examples(tmp_path):
+    path = _mixed(tmp_path)
+    printed = []
+    records, report = load_prompts(path, log=printed.append)
+    assert dict(report.skip_kinds) == {"bad JSON": 1, "no answer": 1, "no prompt": 1,
+                                       "not an object": 1, "bad field": 1}
+    assert report.examples == [("ok 1", "1"), ("ok 2", "$3$")]
+    assert printed == [report.text()]
+    text = report.text()
+    assert "loaded 2 of 7 rows, skipped 5 [" in text and "no answer 1" in text
+    assert "e.g. 'ok 1' -> '1'" in text and "e.g. 'ok 2' -> '$3$'" in text
+
+
+def test_on_bad_row_error_names_the_row(tmp_path):
+    path = _mixed(tmp_path)
+    with pytest.raises(DataError, match=rf"{path} line 2: bad JSON.*on_bad_row"):
+        load_prompts(path, on_bad_row="error")
+    with pytest.raises(ValueError, match="on_bad_row='warn'"):
+        load_prompts(path, on_bad_row="warn")
+
+
+def test_keep_unanswered_keeps_rows_with_empty_answer(tmp_path):
+    path = _mixed(tmp_path)
+    records, report = load_prompts(path, keep_unanswered=True)
+    assert [(r.prompt, r.answer) for r in records] == [("ok 1", "1"), ("no answer here", ""),
+                                                       ("ok 2", "$3$")]
+    assert report.unanswered == 1 and "1 kept without an answer" in report.summary()
+    assert report.skip_kinds["no answer"] == 0 and report.skip_kinds["bad field"] == 1
+
+
+def test_invalid_utf8_is_an_error_with_byte_offset(tmp_path):
+    first = (json.dumps({"problem": "caf\u00e9 1", "answer": "1"}) + "\n").encode()
+    second = b'{"problem": "bad \xff byte", "answer": "2"}\n'
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(first + second)
+    offset = len(first) + second.index(b"\xff")
+    with pytest.raises(DataError, match=rf"{path}: invalid UTF-8 at byte offset {offset} "
+                                        r"\(line 2\)"):
+        load_prompts(path)
+    path.write_bytes(b"\xef\xbb\xbf" + first)  # a BOM is fine
+    records, _ = load_prompts(path)
+    assert records[0].prompt == "caf\u00e9 1"
+
+
+def test_max_prompt_tokens_truncate_drop_error(tmp_path):
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()  # one token per character here: a length is a token count
+    rows = [{"problem": "1+2=", "answer": "3"}, {"problem": "12345*6789=", "answer": "x"},
+            {"problem": "9-1=", "answer": "8"}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kw = dict(max_prompt_tokens=6, tokenizer=tok)
+    recs, rep = load_prompts(path, long_prompt="truncate", **kw)
+    assert [r.prompt for r in recs] == ["1+2=", "12345*", "9-1="] and rep.truncated == 1
+    recs, rep = load_prompts(path, long_prompt="drop", **kw)
+    assert [r.prompt for r in recs] == ["1+2=", "9-1="]
+    assert rep.skipped == [(str(path), 2, "prompt has 11 tokens > max_prompt_tokens=6")]
+    with pytest.raises(DataError, match=r"line 2: the prompt has 11 tokens > max_prompt_tokens=6"):
+        load_prompts(path, **kw)
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        load_prompts(path, max_prompt_tokens=6)
+
+
+def test_huge_prompt_refused_without_tokenizing_it_whole(tmp_path):
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+
+    calls = []
+    tok = build_char_tokenizer()
+
+    def counting(text, **kw):
+        calls.append(len(text))
+        return tok(text, **kw)
+
+    counting.decode = tok.decode
+    path = tmp_path / "huge.jsonl"
+    path.write_text(json.dumps({"problem": "1+" * 1_000_000 + "1=", "answer": "2"}) + "\n")
+    with pytest.raises(DataError, match=r"line 1: the prompt has over \d+ tokens"):
+        load_prompts(path, max_prompt_tokens=100, tokenizer=counting)
+    assert max(calls) <= 100 * 16 + 256
