@@ -203,7 +203,8 @@ def judge_process_scores(engine, tokenizer, problems: Sequence[str],
         out = engine.generate(prompts, params)
         answers = out.decode_responses(tokenizer, skip_special_tokens=False)
         for i, raw in zip(rows, answers):
-            text = strip_think(_drop_special(tokenizer, final_channel(raw)))
+            # think spans go before special tokens are dropped: "<think>" may be one of them
+            text = _drop_special(tokenizer, strip_think(final_channel(raw))).strip()
             grade = parse_grade(text)
             judged[i], texts[i] = True, text
             if grade is not None:
