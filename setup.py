@@ -28,7 +28,17 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "vllm", "flash-attn"],
+        # The GPU environment (README, "GPU install"): vLLM pins torch exactly, so its pin decides
+        # torch here; the versions below are those vLLM 0.33.0's wheel requires (read from its
+        # METADATA). Python >= 3.11 (vLLM 0.33.0). Transformer Engine's range is the one
+        # megatron-core 0.16.1's own `dev` extra names. Not installed together on a GPU yet.
+        "gpu": [
+            "vllm==0.33.0",
+            "torch==2.14.0",
+            "transformers>=5.16.1,<5.21",
+            "megatron-core==0.16.1",
+            "transformer-engine[pytorch]>=2.9,<2.12",
+        ],
         "ray": ["ray[default]"],
         "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
     },
