@@ -20,14 +20,15 @@ from megaprm.models.hf_spec import ModelSpec, decoder_spec, llama3_inv_freq, tra
 def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
               dtype: torch.dtype = torch.float32, impl: Optional[str] = None,
               seq_length: Optional[int] = None, model_cls: Optional[Callable] = None,
-              compile: bool = False, recompute: bool = False, **config_overrides):
+              compile=False, recompute: bool = False, **config_overrides):
     """Build this rank's stage of a GPTModel equal to the HF model `spec` describes.
 
     Megatron's own init fills the weights; load real ones with `models.mapping.load_hf_weights`.
     `model_cls` builds a GPTModel subclass with the same arguments (the PRM: `models.prm`).
     `impl`: "te" | "sdpa" | "local" (default: "te" where TE imports with CUDA, else "sdpa").
     `recompute`: recompute each layer's activations in backward (less memory, ~1/3 more
-    compute). `compile`: torch.compile each transformer layer (first steps pay the compile).
+    compute). `compile`: torch.compile each transformer layer (first steps pay the compile);
+    True = inductor, a string names another torch.compile backend (tests use "eager").
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -54,6 +55,6 @@ def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
         model = model.cuda()
     if compile:
         for layer in model.decoder.layers:  # in place: parameter names stay as they are
-            layer.compile()
+            layer.compile(**({"backend": compile} if isinstance(compile, str) else {}))
     model.megaprm_spec = spec  # read by mapping / weight sync; never changes after build
     return model

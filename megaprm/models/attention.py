@@ -9,10 +9,9 @@ which picks flash / cuDNN / memory-efficient kernels on GPU and a fused kernel o
   all. A padded position attends causally to everything before it, exactly as transformers
   treats right padding, so every real position sees only real tokens;
 * GQA: `enable_gqa=True`, K/V are not repeated;
-* packed rows (`packed_seq_params.qkv_format == "thd"`, cu_seqlens over one row): a
-  block-diagonal causal mask, built per call from cu_seqlens (CPU: one SDPA call with an
-  explicit [t, t] mask; CUDA: torch's varlen flash kernel where it exists, else one causal
-  SDPA call per sequence).
+* packed rows (`packed_seq_params.qkv_format == "thd"`, cu_seqlens over one row):
+  block-diagonal causal attention without a mask tensor: torch's varlen flash kernel on CUDA
+  where it exists, else one causal SDPA call per sequence.
 
 `RMSNorm` holds its weight in the model's params dtype (Megatron's local spec wraps
 `torch.nn.RMSNorm`, whose weight stays fp32 in a bf16 model) and calls torch's fused
@@ -54,13 +53,6 @@ def _varlen_attn(gqa: bool):
             return None
         kw["enable_gqa"] = True
     return lambda q, k, v, cu, n, scale: varlen_attn(q, k, v, cu, cu, n, n, scale=scale, **kw)
-
-
-def block_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """[t, t] bool, True = may attend: causal within each [cu[i], cu[i+1]) block, nothing across."""
-    pos = torch.arange(total, device=cu_seqlens.device)
-    doc = torch.bucketize(pos, cu_seqlens[1:].to(pos.dtype), right=True)  # [t] sequence index
-    return (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
 
 
 def _sdpa(q, k, v, *, mask=None, causal=False, scale=None, dropout=0.0):
@@ -114,19 +106,21 @@ class SDPAttention(DotProductAttention):
             out = varlen(query, key, value, cu.to(torch.int32), int(params.max_seqlen_q),
                          self.softmax_scale)
             return out.reshape(t, -1)
-        # [t, n, d] -> [1, n, t, d]
-        q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
-        if query.is_cuda:  # one causal call per sequence: no [t, t] mask, flash kernels
-            bounds = cu.tolist()
-            outs = [_sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True,
-                          scale=self.softmax_scale, dropout=dropout)
-                    for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-            out = torch.cat(outs, dim=2)
-        else:
-            out = _sdpa(q, k, v, mask=block_causal_mask(cu, t), scale=self.softmax_scale,
-                        dropout=dropout)
-        # [1, np, t, hn] -> [t, np*hn]
-        return out[0].permute(1, 0, 2).reshape(t, -1)
+        out = packed_attention(query, key, value, cu, scale=self.softmax_scale, dropout=dropout)
+        return out.reshape(t, -1)
+
+
+def packed_attention(query, key, value, cu_seqlens, *, scale=None, dropout=0.0):
+    """Block-diagonal causal attention over one packed row: q [t, np, hn], k/v [t, ng, hn] ->
+    [t, np, hn], one causal SDPA call per sequence. No [t, t] mask and sum(len^2) work (an
+    explicit block mask would cost t^2: a CPU kernel does not skip masked blocks)."""
+    # [t, n, d] -> [1, n, t, d]
+    q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+    bounds = cu_seqlens.tolist()
+    outs = [_sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True, scale=scale,
+                  dropout=dropout)
+            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return torch.cat(outs, dim=2)[0].permute(1, 0, 2)
 
 
 class RMSNorm(torch.nn.Module):

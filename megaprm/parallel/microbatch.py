@@ -107,7 +107,9 @@ def _packed_row(ids, mask, payload, lengths, rows, pad_to: Optional[int]) -> Tok
     L = ids.shape[1]
     lens = lengths[rows]
     parts_ids = [ids[r, :n] for r, n in zip(rows.tolist(), lens.tolist())]
-    parts_mask = [mask[r, :n] for r, n in zip(rows.tolist(), lens.tolist())]
+    # a sequence's last position predicts the next sequence's first token: never counted
+    parts_mask = [torch.cat([mask[r, :n - 1], mask.new_zeros(1)])
+                  for r, n in zip(rows.tolist(), lens.tolist())]
     seg = lens.tolist()
     total = sum(seg)
     if pad_to is not None and pad_to > total:
@@ -133,8 +135,9 @@ def make_micro_batches(input_ids: torch.Tensor, loss_mask: torch.Tensor,
       micro_batch_size: rows of that many sequences ([size, L]; with pp_size > 1 the last one
         is padded with zero rows so every micro-batch has the same shape);
       max_tokens: packed rows [1, T] with T <= max_tokens (with pp_size > 1, T == max_tokens).
-    With packing, loss_mask must be 0 from position length-1 on (those positions predict past
-    the sequence's end, which a packed row replaces by the next sequence).
+    With packing, loss_mask must be 0 on positions length-1 .. L-2 (they predict past the
+    sequence's end, which a packed row replaces by the next sequence); the packed loss_mask is 0
+    at each sequence's last position.
     """
     if (micro_batch_size is None) == (max_tokens is None):
         raise ValueError("make_micro_batches: pass exactly one of micro_batch_size / max_tokens")
@@ -157,7 +160,8 @@ def make_micro_batches(input_ids: torch.Tensor, loss_mask: torch.Tensor,
         raise ValueError(f"max_tokens={max_tokens} is below the longest sequence ({longest} "
                          f"tokens); raise max_tokens to at least {longest}")
     pos = torch.arange(L, device=input_ids.device)
-    past_end = pos[None, :] >= (lengths[:, None] - 1)
+    # the last column predicts nothing in a right-padded row either: not checked
+    past_end = (pos[None, :] >= (lengths[:, None] - 1)) & (pos[None, :] < L - 1)
     if bool((loss_mask.ne(0) & past_end).any()):
         r = int((loss_mask.ne(0) & past_end).any(1).nonzero()[0])
         raise ValueError(f"loss_mask row {r} counts a prediction at or past position "
