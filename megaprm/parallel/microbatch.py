@@ -12,7 +12,8 @@ Per-token outputs computed on a micro-batch's tokens (`logits[:, :-1]` conventio
 predicts t+1) come back to one row per sequence with `unpack(mb, x)`: [n, L-1], zeros past each
 sequence's end, differentiable, so loss functions written for right-padded rows apply
 unchanged. `to_rows(mbs, parts, B)` puts the per-micro-batch rows back in the caller's order.
-Payload tensors stay one row per sequence ([n, ...], rows of the caller's [B, ...]).
+Payload tensors stay one row per sequence ([n, ...], rows of the caller's [B, ...]), so
+`unpack(mb, x)` and `mb.payload` always have the same rows.
 """
 from __future__ import annotations
 
@@ -175,16 +176,15 @@ def make_micro_batches(input_ids: torch.Tensor, loss_mask: torch.Tensor,
 
 
 def unpack(mb: TokenBatch, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-    """Per-token outputs of `mb` -> one row per sequence, in `mb.layout.rows` order.
+    """Per-token outputs of `mb` -> the rows of `mb.payload` (one per sequence, `layout.rows`).
 
-    x [b, s-1, ...] (the `logits[:, :-1]` convention) -> [n, L-1, ...], or x [b, s, ...]
+    Packed: x [1, T-1, ...] (the `logits[:, :-1]` convention) -> [n, L-1, ...], or x [1, T, ...]
     (aligned with input_ids) -> [n, L, ...]; positions past a sequence's end hold `fill`.
-    Differentiable. Right-padded micro-batches just drop their pp padding rows."""
+    Differentiable. Right-padded micro-batches are returned as they are (their payload keeps
+    the pp padding rows too; `to_rows` drops them)."""
     layout = mb.layout
-    if layout is None:
+    if layout is None or not layout.packed:
         return x
-    if not layout.packed:
-        return x[: len(layout.rows)]
     shift = mb.input_ids.shape[1] - x.shape[1]
     assert shift in (0, 1) and x.shape[0] == 1, "unpack: x must be [1, T] or [1, T-1] (packed)"
     width = layout.row_length - shift

@@ -47,6 +47,8 @@ def test_fixed_rows_match_the_row_split(size, pp):
         assert mb.payload.keys() == r_pay.keys()
         assert all(torch.equal(mb.payload[k], r_pay[k]) for k in r_pay)
         assert mb.layout.cu_seqlens is None
+        # unpack keeps the payload's rows (pp padding rows included), as loss code expects
+        assert microbatch.unpack(mb, mb.loss_mask).shape[0] == mb.payload["adv"].shape[0]
     lp = [mb.input_ids[:, 1:].float() for mb in mbs]  # any per-token output
     back = microbatch.to_rows(mbs, [microbatch.unpack(mb, x) for mb, x in zip(mbs, lp)], 7)
     assert torch.equal(back, ids[:, 1:].float())
