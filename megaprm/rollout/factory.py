@@ -26,14 +26,16 @@ def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, worl
 
     vllm: tensor_parallel_size = the trainer's tp; `external_launcher` whenever world_size > 1;
     the same `seed` on every rank (one seed per tp group). hf: the model at `model_path` on
-    `device` in fp32, stopping on the tokenizer's EOS.
+    `device` in fp32, stopping on the tokenizer's EOS, padding with its pad id (the model
+    config's when the tokenizer has none).
     """
     if world_size < 1 or tp_size < 1 or world_size % tp_size:
         raise ValueError(f"build_engine: world_size={world_size} must be a positive multiple of "
                          f"tp_size={tp_size}")
     eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or (0,))[0]
+    pad = tokenizer.pad_token_id
     if rollout_cfg.engine == "vllm":
+        pad = pad if pad is not None else (eos or (0,))[0]
         from megaprm.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
         extra = {k: getattr(rollout_cfg, k, v) for k, v in VLLM_DEFAULTS.items()}
@@ -44,4 +46,4 @@ def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, worl
 
     with preserved_rng_and_device():
         return HFEngine.from_pretrained(model_path, HFEngineConfig(
-            device=str(torch.device(device)), pad_token_id=int(pad), eos_token_ids=eos))
+            device=str(torch.device(device)), pad_token_id=pad, eos_token_ids=eos))
