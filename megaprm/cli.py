@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import traceback
+import warnings
 
 
 def _user_errors() -> tuple:
@@ -39,6 +40,8 @@ def _on_ranks(args, argv, preflight, body) -> int:
         preflight()
         return launch.relaunch(args, argv)
     launch.die_with_parent()
+    # megatron-core 0.16 warns about a default it sets itself, once per rank and model
+    warnings.filterwarnings("ignore", message="full scope is deprecated")
     return body()
 
 
@@ -47,9 +50,13 @@ def _on_ranks(args, argv, preflight, body) -> int:
 def cmd_demo(args) -> int:
     from megaprm import demo
 
+    overrides = {"rl_steps": args.rl_steps, "warmup_steps": args.warmup_steps,
+                 "eval_problems": args.eval_problems}
+    if args.prm_steps:  # a third head-only, the rest whole-model, as the default schedule
+        overrides["prm_stage1_steps"] = max(1, args.prm_steps // 3)
+        overrides["prm_stage2_steps"] = max(1, args.prm_steps - args.prm_steps // 3)
     dcfg = demo.DemoConfig(run_dir=args.run_dir, method=args.method, seed=args.seed,
-                           **({"rl_steps": args.rl_steps} if args.rl_steps else {}),
-                           **({"warmup_steps": args.warmup_steps} if args.warmup_steps else {}))
+                           **{k: v for k, v in overrides.items() if v})
 
     def preflight():
         from megaprm.parallel.launch import world_size_of
@@ -158,6 +165,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--rl-steps", type=int, default=0, help="override the demo's RL steps")
     d.add_argument("--warmup-steps", type=int, default=0, help="override warm-up steps")
+    d.add_argument("--prm-steps", type=int, default=0, help="override the PRM's training steps")
+    d.add_argument("--eval-problems", type=int, default=0,
+                   help="override the held-out problems of the before/after evaluation")
     add_launch_args(d, cpu_default=2)
     d.set_defaults(fn=cmd_demo)
 
@@ -194,7 +204,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    # `key=value` overrides may sit before or after the flags (`--nproc 2 trainer.steps=2`)
+    args, rest = ap.parse_known_args(argv)
+    if rest:
+        if not hasattr(args, "overrides") or any(r.startswith("-") for r in rest):
+            ap.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.overrides = [*args.overrides, *rest]
     try:
         return args.fn(args)
     except _user_errors() as e:

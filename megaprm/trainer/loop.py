@@ -66,6 +66,8 @@ class ScoredBatch:
     logp_prm: Optional[torch.Tensor] = None
     logp_ref_prm: Optional[torch.Tensor] = None
     correct_with_wrong_step: Optional[torch.Tensor] = None
+    step_mask: Optional[torch.Tensor] = None   # [B, S] bool: the PRM's steps (step_scores')
+    prof_steps: Optional[torch.Tensor] = None  # [B] PROF's H_i as released (text steps)
 
 
 # ----------------------------------------------------------------------------- host reductions
@@ -270,7 +272,7 @@ class RLTrainer:
     # ------------------------------------------------------------------ construction helpers
     def _build_discriminative_prm(self):
         from megaprm.models.prm import build_prm
-        from megaprm.rewards.scoring import PRMInputFormat
+        from megaprm.rewards.scoring import ChatStepFormat, resolve_prm_input_format
 
         src = model_source.resolve(self.cfg.prm.path, "prm.path")
         g = self.groups
@@ -278,7 +280,12 @@ class RLTrainer:
         model = build_prm(spec, tp=g.tp_size, pp=g.pp_size, pp_rank=g.pp_rank)
         model_source.load_weights(model, src, spec, g)
         self.prm, self.prm_spec = model.eval(), spec
-        self.prm_fmt = PRMInputFormat.from_hf(spec.hf_config)
+        self.prm_fmt = resolve_prm_input_format(self.cfg.prm.input_format, src.hf_dir,
+                                                hf_config=spec.hf_config)
+        if isinstance(self.prm_fmt, ChatStepFormat) and self.cfg.advantage.method == "pure":
+            raise ConfigError("advantage.method=pure needs token positions of the steps; "
+                              f"prm.input_format={self.prm_fmt.name} scores text steps. Use a "
+                              "token-classification PRM (prm.input_format=pure)")
 
     def _build_engine(self):
         from megaprm.parallel.device import rank_device
@@ -374,7 +381,8 @@ class RLTrainer:
 
     def process_reward(self, sb: ScoredBatch) -> None:
         """Phase: PRM. Discriminative: P(step correct) per step; implicit: q per token."""
-        from megaprm.rewards.scoring import implicit_prm_rewards, score_rollouts
+        from megaprm.rewards.scoring import ChatStepFormat, implicit_prm_rewards, score_rollouts
+        from megaprm.rewards.steps import prof_num_steps
 
         b, mbs = sb.rollout, self.cfg.actor.micro_batch_size
         if self.prm is not None:
@@ -385,7 +393,11 @@ class RLTrainer:
             s = to_host(scores.scores)
             if self.prm_spec.head == "token_cls":  # PURE's PR = 2p - 1 -> p
                 s = torch.where(to_host(scores.step_mask), (s + 1) / 2, torch.zeros_like(s))
-            sb.step_scores = s
+            sb.step_scores, sb.step_mask = s, to_host(scores.step_mask).bool()
+            # PROF's H_i: the released text split (prof_dp_rm.py), or the chat format's own
+            # step count, which is the same split after the PRM's truncation
+            sb.prof_steps = (sb.step_mask.sum(1) if isinstance(self.prm_fmt, ChatStepFormat)
+                             else prof_num_steps(b.decode_responses(self.tok)))
         elif self.implicit is not None:
             imp = implicit_prm_rewards(self.implicit.model, self.implicit_ref.model, self.groups,
                                        b.prompt_ids, b.prompt_mask, b.response_ids,
@@ -406,9 +418,9 @@ class RLTrainer:
             outcome=sb.outcome.float(), group_ids=sb.group_ids,
             response_mask=b.response_mask.float(),
             process_step_scores=sb.step_scores,
-            step_mask=sb.seg.step_mask if sb.step_scores is not None else None,
+            step_mask=sb.step_mask if sb.step_scores is not None else None,
             step_end_index=sb.seg.step_end_index, token_to_step=sb.seg.token_to_step,
-            num_steps=sb.seg.num_steps,
+            num_steps=sb.prof_steps if sb.prof_steps is not None else sb.seg.num_steps,
             logp_prm=q_prm, logp_ref=q_ref if q_prm is not None else logp_ref_resp,
             logp_old=logp_old_resp)
         gen = torch.Generator().manual_seed(self.cfg.trainer.seed + int(sb.group_ids.min()))
@@ -487,7 +499,8 @@ class RLTrainer:
                                    eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
                                    agg=cfg.loss_agg, entropy=ent, entropy_coef=cfg.entropy_coef,
                                    logp_ref=p.get("ref"), kl_coef=cfg.kl_coef,
-                                   kl_kind=cfg.kl_kind, global_tokens=tokens, global_seqs=seqs)
+                                   kl_kind=cfg.kl_kind, global_tokens=tokens, global_seqs=seqs,
+                                   norm_len=self.cfg.rollout.max_tokens)
             n = float(p["m"].sum())
             sums = {k: met[k] * n for k in ("actor/clip_frac", "actor/dual_clip_frac",
                                             "actor/approx_kl", "actor/ratio_mean")}
@@ -622,7 +635,7 @@ class RLTrainer:
             m["exact/correct_with_wrong_step_frac"] = float(
                 sb.correct_with_wrong_step[correct].float().mean()) if correct.any() else 0.0
         if sb.step_scores is not None:
-            s, smask = sb.step_scores, sb.seg.step_mask
+            s, smask = sb.step_scores, sb.step_mask
             min_score = torch.where(smask, s, torch.ones_like(s)).min(1).values
             prm_ok = min_score >= self.cfg.prm.low_score
             correct = sb.outcome > 0.5
@@ -725,18 +738,7 @@ class RLTrainer:
         bar = tqdm(range(start, cfg.steps), desc=f"RL {self.cfg.advantage.method}",
                    disable=not (cfg.progress and g.rank == 0), initial=start, total=cfg.steps)
         for step in bar:
-            try:
-                metrics = self.step(step)
-                metrics = {**dp_mean({k: v for k, v in metrics.items()
-                                      if not k.startswith("actor/")}, g),
-                           **{k: v for k, v in metrics.items() if k.startswith("actor/")}}
-            except StepSkipped as e:  # agreed on by every rank; nothing was applied
-                self.actor.opt.zero_grad()
-                self.skipped_steps += 1
-                metrics = {"guard/skipped": 1.0}
-                if g.rank == 0:
-                    print(f"[megaprm] step {step} skipped: {e}", flush=True)
-            metrics["guard/skipped_total"] = float(self.skipped_steps)
+            metrics = self.step_or_skip(step)
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
                 with_eval = self.evaluate()
                 metrics.update(with_eval)
@@ -758,6 +760,23 @@ class RLTrainer:
                 print(f"[megaprm] final policy exported to {out}", flush=True)
         self.logger.close()
         return history
+
+    def step_or_skip(self, step: int) -> dict:
+        """One step's metrics, the same on every rank: rollout metrics averaged over dp, the
+        update's already global; or {'guard/skipped': 1} when every rank agreed to skip."""
+        try:
+            metrics = self.step(step)
+            metrics = {**dp_mean({k: v for k, v in metrics.items()
+                                  if not k.startswith("actor/")}, self.groups),
+                       **{k: v for k, v in metrics.items() if k.startswith("actor/")}}
+        except StepSkipped as e:  # agreed on by every rank; nothing was applied
+            self.actor.opt.zero_grad()
+            self.skipped_steps += 1
+            metrics = {"guard/skipped": 1.0}
+            if self.groups.rank == 0:
+                print(f"[megaprm] step {step} skipped: {e}", flush=True)
+        metrics["guard/skipped_total"] = float(self.skipped_steps)
+        return metrics
 
     def _warn_on_drift(self, step: int, metrics: dict) -> None:
         """The engine and the trainer disagree on the sampled tokens' log-probs: a wrong

@@ -15,7 +15,7 @@ from megaprm.parallel import launch
 DEMO_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "megaprm", "configs", "demo.yaml")
 SMALL = ["trainer.wandb=disabled", "trainer.progress=false", "rollout.max_tokens=20",
          "data.prompts_per_step=4", "rollout.n=4", "actor.micro_batch_size=4",
-         "actor.optim.lr=1e-3", "advantage.prof.remove=2"]
+         "actor.optim.lr=1e-3", "advantage.prof.remove=2", "prm.input_format=raw"]
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +159,181 @@ def test_bad_config_is_one_line_error(tmp_path):
     assert p.returncode == 2
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and "advantage.method='nope' is not valid" in err[0], p.stderr
+
+
+# ------------------------------------------------------------------ the sampling distribution
+
+def _temperature_work(run_dir, policy, prm, temperature):
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer import loop
+
+    g = init_distributed()
+    cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=1",
+                                                 f"rollout.temperature={temperature}"])
+    tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
+    tr._step = 0
+    batch, _, _ = tr.rollout(0)
+    rp = batch.to_right_padded(tr.pad)
+    old = loop.targets_to_response(tr.actor.logprobs(rp.input_ids, 4), rp,
+                                   batch.response_ids.shape[1])
+    m = batch.response_mask.bool()
+    diff = float((old - batch.sampler_logprobs)[m].abs().max())
+    at_t1 = float((loop.targets_to_response(
+        _with_temperature(tr.actor, 1.0).logprobs(rp.input_ids, 4), rp,
+        batch.response_ids.shape[1]) - batch.sampler_logprobs)[m].abs().max())
+    tr.engine.wake()
+    hist = tr.fit()
+    return diff, float(batch.sampler_logprobs[m].mean()), at_t1, hist[0]
+
+
+def _with_temperature(policy, t):
+    import copy
+
+    p = copy.copy(policy)
+    p.temperature = t
+    return p
+
+
+@pytest.mark.parametrize("temperature", [0.5, 0.7])
+def test_trainer_logprobs_are_the_samplers_at_the_rollout_temperature(models, tmp_path,
+                                                                       temperature):
+    """The engine samples at T; the trainer's old log-probs of the same tokens equal the
+    sampler's (fp32, <= 1e-5) and the first mini-batch's PPO ratio is 1. At T = 1 they differ
+    (the bug this guards against: log pi_1 trained on tokens drawn from pi_T)."""
+    policy, prm = models
+    diff, sampler_mean, t1_diff, metrics = launch.spawn(
+        _temperature_work, 1, str(tmp_path), policy, prm, temperature)[0]
+    assert diff <= 1e-5
+    assert t1_diff > 100 * max(diff, 1e-6), t1_diff  # a near-uniform tiny model still tells
+    assert metrics["actor/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["rollout/logprob_diff_max"] <= 1e-5
+    assert metrics["actor/entropy_token_mean"] > 0
+
+
+# ------------------------------------------------------------------ metrics are global means
+
+def _metrics_work(run_dir, policy, prm, micro_batch_size):
+    import torch.distributed as dist
+
+    from megaprm.algorithms.losses import actor_loss
+    from megaprm.parallel import pipeline
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer import loop
+
+    g = init_distributed()
+    cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=1", "actor.entropy_coef=0.01",
+                                                 "rollout.temperature=0.8", "actor.mini_batches=1",
+                                                 f"actor.micro_batch_size={micro_batch_size}"])
+    tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
+    tr._step = 0
+    batch, _, _ = tr.rollout(0)
+    rp = batch.to_right_padded(tr.pad)
+    gen = torch.Generator().manual_seed(7 + g.rank)
+    mask = rp.loss_mask[:, :-1]
+    adv = torch.randn(mask.shape, generator=gen)
+    # the reference: this rank's full-batch log-probs and entropy in one forward at T
+    post = loop.logprob_post(tr.spec, g, tr.temperature, with_entropy=True)
+    with torch.no_grad():
+        lp, ent = pipeline.run(tr.actor.model, loop._split(rp.input_ids, mask, None, 10_000, 1),
+                               groups=g, post=post, forward_only=True)[0]
+    old = lp + 0.3 * torch.randn(lp.shape, generator=gen)  # a stale policy: ratios != 1
+    metrics = tr.update_actor(rp, adv, old, None, torch.ones(rp.input_ids.shape[0]))
+    sel = mask.bool()
+    mine = torch.stack([lp[sel], old[sel], adv[sel], ent[sel]])
+    parts = [None] * g.world_size
+    dist.all_gather_object(parts, mine) if g.world_size > 1 else parts.__setitem__(0, mine)
+    lp_a, old_a, adv_a, ent_a = torch.cat(parts, dim=1)[:, None]
+    loss, ref = actor_loss(lp_a, old_a, adv_a, torch.ones_like(lp_a), eps_low=cfg.actor.eps_low,
+                           eps_high=cfg.actor.eps_high, dual_clip_c=cfg.actor.dual_clip_c,
+                           agg="token-mean",
+                           entropy=ent_a, entropy_coef=0.01)
+    ref["actor/entropy_token_mean"] = float(ent_a.mean())
+    ref["actor/loss"] = float(loss)
+    return metrics, ref
+
+
+@pytest.mark.parametrize("world,mbs", [(1, 10_000), (1, 3), (2, 10_000), (2, 3)],
+                         ids=["1rank-1mb", "1rank-3mb", "2ranks-1mb", "2ranks-3mb"])
+def test_update_metrics_equal_a_single_batch_reference(models, tmp_path, world, mbs):
+    """Logged actor metrics are global token means over all micro-batches and ranks (maxima as
+    maxima), equal to one actor_loss call on the whole gathered batch."""
+    policy, prm = models
+    for metrics, ref in launch.spawn(_metrics_work, world, str(tmp_path), policy, prm, mbs):
+        for k in ("actor/pg_loss", "actor/clip_frac", "actor/ratio_mean", "actor/ratio_max",
+                  "actor/approx_kl", "actor/entropy", "actor/entropy_token_mean", "actor/loss"):
+            assert metrics[k] == pytest.approx(ref[k], rel=1e-4, abs=1e-6), k
+        if mbs == 3:
+            assert metrics["actor/updates"] == 1.0
+
+
+# ------------------------------------------------------------------ all or nothing
+
+def _rollback_work(run_dir, policy, prm):
+    from megaprm.parallel import weight_sync
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer import loop
+
+    g = init_distributed()
+    cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=2", "actor.mini_batches=2"])
+    tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
+    real = tr._update_minibatch
+    calls = {"n": 0}
+
+    def poisoned(ids, m, adv, old, ref):  # the second mini-batch of the first step goes NaN
+        calls["n"] += 1
+        if calls["n"] == 1:  # a real update (a random policy earns no reward of its own)
+            adv = torch.randn(adv.shape, generator=torch.Generator().manual_seed(0))
+        if calls["n"] == 2:  # as from NaN logits: the ratio, the loss and the grads go NaN
+            old = torch.full_like(old, float("nan"))
+        return real(ids, m, adv, old, ref)
+    tr._update_minibatch = poisoned
+    before = [p.detach().clone() for p in tr.actor.model.parameters()]
+    opt_before = len(tr.actor.opt.impl.state)
+    first = tr.step_or_skip(0)
+    opt_after = len(tr.actor.opt.impl.state)
+    after = [p.detach().clone() for p in tr.actor.model.parameters()]
+    engine = dict(tr.engine.model.named_parameters())
+    actor_hf = {k: v.clone() for b in weight_sync.iter_hf_buckets(tr.actor.model, g)
+                for k, v in b}
+    engine_equal = all(torch.equal(engine[k].detach().cpu(), v) for k, v in actor_hf.items()
+                       if k in engine)
+    second = tr.step_or_skip(1)
+    return (calls["n"], first, all(torch.equal(a, b) for a, b in zip(before, after)),
+            opt_before, opt_after, engine_equal, second)
+
+
+def test_nan_in_second_minibatch_leaves_parameters_and_engine_untouched(models, tmp_path):
+    policy, prm = models
+    (calls, first, unchanged, opt_before, opt_after, engine_equal,
+     second) = launch.spawn(_rollback_work, 1, str(tmp_path), policy, prm)[0]
+    assert calls >= 2 and first["guard/skipped"] == 1.0
+    assert unchanged, "mini-batch 1's update survived a NaN in mini-batch 2"
+    assert opt_before == opt_after == 0, "optimiser state of the rolled-back step survived"
+    assert engine_equal
+    # the next step trains normally (both mini-batches step; a random tiny policy earns no
+    # reward, so its advantages and hence its update are zero)
+    assert "guard/skipped" not in second and second["actor/updates"] == 2.0
+
+
+# ------------------------------------------------------------------ faults agreed on by all ranks
+
+def _one_rank_nan_work(run_dir, policy, prm):
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer.loop import RLTrainer
+
+    os.environ["MEGAPRM_FAULT"] = "outcome:1:0"  # NaN reward on rank 1 at step 0 only
+    g = init_distributed()
+    cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=2"])
+    return RLTrainer(cfg, g, build_char_tokenizer()).fit()
+
+
+def test_nan_reward_on_one_rank_is_skipped_by_both(models, tmp_path):
+    policy, prm = models
+    results = launch.spawn(_one_rank_nan_work, 2, str(tmp_path), policy, prm, timeout_s=300)
+    for hist in results:
+        assert hist[0].get("guard/skipped") == 1.0
+        assert "guard/skipped" not in hist[1] and hist[1]["guard/skipped_total"] == 1.0

@@ -1,0 +1,274 @@
+"""The CLI as users run it: subprocesses of the `megaprm` entry point (README and docs commands),
+multi-rank through the launcher, two "nodes" on one machine, the HF -> RL -> export -> eval round
+trip, the demo's cached warm-up, and each README troubleshooting row -> one line, exit 2."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+_BIN = os.path.join(os.path.dirname(sys.executable), "megaprm")
+MEGAPRM = [_BIN] if os.path.exists(_BIN) else [sys.executable, "-m", "megaprm.cli"]
+FAST = ["trainer.wandb=disabled", "trainer.progress=false", "rollout.max_tokens=12",
+        "data.prompts_per_step=2", "rollout.n=4", "actor.micro_batch_size=8",
+        "actor.mini_batches=1"]
+
+
+def run(args, timeout=600, **kw):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_line_error(p, *needles):
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    assert len(lines) == 1, p.stderr[-3000:]
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    """A tiny Qwen2 policy with the task's char tokenizer (4 heads, 2 KV heads, 2 layers)."""
+    from megaprm.models.tiny import save_tiny_model
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    d = tmp_path_factory.mktemp("cli") / "policy"
+    return save_tiny_model("qwen2", str(d), tokenizer=tok, vocab_size=len(tok), hidden_size=32,
+                           num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
+def train_cmd(policy, run_dir, *extra, config="configs/grpo_tiny.yaml"):
+    return [*MEGAPRM, "train", "--config", config, f"model.path={policy}",
+            f"trainer.run_dir={run_dir}", *FAST, *extra]
+
+
+def test_train_two_ranks_export_verify_eval(policy, tmp_path):
+    """`megaprm train --nproc 2` -> `checkpoint_tools export-hf` of the trainer checkpoint ->
+    transformers' logits equal Megatron's on it (verify) -> `megaprm eval --model <checkpoint>`."""
+    import torch
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    p = run(train_cmd(policy, run_dir, "--nproc", "2", "trainer.steps=2"))
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["guard/skipped_total"] == 0 for r in rows)
+    step_dir = run_dir / "checkpoints" / "step_000001"
+    assert (step_dir / "actor" / "megaprm_checkpoint.json").is_file()
+
+    out = tmp_path / "exported"
+    p = run([sys.executable, "-m", "checkpoint_tools", "export-hf", "--ckpt", str(run_dir),
+             "--out", str(out)])
+    assert p.returncode == 0, p.stderr[-4000:]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(out))  # loads as a plain HF directory
+    trained, initial = load_file(str(out / "model.safetensors")), load_file(
+        os.path.join(policy, "model.safetensors"))
+    moved = [k for k in initial if not torch.equal(trained[k], initial[k])]
+    assert moved, "two RL steps at lr 2e-4 changed no weight: the export is not the trained policy"
+    p = run([sys.executable, "-m", "checkpoint_tools", "verify", "--hf", str(out), "--ckpt",
+             str(step_dir / "actor")])
+    assert p.returncode == 0 and json.loads(p.stdout)["passed"], p.stdout + p.stderr[-2000:]
+
+    p = run([*MEGAPRM, "eval", "--model", str(step_dir), "--benchmarks", "math500", "--limit",
+             "2", "--k", "1", "--max-tokens", "4", "--no-progress", "--out",
+             str(tmp_path / "eval.json")])
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert json.load(open(tmp_path / "eval.json"))
+
+
+def test_resume_with_other_layout_and_config_is_refused_before_ranks(policy, tmp_path):
+    run_dir = tmp_path / "run"
+    p = run(train_cmd(policy, run_dir, "--nproc", "1", "trainer.steps=1"))
+    assert p.returncode == 0, p.stderr[-4000:]
+    one_line_error(run(train_cmd(policy, run_dir, "--nproc", "2", "trainer.steps=2")),
+                   "(world, tp, pp) = (1, 1, 1)", "(2, 1, 1)")
+    line = one_line_error(run(train_cmd(policy, run_dir, "--nproc", "1", "trainer.steps=2",
+                                        "advantage.method=rloo")),
+                          "another config", "advantage.method")
+    assert "grpo" in line and "rloo" in line
+
+
+def test_two_nodes_on_one_machine_train_together(policy, tmp_path):
+    """Two launchers, --nnodes 2 --node-rank 0|1 --nproc 1, one master: one world of 2 ranks."""
+    run_dir = tmp_path / "run"
+    port = str(free_port())
+    cmds = [train_cmd(policy, run_dir, "--nnodes", "2", "--node-rank", str(r), "--nproc", "1",
+                      "--master-addr", "127.0.0.1", "--master-port", port, "trainer.steps=2")
+            for r in (0, 1)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for c in cmds]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    rows = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1]
+    state = json.load(open(run_dir / "checkpoints" / "step_000001" / "trainer.json"))
+    assert state["world_size"] == 2
+
+
+def test_train_prm_two_ranks(policy, tmp_path):
+    p = run([*MEGAPRM, "train-prm", "--config", "configs/prm/tiny.yaml", "--nproc", "2",
+             f"model_dir={policy}", f"output_dir={tmp_path / 'prm'}", "num_train=64",
+             "num_eval=32", "stage1_steps=1", "stage2_steps=2", "warmup_steps=0",
+             "global_batch_size=8", "micro_batch_size=4"])
+    assert p.returncode == 0, p.stderr[-4000:]
+    report = json.loads(p.stdout.strip().splitlines()[-1])
+    assert 0.0 <= report["auroc"] <= 1.0
+    assert os.path.isfile(tmp_path / "prm" / "config.json")
+
+
+def test_demo_then_another_method_reuses_warmup_and_prm(tmp_path):
+    short = ["--nproc", "1", "--run-dir", str(tmp_path / "demo"), "--warmup-steps", "2",
+             "--prm-steps", "3", "--rl-steps", "1", "--eval-problems", "8"]
+    p = run([*MEGAPRM, "demo", *short])
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "megaprm demo summary" in p.stdout
+    p = run([*MEGAPRM, "demo", *short, "--method", "grpo"])
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "warm-up: reusing" in p.stdout and "PRM: reusing" in p.stdout, p.stdout
+    summary = json.load(open(tmp_path / "demo" / "rl" / "grpo" / "summary.json"))
+    assert summary["method"] == "grpo" and summary["rl_steps_run"] == 1
+    rows = open(tmp_path / "demo" / "rl" / "grpo" / "metrics.jsonl").read().splitlines()
+    assert len(rows) == 1
+    assert os.path.isfile(tmp_path / "demo" / "rl" / "prof_grpo" / "summary.json")
+
+
+def _six_head_model(root):
+    from megaprm.models.tiny import save_tiny_model
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    return save_tiny_model("qwen2", str(root / "six"), tokenizer=tok, vocab_size=len(tok),
+                           hidden_size=48, num_layers=4, num_heads=6, num_kv_heads=6,
+                           intermediate_size=64, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id)
+
+
+def _mistral_dir(root, policy):
+    import shutil
+
+    d = root / "mistral"
+    shutil.copytree(policy, d)
+    cfg = json.load(open(d / "config.json"))
+    cfg["architectures"], cfg["model_type"] = ["MistralForCausalLM"], "mistral"
+    json.dump(cfg, open(d / "config.json", "w"))
+    return str(d)
+
+
+def _missing_tensor_dir(root, policy):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = root / "missing"
+    shutil.copytree(policy, d)
+    w = load_file(str(d / "model.safetensors"))
+    del w["model.layers.1.mlp.up_proj.weight"]
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return str(d)
+
+
+# README "Troubleshooting": each row as a user would type it -> exactly one line, exit 2
+TROUBLE = {
+    "world_not_divisible": (lambda root, pol: ["--nproc", "3", "parallel.tp=2",
+                                               f"model.path={pol}"],
+                            ["world size 3 is not divisible by tp*pp*cp"]),
+    "tp_vs_heads": (lambda root, pol: ["--nproc", "4", "parallel.tp=4",
+                                       f"model.path={_six_head_model(root)}"],
+                    ["tp=4 does not divide num_attention_heads=6"]),
+    "pp_vs_layers": (lambda root, pol: ["--nproc", "3", "parallel.pp=3",
+                                        f"model.path={_six_head_model(root)}"],
+                     ["pp=3 does not divide num_hidden_layers=4"]),
+    "unsupported_arch": (lambda root, pol: ["--nproc", "1",
+                                            f"model.path={_mistral_dir(root, pol)}"],
+                         ["MistralForCausalLM", "is not supported"]),
+    "missing_tensor": (lambda root, pol: ["--nproc", "1",
+                                          f"model.path={_missing_tensor_dir(root, pol)}"],
+                       ["model.layers.1.mlp.up_proj.weight"]),
+    "no_config_json": (lambda root, pol: ["--nproc", "1", f"model.path={root}"],
+                       ["has no config.json"]),
+    "rollout_n_1": (lambda root, pol: ["--nproc", "1", f"model.path={pol}", "rollout.n=1"],
+                    ["rollout.n=1 is not valid"]),
+    "prime_needs_implicit": (lambda root, pol: ["--nproc", "1", f"model.path={pol}",
+                                                "advantage.method=prime", "prm.kind=none"],
+                             ["advantage.method='prime' needs prm.kind=implicit"]),
+    "mini_batches": (lambda root, pol: ["--nproc", "1", f"model.path={pol}",
+                                        "actor.mini_batches=3"],
+                     ["actor.mini_batches=3 does not divide the 8 rollouts"]),
+    "bad_override": (lambda root, pol: ["--nproc", "1", f"model.path={pol}", "actor.lrr=1"],
+                     ["unknown key(s) ['actor.lrr']"]),
+    "nproc_zero": (lambda root, pol: ["--nproc", "0", f"model.path={pol}"],
+                   ["--nproc=0"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TROUBLE))
+def test_troubleshooting_rows_are_one_line(policy, tmp_path, case):
+    make, needles = TROUBLE[case]
+    argv = make(tmp_path, policy)
+    p = run([*MEGAPRM, "train", "--config", "configs/grpo_tiny.yaml",
+             f"trainer.run_dir={tmp_path / 'run'}", *FAST, *argv], timeout=300)
+    one_line_error(p, "megaprm train: error:", *needles)
+
+
+def _pids_with(marker: str) -> list:
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            out.append(int(pid))
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and prctl")
+def test_kill_9_of_the_launcher_leaves_no_rank(policy, tmp_path):
+    run_dir = str(tmp_path / "orphan-check")
+    launcher = subprocess.Popen(train_cmd(policy, run_dir, "--nproc", "2", "trainer.steps=500"),
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # wait until both ranks are training
+            if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+                break
+            time.sleep(1)
+        others = [p for p in _pids_with(run_dir) if p != launcher.pid]
+        assert len(others) >= 3, others  # torchrun + 2 ranks
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _pids_with(run_dir):
+        time.sleep(0.5)
+    survivors = _pids_with(run_dir)
+    for pid in survivors:  # never leave them behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"ranks outlived their launcher: {survivors}"
