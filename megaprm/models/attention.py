@@ -19,6 +19,7 @@ which picks flash / cuDNN / memory-efficient kernels on GPU and a fused kernel o
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -29,6 +30,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
+@functools.lru_cache(maxsize=None)
 def _varlen_attn(gqa: bool):
     """torch's varlen flash attention as f(q, k, v, cu, max_len, scale) (CUDA), or None.
 
