@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
 
@@ -50,14 +51,17 @@ def _sync():
 
 
 def _timeit(fn, warmup: int, iters: int) -> float:
+    """Median seconds per call (the median resists the other jobs of a shared machine)."""
     for _ in range(warmup):
         fn()
-    _sync()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(iters):
+        _sync()
+        t0 = time.perf_counter()
         fn()
-    _sync()
-    return (time.perf_counter() - t0) / iters
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _device_name() -> str:
