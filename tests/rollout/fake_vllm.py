@@ -126,7 +126,7 @@ class Model:
         names = []
         for name, t in weights:
             if not self.alloc.mapped["weights"]:
-                # the parameters' storage is unmapped (cumem.py:284 unmap_and_release)
+                # the parameters' storage is unmapped (cumem.py:278 unmap_and_release)
                 raise IllegalMemoryAccess(f"load_weights({name!r}) while the weights sleep: "
                                           "CUDA error: an illegal memory access was encountered")
             if tied and name == "lm_head.weight":
@@ -210,7 +210,7 @@ class LLM:
         backend = kwargs.get("distributed_executor_backend")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if backend == "external_launcher":
-            # config/parallel.py:1050-1052 forces in-process mode; uniproc_executor.py:172-175
+            # config/parallel.py:1050-1052 forces in-process mode; uniproc_executor.py:180-183
             # asserts it; :186-197 reads RANK / LOCAL_RANK and uses env:// (MASTER_ADDR/PORT)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
