@@ -12,9 +12,10 @@ Two streams with the same contents (same names, order and values, bit for bit):
 
 With tp = pp = 1 there is nothing to communicate and the buckets are views of the parameters.
 Buckets never span two pp stages or two dtypes (one source rank and one flat dtype per
-collective). A parameter larger than `bucket_bytes` is a bucket of its own. Each bucket is a fresh
-buffer, so a consumer that copies the tensors and drops them holds at most one bucket: the flat
-buffer plus, for tp > 1, the rebuilt full tensors (~2x bucket_bytes transient).
+collective). A parameter larger than `bucket_bytes` is a bucket of its own. The buffers (packed
+shards, gathered flat buffer, reordered HF tensors: ~2.5x the largest bucket for tp > 1) are
+allocated once per sync and reused by every bucket, so a bucket's tensors are valid until the
+next one is requested.
 
 Every dp replica runs its own gathers/broadcasts in its own tp/pp groups, so every rank, i.e.
 every colocated rollout engine, receives the whole model. Works for the actor and for a PRM whose
@@ -133,66 +134,197 @@ def _numel(shape) -> int:
     return int(torch.Size(shape).numel())
 
 
-@torch.no_grad()
-def _fill_bucket(bucket: _Bucket, meta: list, own: list, groups: Groups,
-                 device) -> torch.Tensor:
-    """The bucket's flat buffer [tp * split numel + repl numel], identical on every rank."""
+# CPU buffers kept between syncs: glibc returns large blocks to the OS on free, so fresh ones
+# would be page-faulted in again on every sync (~0.3 s/GB here); CUDA's caching allocator
+# already keeps freed blocks, so GPU buffers are not cached here.
+_CPU_BUFFERS: dict = {}
+
+
+def release_buffers() -> None:
+    """Free the CPU staging buffers kept by `iter_hf_buckets` (they are reallocated on demand)."""
+    _CPU_BUFFERS.clear()
+
+
+class _Buffers:
+    """Flat buffers reused by every bucket of one sync (sized for the largest bucket): `local`
+    packs this rank's shards, `flat` receives the tp all-gather (plus the replicated tail, and is
+    what the pp broadcast sends), `out` holds the reordered HF tensors."""
+
+    def __init__(self, dtype_sizes: dict, device):
+        self.bufs = {}
+        for dtype, sizes in dtype_sizes.items():
+            cached = _CPU_BUFFERS.get(dtype) if device.type == "cpu" else None
+            if cached is None or any(c.numel() < n for c, n in zip(cached, sizes)):
+                cached = tuple(torch.empty(n, dtype=dtype, device=device) for n in sizes)
+                if device.type == "cpu":
+                    _CPU_BUFFERS[dtype] = cached
+            self.bufs[dtype] = cached
+
+    def get(self, dtype):
+        return self.bufs[dtype]
+
+
+def _kind_copies(rule, spec, tp: int, slab: torch.Tensor, shard_shape, out: torch.Tensor):
+    """(hf (name, tensor) pairs, [(dst view, src view)]) for one tp-split parameter.
+
+    `slab[tp, n]` is the parameter's shard from every tp rank (rank-major rows of the gathered
+    buffer); the HF tensors are written contiguously into `out` (the same numel as the full
+    tensor) by copying strided views, one copy per HF tensor: the tp concatenation and the
+    mapping's qkv / gate-up split happen in that one copy (the inverse of
+    `mapping.to_megatron_shard`; Megatron requires the kv heads to divide over tp)."""
+    g = slab.view(tp, *shard_shape)
+    kind = rule.kind
+    if kind == "row":                      # [out, in/tp] shards -> [out, in]
+        o, i = shard_shape
+        dst = out.view(o, tp, i)
+        return [(rule.hf_names[0], out.view(o, tp * i))], [(dst, g.permute(1, 0, 2))]
+    if kind == "vocab":                    # [V/tp, h] -> padded [V, h], rows [:vocab] exported
+        rows = shard_shape[0]
+        full = out.view(tp * rows, *shard_shape[1:])
+        return ([(rule.hf_names[0], full[: spec.vocab_size])],
+                [(out.view(tp, *shard_shape), g)])
+    if kind == "gate_up":                  # [2 * I/tp, h] = (gate_r, up_r) -> gate [I, h], up
+        half, rest = shard_shape[0] // 2, tuple(shard_shape[1:])
+        gv = g.view(tp, 2, half, *rest)
+        n = tp * half * _numel(rest)
+        gate, up = out[:n], out[n: 2 * n]
+        return ([(rule.hf_names[0], gate.view(tp * half, *rest)),
+                 (rule.hf_names[1], up.view(tp * half, *rest))],
+                [(gate.view(tp, half, *rest), gv[:, 0]), (up.view(tp, half, *rest), gv[:, 1])])
+    if kind == "qkv":                      # [ng/tp * (per+2) d, ...] -> q, k, v
+        ng, d = spec.num_kv_heads, spec.head_dim
+        assert ng % tp == 0, (ng, tp)
+        per, rest = spec.num_heads // ng, tuple(shard_shape[1:])
+        gl = ng // tp
+        gv = g.view(tp, gl, (per + 2) * d, *rest)
+        r = _numel(rest)
+        sizes = (ng * per * d * r, ng * d * r, ng * d * r)
+        q, k, v = out[: sizes[0]], out[sizes[0]: sizes[0] + sizes[1]], out[sizes[0] + sizes[1]:
+                                                                            sum(sizes)]
+        pairs = [(q.view(tp, gl, per * d, *rest), gv[:, :, : per * d]),
+                 (k.view(tp, gl, d, *rest), gv[:, :, per * d: (per + 1) * d]),
+                 (v.view(tp, gl, d, *rest), gv[:, :, (per + 1) * d:])]
+        hf = [(rule.hf_names[0], q.view(ng * per * d, *rest)),
+              (rule.hf_names[1], k.view(ng * d, *rest)), (rule.hf_names[2], v.view(ng * d, *rest))]
+        return hf, pairs
+    raise AssertionError(f"{kind} is not split over tp")
+
+
+@dataclass
+class _Plan:
+    """Everything one bucket needs, built before the loop: views into the reused buffers."""
+
+    bucket: _Bucket
+    local: torch.Tensor | None      # this rank's packed shards (owning stage, tp > 1)
+    sources: list                   # this stage's shards (flattened) packed into `local` / `flat`
+    flat: torch.Tensor              # gathered split part + replicated tail
+    gathered: torch.Tensor | None   # flat[: tp * split_n]
+    dsts: list                      # receive-side reorder: copy srcs -> dsts (one foreach call)
+    srcs: list
+    hf: list                        # (hf name, tensor) pairs of the bucket, in param order
+
+
+def _plan(bucket: _Bucket, meta: list, own: list, groups: Groups, spec, bufs: _Buffers) -> _Plan:
     tp = groups.tp_size
+    local_buf, flat_buf, out_buf = bufs.get(bucket.dtype)
     split_n = sum(_numel(meta[i][1]) for i in bucket.split)
     repl_n = sum(_numel(meta[i][1]) for i in bucket.repl)
-    flat = torch.empty(tp * split_n + repl_n, dtype=bucket.dtype, device=device)
-    if bucket.stage == groups.pp_rank:
-        # tp == 1: the shards are the full tensors, written in place; else gathered rank-major
-        local = flat[:split_n] if tp == 1 else torch.empty(split_n, dtype=flat.dtype,
-                                                           device=device)
-        off = 0
-        for i in bucket.split:
-            n = _numel(meta[i][1])
-            local[off:off + n].copy_(own[i][1].detach().reshape(-1))
-            off += n
-        if tp > 1 and split_n:
-            _all_gather_flat(flat[: tp * split_n], local, group=groups.tp)
-            del local
-        off = tp * split_n
-        for i in bucket.repl:
-            n = _numel(meta[i][1])
-            flat[off:off + n].copy_(own[i][1].detach().reshape(-1))
-            off += n
-    if groups.pp_size > 1:
-        dist.broadcast(flat, src=dist.get_global_rank(groups.pp, bucket.stage), group=groups.pp)
-    return flat
-
-
-def _unpack_bucket(flat: torch.Tensor, bucket: _Bucket, meta: list, spec,
-                   tp: int) -> list[tuple]:
-    """Full Megatron tensors from the flat buffer -> HF (name, tensor) pairs, in param order."""
-    split_n = sum(_numel(meta[i][1]) for i in bucket.split)
+    flat = flat_buf[: tp * split_n + repl_n]
+    mine = bucket.stage == groups.pp_rank
+    sources = [own[i][1].detach().reshape(-1) for i in bucket.split + bucket.repl] if mine else []
+    local = (local_buf[:split_n] if tp > 1 else flat[:split_n]) if mine else None
     gathered = flat[: tp * split_n].view(tp, split_n)
-    full = {}
-    off = 0
+    dsts, srcs, hf = [], [], {}
+    off = out_off = 0
     for i in bucket.split:
         rule, shape, _ = meta[i]
         n = _numel(shape)
-        parts = [gathered[r, off:off + n].view(shape) for r in range(tp)]
-        full[i] = parts[0] if tp == 1 else torch.cat(parts, dim=rule.tp_dim)
+        slab = gathered[:, off:off + n]
         off += n
+        if tp == 1 and rule.kind != "qkv":   # the mapping's outputs are views of the slab
+            hf[i] = mapping.to_hf(rule, slab.view(shape), spec, 1)
+            continue
+        hf[i], copies = _kind_copies(rule, spec, tp, slab, shape,
+                                     out_buf[out_off: out_off + tp * n])
+        out_off += tp * n
+        dsts.extend(d for d, _ in copies)
+        srcs.extend(src for _, src in copies)
     off = tp * split_n
     for i in bucket.repl:
         n = _numel(meta[i][1])
-        full[i] = flat[off:off + n].view(meta[i][1])
+        hf[i] = mapping.to_hf(meta[i][0], flat[off:off + n].view(meta[i][1]), spec, tp)
         off += n
-    out = []
-    for i in sorted(full):
-        out.extend(mapping.to_hf(meta[i][0], full[i], spec, tp))
-    return out
+    return _Plan(bucket, local, sources, flat, gathered, dsts, srcs,
+                 [x for i in sorted(hf) for x in hf[i]])
+
+
+def _buffer_sizes(buckets: list, metas: list, tp: int) -> dict:
+    """Per dtype: the largest (local, flat, out) numel over all buckets."""
+    sizes: dict = {}
+    for b in buckets:
+        meta = metas[b.stage]
+        split_n = sum(_numel(meta[i][1]) for i in b.split)
+        repl_n = sum(_numel(meta[i][1]) for i in b.repl)
+        cur = sizes.get(b.dtype, (0, 0, 0))
+        want = (split_n if tp > 1 else 0, tp * split_n + repl_n, tp * split_n)
+        sizes[b.dtype] = tuple(max(a, c) for a, c in zip(cur, want))
+    return sizes
+
+
+# gloo (TCP, also between local ranks) moves cache-sized messages ~4x faster per byte than
+# large ones (all-gather of 4 MiB per rank: 0.73 GB/s, of 16-256 MiB: 0.16-0.19 GB/s, 2 ranks on
+# the CI box), so on gloo a bucket's gather is issued in 4 MiB slices of the same flat buffer.
+GLOO_SLICE_BYTES = 4 << 20
+
+
+def _gather(gathered: torch.Tensor, local: torch.Tensor, group) -> None:
+    """All-gather `local[n]` of every tp rank into the rows of `gathered[tp, n]`: one collective
+    (NCCL), or one per 4 MiB slice on gloo, each writing straight into the rows' slices."""
+    n = local.numel()
+    step = max(1, GLOO_SLICE_BYTES // local.element_size())
+    if n <= step or dist.get_backend(group) != "gloo":
+        _all_gather_flat(gathered.view(-1), local, group=group)
+        return
+    for lo in range(0, n, step):
+        dist.all_gather(list(gathered[:, lo:lo + step].unbind(0)), local[lo:lo + step],
+                        group=group)
+
+
+@torch.no_grad()
+def _run_plan(plan: _Plan, groups: Groups) -> list[tuple]:
+    """Pack (one cat), all-gather (one collective), pp broadcast (one), reorder (one foreach
+    copy) -> the bucket's HF (name, tensor) pairs, views into the reused buffers."""
+    tp, b = groups.tp_size, plan.bucket
+    split_n = plan.gathered.shape[1]
+    if plan.local is not None:
+        n_split = len(b.split)
+        if n_split:
+            torch.cat(plan.sources[:n_split], out=plan.local)
+        if tp > 1 and split_n:
+            _gather(plan.gathered, plan.local, groups.tp)
+        if b.repl:
+            torch.cat(plan.sources[n_split:], out=plan.flat[tp * split_n:])
+    if groups.pp_size > 1:
+        dist.broadcast(plan.flat, src=dist.get_global_rank(groups.pp, b.stage), group=groups.pp)
+    if plan.dsts:
+        torch._foreach_copy_(plan.dsts, plan.srcs)
+    return list(plan.hf)
 
 
 def iter_hf_buckets(model, groups: Groups, bucket_bytes: int | None = None,
                     spec=None) -> Iterator[list[tuple]]:
     """Yield lists of (hf_name, full tensor), about `bucket_bytes` each, identically on all ranks.
 
-    Concatenated, the buckets are exactly `iter_hf_weights`' stream. Every rank of the model's
-    tp x pp group must iterate to the end (each bucket is a collective).
+    Concatenated, the buckets are exactly `iter_hf_weights`' stream, bit for bit. Every rank of
+    the model's tp x pp group must iterate to the end (each bucket is a collective).
+
+    The tensors of a bucket are views into buffers that the NEXT bucket overwrites (with
+    tp = pp = 1 they are views of the parameters): copy them before asking for the next
+    bucket (what `load_weights` of an engine does), or `.clone()` to keep them. Per bucket:
+    one `torch.cat` packs this rank's shards, one all-gather into the preallocated flat buffer
+    (`all_gather_single` / `all_gather_into_tensor`), one pp broadcast, and one
+    `torch._foreach_copy_` reorders the gathered shards into HF tensors through strided views
+    (the tp concatenation and the qkv / gate-up split in the same copy).
     """
     bucket_bytes = default_bucket_bytes() if bucket_bytes is None else bucket_bytes
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -201,17 +333,43 @@ def iter_hf_buckets(model, groups: Groups, bucket_bytes: int | None = None,
     own = _own_params(model, spec, groups)
     device = own[0][1].device if own else torch.device("cpu")
     metas = _stage_meta(own, groups)
-    for bucket in plan_buckets(metas, groups.tp_size, bucket_bytes):
-        meta = metas[bucket.stage]
-        if groups.tp_size == 1 and groups.pp_size == 1:
-            # nothing to communicate: the parameters are the full tensors (zero-copy views,
-            # as in `iter_hf_weights`); the consumer copies them
+    buckets = plan_buckets(metas, groups.tp_size, bucket_bytes)
+    if groups.tp_size == 1 and groups.pp_size == 1:
+        # nothing to communicate: the parameters are the full tensors (zero-copy views,
+        # as in `iter_hf_weights`); the consumer copies them
+        for bucket in buckets:
+            meta = metas[bucket.stage]
             yield [x for i in sorted(bucket.split + bucket.repl)
                    for x in mapping.to_hf(meta[i][0], own[i][1].detach(), spec, 1)]
-            continue
-        flat = _fill_bucket(bucket, meta, own, groups, device)
-        yield _unpack_bucket(flat, bucket, meta, spec, groups.tp_size)
-        del flat
+        return
+    bufs = _Buffers(_buffer_sizes(buckets, metas, groups.tp_size), device)
+    plans = [_plan(b, metas[b.stage], own, groups, spec, bufs) for b in buckets]
+    for plan in plans:
+        yield _run_plan(plan, groups)
+
+
+def sync_into(load_fn, model, groups: Groups, bucket_bytes: int | None = None,
+              spec=None) -> dict:
+    """Stream the model's HF weights into `load_fn(iterable of (name, tensor))` (e.g.
+    `engine.update_weights` or `engine.load_weights`) through `iter_hf_buckets`; call on every
+    rank. Returns `{"seconds", "bytes", "gbps", "buckets"}` (bytes of HF tensors delivered,
+    GB/s = 1e9 bytes per second), for the trainer's `time/weight_sync` metrics."""
+    counts = {"bytes": 0, "buckets": 0}
+
+    def stream():
+        for bucket in iter_hf_buckets(model, groups, bucket_bytes, spec):
+            counts["buckets"] += 1
+            for name, t in bucket:
+                counts["bytes"] += t.numel() * t.element_size()
+                yield name, t
+
+    start = time.perf_counter()
+    load_fn(stream())
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "bytes": counts["bytes"], "buckets": counts["buckets"],
+            "gbps": counts["bytes"] / max(seconds, 1e-12) / 1e9}
 
 
 @dataclass(frozen=True)

@@ -89,11 +89,19 @@ def _rank_work(model_dir, prm_dir, tp, pp):
     res["names"] = [n for n, _ in ref]
     res["num_buckets"] = []
     for bb in BUCKETS:
-        buckets = list(weight_sync.iter_hf_buckets(model, g, bb))
+        # a bucket's tensors live in buffers the next bucket reuses: keep copies
+        buckets = [[(n, t.clone()) for n, t in b] for b in weight_sync.iter_hf_buckets(model, g, bb)]
         flat = [x for b in buckets for x in b]
         assert [n for n, _ in flat] == res["names"], bb
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(flat, ref)), bb
         res["num_buckets"].append(len(buckets))
+    # gloo gathers a bucket in slices of the flat buffer: force many small, uneven slices
+    slice_bytes, weight_sync.GLOO_SLICE_BYTES = weight_sync.GLOO_SLICE_BYTES, 1000
+    try:
+        flat = [(n, t.clone()) for b in weight_sync.iter_hf_buckets(model, g, 1 << 30) for n, t in b]
+    finally:
+        weight_sync.GLOO_SLICE_BYTES = slice_bytes
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(flat, ref)) and len(flat) == len(ref)
     if g.rank == 0:
         res["weights"] = dict(ref)
 
@@ -137,8 +145,8 @@ def _rank_work(model_dir, prm_dir, tp, pp):
             prm.score = torch.nn.Linear(pspec.hidden_size, pspec.num_labels)
         load_hf_weights(prm, prm_dir, pspec, tp_rank=g.tp_rank, tp_size=tp, pp=pp,
                         pp_rank=g.pp_rank)
-        prm_stream = [x for b in weight_sync.iter_hf_buckets(prm, g, 30_000, spec=pspec)
-                      for x in b]
+        prm_stream = [(n, t.clone()) for b in weight_sync.iter_hf_buckets(prm, g, 30_000, spec=pspec)
+                      for n, t in b]
         if g.rank == 0:
             res["prm_weights"] = dict(prm_stream)
     return res
@@ -239,7 +247,7 @@ def _single_rank(model_dir):
     model = pipeline.build_stage(spec, g)
     load_hf_weights(model, model_dir, spec, tp_rank=0, tp_size=1, pp=1, pp_rank=0)
     ref = list(weight_sync.iter_hf_weights(model, g))
-    flat = [x for b in weight_sync.iter_hf_buckets(model, g, 50_000) for x in b]
+    flat = [(n, t.clone()) for b in weight_sync.iter_hf_buckets(model, g, 50_000) for n, t in b]
     same = [n for n, _ in flat] == [n for n, _ in ref] and all(
         torch.equal(a, b) for (_, a), (_, b) in zip(flat, ref))
     engine = HFEngine.from_pretrained(model_dir)
