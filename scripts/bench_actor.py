@@ -187,11 +187,11 @@ def bench_shape(name, shape, args, dev, dtype) -> dict:
 
     megaprm_rows("local", 0, False, [("megatron_local", "full")])
     megaprm_rows("sdpa", 0, False, [("sdpa", "full")])
-    megaprm_rows("sdpa", 2048, False, [("sdpa_chunked", "full"),
+    megaprm_rows("sdpa", 1024, False, [("sdpa_chunked", "full"),
                                        ("sdpa_chunked_padded", "ragged"),
                                        ("sdpa_chunked_packed", "packed")])
     if not args.no_compile:
-        megaprm_rows("sdpa", 2048, True, [("sdpa_chunked_compile", "full")])
+        megaprm_rows("sdpa", 1024, True, [("sdpa_chunked_compile", "full")])
     base = {r["batch"]: r["tokens_per_s"] for r in rows if r["variant"].startswith("transformers")}
     for r in rows:
         b = base["full" if r["batch"] == "full" else "ragged"]

@@ -6,9 +6,9 @@ values; entropy needs one more (sum of p*z). Padded vocabulary rows (>= the true
 are masked to -inf so they carry no probability, as in the HF model.
 
 By default the computation is chunked over tokens (`_ChunkedLogProb`): the fp32 softmax of
-one chunk of `chunk_tokens` tokens at a time, recomputed chunk by chunk in backward, so neither
-an fp32 copy of the [b, s, V/tp] logits nor its exp / probabilities are kept; the collectives
-are batched over all chunks (one MAX and one SUM all-reduce per call). `chunk_tokens=0` is the
+`chunk_tokens` (1024) tokens at a time, recomputed chunk by chunk in backward, so neither an
+fp32 copy of the [b, s, V/tp] logits nor its exp / probabilities are kept; the collectives are
+batched over all chunks (one MAX and one SUM all-reduce per call). `chunk_tokens=0` is the
 unchunked path, kept as the reference the tests and the benchmark compare with.
 
 The tp group is passed in (None or size 1 = no communication); this module never reads
@@ -164,7 +164,7 @@ class _ChunkedLogProb(torch.autograd.Function):
 def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None,
                             tp_rank: int = 0, vocab_size: Optional[int] = None,
                             with_entropy: bool = False, temperature: float = 1.0,
-                            chunk_tokens: int = 2048):
+                            chunk_tokens: int = 1024):
     """log p(target) [b, s] (and entropy [b, s]) from logits [b, s, V/tp] of this tp rank.
 
     `vocab_size` is the true (unpadded) vocabulary; rows past it are excluded. Computed in fp32

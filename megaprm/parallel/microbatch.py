@@ -204,5 +204,6 @@ def to_rows(micro_batches: List[TokenBatch], parts: List[torch.Tensor],
     first = parts[0]
     out = first.new_zeros(num_rows, *first.shape[1:])
     for mb, part in zip(micro_batches, parts):
-        out[mb.layout.rows] = part[: len(mb.layout.rows)]
+        rows = mb.layout.rows.to(out.device)
+        out[rows] = part[: len(rows)]
     return out
