@@ -106,9 +106,6 @@ def _train(run_root, policy, tp):
     return out
 
 
-@pytest.mark.xfail(strict=False, reason="waiting for loop wiring: RLTrainer must build its engine "
-                   "with rollout.factory.build_engine, call engine.sleep() after the rollout and "
-                   "engine.update_weights(stream) in sync_weights")
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
 def test_trainer_drives_the_lifecycle_on_two_ranks(policy, tmp_path, tp):
     results = launch.spawn(_train, 2, str(tmp_path), policy, tp)
