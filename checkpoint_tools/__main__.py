@@ -25,7 +25,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="stored dtype (default: the HF config's dtype)")
 
     exp = sub.add_parser("export-hf", help="Megatron distributed checkpoint -> HF safetensors dir")
-    exp.add_argument("--ckpt", required=True, help="checkpoint dir written by import-hf/training")
+    exp.add_argument("--ckpt", required=True,
+                     help="checkpoint dir written by import-hf, or a trainer run dir, "
+                          "checkpoints/ dir or step dir")
     exp.add_argument("--out", required=True, help="HF dir to create")
     exp.add_argument("--max-shard-size", default="5GB")
     exp.add_argument("--tp", type=int, default=None, help="tp to load with (default: as saved)")
@@ -38,11 +40,14 @@ def _parser() -> argparse.ArgumentParser:
 
     ver = sub.add_parser("verify", help="compare transformers and Megatron outputs")
     ver.add_argument("--hf", required=True)
-    ver.add_argument("--ckpt", required=True)
+    ver.add_argument("--ckpt", required=True, help="as export-hf's --ckpt")
     ver.add_argument("--tp", type=int, default=1)
     ver.add_argument("--pp", type=int, default=1)
     ver.add_argument("--atol", type=float, default=None, help="max abs logit diff allowed")
     ver.add_argument("--min-top1", type=float, default=None, help="min top-1 agreement")
+    for s in (exp, ver):
+        s.add_argument("--model", choices=["actor", "prm"], default="actor",
+                       help="which model of a trainer checkpoint (default: actor)")
     return p
 
 
@@ -60,10 +65,10 @@ def main(argv=None) -> int:
         elif args.command == "export-hf":
             report = convert.export_hf(args.ckpt, args.out, tp=args.tp, pp=args.pp,
                                        max_shard_size=args.max_shard_size, force=args.force,
-                                       verify=not args.no_verify)
+                                       verify=not args.no_verify, model=args.model)
         else:
             report = convert.verify(args.hf, args.ckpt, tp=args.tp, pp=args.pp, atol=args.atol,
-                                    min_top1=args.min_top1)
+                                    min_top1=args.min_top1, model=args.model)
     except ConversionError as e:
         if leader:
             print(f"error: {e}", file=sys.stderr)

@@ -446,9 +446,13 @@ def _write_hf_config(ckpt_dir: str, tmp_dir: str, dtype: str) -> None:
 
 def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
               pp: int | None = None, max_shard_size: str = "5GB", force: bool = False,
-              verify: bool = True) -> dict:
-    """megaprm checkpoint -> HF directory loadable by transformers / vLLM. Returns a report."""
-    ckpt_dir, out_dir = os.path.abspath(ckpt_dir), os.path.abspath(out_dir)
+              verify: bool = True, model: str = "actor") -> dict:
+    """megaprm checkpoint -> HF directory loadable by transformers / vLLM. Returns a report.
+
+    `ckpt_dir` is anything `layout.resolve_checkpoint` accepts (a checkpoint, a trainer step,
+    run or checkpoints dir); `model` picks the trainer's `actor` or `prm`."""
+    ckpt_dir = layout.resolve_checkpoint(ckpt_dir, model)
+    out_dir = os.path.abspath(out_dir)
     meta = layout.CheckpointMeta.read(ckpt_dir)
     spec = load_spec(os.path.join(ckpt_dir, layout.HF_SUBDIR))
     tp, pp = tp or meta.tp, pp or meta.pp
@@ -482,10 +486,11 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
 
 
 def verify(hf_dir: str, ckpt_dir: str, *, tp: int = 1, pp: int = 1,
-           atol: float | None = None, min_top1: float | None = None) -> dict:
-    """Forward the fixed batch through transformers (hf_dir) and Megatron (ckpt_dir at tp/pp);
-    the report's `passed` says whether they agree within tolerance."""
-    hf_dir, ckpt_dir = os.path.abspath(hf_dir), os.path.abspath(ckpt_dir)
+           atol: float | None = None, min_top1: float | None = None,
+           model: str = "actor") -> dict:
+    """Forward the fixed batch through transformers (hf_dir) and Megatron (ckpt_dir at tp/pp,
+    resolved like export-hf's); the report's `passed` says whether they agree within tolerance."""
+    hf_dir, ckpt_dir = os.path.abspath(hf_dir), layout.resolve_checkpoint(ckpt_dir, model)
     meta = layout.CheckpointMeta.read(ckpt_dir)
     spec = load_spec(hf_dir)
     ckpt_spec = load_spec(os.path.join(ckpt_dir, layout.HF_SUBDIR))

@@ -1,6 +1,6 @@
 """On-disk layout of a megaprm checkpoint, atomic target directories, side files.
 
-A checkpoint written by `import-hf` is a directory:
+A checkpoint written by `import-hf` (and each model of a trainer step) is a directory:
 
     DIR/model/                    Megatron distributed checkpoint (dist_checkpointing, torch_dist);
                                   global tensor keys, so it loads at any tp/pp
@@ -10,6 +10,10 @@ A checkpoint written by `import-hf` is a directory:
 
 Targets are written to `DIR.tmp-XXXX` next to DIR and renamed at the end, so a crash never
 leaves a half-written DIR behind.
+
+The trainer writes the same format per model of a step: RUN_DIR/checkpoints/step_NNNNNN/<key>/
+with <key> `actor` (or `prm` for a PRIME run), plus RUN_DIR/checkpoints/latest naming the last
+complete step; `resolve_checkpoint` accepts any of those paths.
 """
 from __future__ import annotations
 
@@ -66,6 +70,108 @@ class CheckpointMeta:
         if meta.format != FORMAT:
             raise ConversionError(f"{path}: format={meta.format!r}, expected {FORMAT!r}")
         return meta
+
+
+MODEL_KEYS = ("actor", "prm")
+CHECKPOINTS_SUBDIR = "checkpoints"
+LATEST_FILE = "latest"
+_STEP_DIR = re.compile(r"step_\d+$")
+
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, META_FILE)) and \
+        os.path.isdir(os.path.join(path, MODEL_SUBDIR))
+
+
+def _describe(path: str) -> str:
+    """A short listing of what a directory holds, for error messages."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return "nothing readable"
+    shown = [n + ("/" if os.path.isdir(os.path.join(path, n)) else "") for n in names[:8]]
+    return ", ".join(shown) + (f", ... (+{len(names) - 8})" if len(names) > 8 else "") \
+        if names else "an empty directory"
+
+
+def _model_in_step(step_dir: str, model: str) -> str:
+    ckpt = os.path.join(step_dir, model)
+    if is_checkpoint(ckpt):
+        return ckpt
+    others = [k for k in MODEL_KEYS if k != model and is_checkpoint(os.path.join(step_dir, k))]
+    if others:
+        raise ConversionError(
+            f"trainer step {step_dir!r} has no {model}/ checkpoint (it has {', '.join(others)}/; "
+            f"a PRM is saved only by runs that train one, e.g. PRIME); pass --model {others[0]}")
+    if os.path.isdir(ckpt):
+        raise ConversionError(
+            f"{ckpt!r} is not a complete checkpoint: it holds {_describe(ckpt)}, expected "
+            f"{MODEL_SUBDIR}/ and {META_FILE} (an interrupted save? use an earlier step)")
+    raise ConversionError(f"trainer step {step_dir!r} has no {model}/ checkpoint; it holds "
+                          f"{_describe(step_dir)}")
+
+
+def _follow_latest(ckpts_dir: str, model: str) -> str:
+    latest = os.path.join(ckpts_dir, LATEST_FILE)
+    steps = sorted(n for n in os.listdir(ckpts_dir) if _STEP_DIR.match(n))
+    if not os.path.isfile(latest):
+        hint = f"; pass a step directory, e.g. {os.path.join(ckpts_dir, steps[-1])}" if steps \
+            else ""
+        raise ConversionError(f"{ckpts_dir!r} has no {LATEST_FILE} file naming the last complete "
+                              f"step (found {len(steps)} step dir(s)){hint}")
+    with open(latest, encoding="utf-8") as f:
+        name = f.read().strip()
+    step_dir = name if os.path.isabs(name) else os.path.join(ckpts_dir, name)
+    if not name or not os.path.isdir(step_dir):
+        raise ConversionError(f"{latest!r} names {name!r}, which is not a directory in "
+                              f"{ckpts_dir!r}; pass a step directory instead")
+    return _model_in_step(step_dir, model)
+
+
+def resolve_checkpoint(path: str, model: str = "actor") -> str:
+    """The checkpoint_tools checkpoint directory that `path` designates, for model `model`.
+
+    Accepts, in this order: a checkpoint directory itself (`model/` + `megaprm_checkpoint.json`);
+    a trainer step directory (`step_NNNNNN/`, whose `<model>/` is one); a trainer `checkpoints/`
+    directory or a run directory holding one (its `latest` file names the step). Anything else
+    raises ConversionError saying what was found there.
+    """
+    if model not in MODEL_KEYS:
+        raise ConversionError(f"--model={model!r}: choose one of {list(MODEL_KEYS)}")
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise ConversionError(f"checkpoint path {path!r} does not exist or is not a directory")
+    if is_checkpoint(path):
+        return path
+    if any(os.path.isdir(os.path.join(path, k)) for k in MODEL_KEYS):
+        return _model_in_step(path, model)
+    for ckpts in (path, os.path.join(path, CHECKPOINTS_SUBDIR)):
+        if os.path.isfile(os.path.join(ckpts, LATEST_FILE)) or (
+                os.path.isdir(ckpts) and any(_STEP_DIR.match(n) for n in os.listdir(ckpts))):
+            return _follow_latest(ckpts, model)
+    raise ConversionError(
+        f"{path!r} is not a megaprm checkpoint: expected a checkpoint dir ({MODEL_SUBDIR}/ + "
+        f"{META_FILE}, from `python -m checkpoint_tools import-hf`), a trainer step dir "
+        f"(step_N/{model}/), or a run / checkpoints dir with a {LATEST_FILE} file; it holds "
+        f"{_describe(path)}")
+
+
+def write_checkpoint_meta(ckpt_dir: str, hf_dir: str, architecture: str, dtype: str | torch.dtype,
+                          tp: int, pp: int) -> None:
+    """Complete a checkpoint whose `model/` was saved from `checkpoint_tools.stages.
+    sharded_state_dict(model)`: copy `hf_dir`'s side files (config, tokenizer, ...) into
+    `ckpt_dir/hf/` and write `megaprm_checkpoint.json`. `dtype`: fp32 | bf16 | fp16 or a torch
+    dtype (the stored weights'). Call on one rank, after the save."""
+    if isinstance(dtype, torch.dtype):
+        names = {v: k for k, v in DTYPES.items()}
+        if dtype not in names:
+            raise ConversionError(f"dtype {dtype} is not one of {sorted(DTYPES)}")
+        dtype = names[dtype]
+    if dtype not in DTYPES:
+        raise ConversionError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
+    copy_side_files(hf_dir, os.path.join(ckpt_dir, HF_SUBDIR))
+    CheckpointMeta(format=FORMAT, version=1, architecture=architecture, dtype=dtype, tp=tp, pp=pp,
+                   source=os.path.abspath(hf_dir)).write(ckpt_dir)
 
 
 def hf_dtype_name(cfg: dict) -> str:

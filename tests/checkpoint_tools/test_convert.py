@@ -248,3 +248,26 @@ def test_cli_import_then_verify_resharded(hf_dirs, tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().startswith("error: target") and "already exists" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cli_exports_a_trainer_run_dir(hf_dirs, tmp_path):
+    """export-hf accepts the trainer's layout (run dir -> checkpoints/latest -> step_N/actor/)
+    and `--model prm` on a run without a PRM is one line, exit 2 (issue 16)."""
+    import shutil
+
+    ck = str(tmp_path / "ck")
+    r = _cli("import-hf", "--hf", hf_dirs["qwen2_tied"], "--out", ck, "--no-verify")
+    assert r.returncode == 0, r.stderr
+    step = tmp_path / "run" / "checkpoints" / "step_000002"
+    shutil.copytree(ck, step / "actor")
+    (step / "trainer.json").write_text("{}")
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_000002")
+    out = str(tmp_path / "exported")
+    r = _cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", out, "--no-verify")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ckpt"] == str(step / "actor")
+    want, got = _hf_tensors(hf_dirs["qwen2_tied"]), _hf_tensors(out)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    r = _cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", out + "2", "--model", "prm")
+    assert r.returncode == 2 and "pass --model actor" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
