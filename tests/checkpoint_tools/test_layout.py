@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from checkpoint_tools import layout
-from checkpoint_tools.layout import ConversionError, resolve_checkpoint, write_checkpoint_meta
+from checkpoint_tools.layout import (
+    ConversionError,
+    resolve_checkpoint,
+    write_checkpoint_meta,
+)
 
 
 def _hf_side_files(d):
