@@ -7,6 +7,7 @@ checkout (yet) are reported and skipped.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,61 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 # order: cheap single-process benches first, the multi-rank RL step last
 BENCHES = ("actor", "convert", "weight_sync", "advantages", "rl_step")
+
+
+def write_result(path: str | os.PathLike, result: dict, *, missing: list[str] | tuple = ()) -> Path:
+    """Write a benchmark's JSON without ever replacing a complete result with a partial one.
+
+    `missing` names the parts this run could not measure (e.g. "verl" when verl is not
+    installed); they are recorded as `result["missing"]` and `result["complete"]`. A complete run
+    writes `path`. A partial run writes `path` only if no complete result is there; otherwise it
+    goes to `<stem>.partial.json` next to it (plotted too) and a warning says so. Returns the
+    path written.
+    """
+    path = Path(path)
+    result = {**result, "complete": not missing, "missing": list(missing)}
+    target = path
+    if missing and path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            old = None
+        # results written before this flag existed count as complete
+        if isinstance(old, dict) and old.get("complete", True):
+            target = path.with_name(path.stem + ".partial.json")
+            print(f"bench: this run lacks {', '.join(missing)}; {path} holds a complete result "
+                  f"and is kept; wrote {target.name} instead", file=sys.stderr)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
+def load_module_at(rev: str, relpath: str, name: str):
+    """Import `relpath` as it was at git revision `rev` (module `name`), for a "before" column
+    measured in the same run as the current code. Its imports resolve to the current tree."""
+    import importlib.util
+    import tempfile
+
+    src = subprocess.run(["git", "show", f"{rev}:{relpath}"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    d = tempfile.mkdtemp(prefix="megaprm-before-")
+    path = os.path.join(d, f"{name}.py")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def load_average() -> dict:
+    """`uptime`'s load averages, recorded with every result (a loaded run is visible as such)."""
+    one, five, fifteen = os.getloadavg()
+    return {"1m": round(one, 2), "5m": round(five, 2), "15m": round(fifteen, 2),
+            "cores": os.cpu_count()}
 
 
 def run_benches(names, timeout_s: float) -> dict:

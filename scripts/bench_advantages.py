@@ -16,12 +16,12 @@ verl is NOT a project dependency. For the comparison install it into the venv on
     rm -rf .venv/lib/python3.*/site-packages/tests   # verl's wheel ships a top-level `tests`
                                                    # package that shadows this repo's tests/
 Without verl the script still runs and records `"verl": {"available": false, ...}`.
-Writes scripts/results/bench_advantages.json.
+Writes scripts/results/bench_advantages.json (a run without verl or DP=2 never replaces a
+complete result: it goes to bench_advantages.partial.json, see `megaprm.bench.write_result`).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -74,10 +74,13 @@ def make_batch(groups: int, n: int, tokens: int, seed: int = 0) -> dict[str, tor
 
 
 def estimators(d: dict[str, torch.Tensor], group: Any) -> dict[str, Callable[[], Any]]:
-    """Name -> zero-argument call of our estimator on batch `d` (this rank's part)."""
+    """Name -> zero-argument call of our estimator on batch `d` (this rank's part).
+    `grpo_token` is GRPO broadcast to the tokens (`[B] -> [B, T]`), the yardstick of the
+    token-level estimators PRIME and PURE."""
     o, p, gid, m = d["outcome"], d["process"], d["group_ids"], d["mask"]
     return {
         "grpo": lambda: A.grpo(o, gid, group=group),
+        "grpo_token": lambda: A.grpo(o, gid, group=group)[:, None] * m,
         "rloo": lambda: A.rloo(o, gid, group=group),
         "papo": lambda: A.papo(o, p, gid, group=group),
         "blend": lambda: A.blend(o, p, gid, group=group),
@@ -93,6 +96,8 @@ def loop_references(d: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
     o, p, gid, m = d["outcome"], d["process"], d["group_ids"], d["mask"]
     return {
         "grpo": lambda: ref.ref_grpo(o, gid),
+        "grpo_token": lambda: [[a * float(mt) for mt in row] for a, row in
+                               zip(ref.ref_grpo(o, gid), m.tolist())],
         "rloo": lambda: ref.ref_rloo(o, gid),
         "papo": lambda: ref.ref_papo(o, p, gid),
         "blend": lambda: ref.ref_blend(o, p, gid),
@@ -263,6 +268,39 @@ def verl_comparison(d: dict[str, torch.Tensor], reps: int) -> dict[str, Any]:
     return out
 
 
+def token_level_vs_grpo(d: dict[str, torch.Tensor], reps: int, before_rev: str | None) -> dict:
+    """PRIME and PURE against the token-level GRPO, interleaved in one loop (fair under load);
+    with `before_rev`, also the estimators as they were at that git revision, same batch."""
+    o, gid, m = d["outcome"], d["group_ids"], d["mask"]
+    fns = {"grpo_token": lambda: A.grpo(o, gid)[:, None] * m,
+           "prime": lambda: A.prime(o, d["logp_a"], d["logp_b"], m, gid),
+           "pure": lambda: A.pure(o, d["step_scores"], d["step_mask"], d["ends"], m, gid)}
+    out: dict[str, Any] = {}
+    if before_rev:
+        from megaprm.bench import load_module_at
+
+        old = load_module_at(before_rev, "megaprm/algorithms/advantages.py", "advantages_before")
+        fns["prime_before"] = lambda: old.prime(o, d["logp_a"], d["logp_b"], m, gid)
+        fns["pure_before"] = lambda: old.pure(o, d["step_scores"], d["step_mask"], d["ends"], m, gid)
+        for name in ("prime", "pure"):
+            out[f"{name}_max_abs_diff_vs_before"] = max(
+                max_diff(a, b) for a, b in zip(fns[name](), fns[f"{name}_before"]()))
+        out["before_rev"] = before_rev
+    ms = time_interleaved(fns, reps)
+    base = ms["grpo_token"]["cpu_ms"]
+    for name, t in ms.items():
+        out[name] = {"cpu_ms": round(t["cpu_ms"], 3), "wall_ms": round(t["wall_ms"], 3),
+                     "ratio_to_grpo_token_cpu": round(t["cpu_ms"] / base, 2)}
+    for name in ("prime", "pure"):
+        if f"{name}_before" in ms:
+            out[name]["speedup_vs_before_cpu"] = round(
+                ms[f"{name}_before"]["cpu_ms"] / ms[name]["cpu_ms"], 1)
+    print("token level (interleaved): " + ", ".join(
+        f"{k} {v['cpu_ms']:.2f} ms ({v['ratio_to_grpo_token_cpu']}x grpo_token)"
+        for k, v in out.items() if isinstance(v, dict)), flush=True)
+    return out
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -280,7 +318,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_advantages.json"))
+    ap.add_argument("--before-rev", default=None,
+                    help="git revision whose PRIME/PURE are timed next to the current ones")
+    ap.add_argument("--skip-dp2", action="store_true", help="no DP=2 rows (recorded as missing)")
     args = ap.parse_args()
+    from megaprm.bench import load_average, write_result
+
     torch.set_num_threads(1)  # thread CPU time == work done; see time_ms
     d = make_batch(args.groups, args.n, args.tokens)
     print(f"batch {args.groups} groups x {args.n} = {d['outcome'].shape[0]} samples, "
@@ -289,23 +332,29 @@ def main() -> None:
     single = single_process(d, args.reps)
     print("verl:", flush=True)
     verl = verl_comparison(d, args.reps)
-    print("DP=2 (gloo):", flush=True)
-    dp = dp2(args.groups, args.n, args.tokens, args.reps, single)
+    print("token level vs GRPO:", flush=True)
+    token_level = token_level_vs_grpo(d, args.reps, args.before_rev)
+    dp = None
+    if not args.skip_dp2:
+        print("DP=2 (gloo):", flush=True)
+        dp = dp2(args.groups, args.n, args.tokens, args.reps, single)
     result = {
         "benchmark": "advantage estimators, time per call (median)",
         "timing_note": "torch single-threaded; cpu_ms is thread CPU time per call, robust to other "
                        "processes sharing the 2-core CI box (wall_ms is also recorded); ratios on cpu_ms",
         "device": {"kind": "cpu", "cpu": cpu_name(), "cores": os.cpu_count(),
                    "torch_threads": 1, "load_average_at_end": list(os.getloadavg())},
+        "load": load_average(),
         "torch": torch.__version__, "python": platform.python_version(),
         "batch": {"groups": args.groups, "samples_per_group": args.n,
                   "samples": int(d["outcome"].shape[0]), "response_tokens": args.tokens,
                   "reps": args.reps},
-        "single_process": single, "dp2_gloo": dp, "verl": verl,
+        "single_process": single, "token_level_vs_grpo": token_level, "dp2_gloo": dp,
+        "verl": verl,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    missing = [k for k, absent in (("verl", not verl.get("available")), ("dp2_gloo", dp is None))
+               if absent]
+    print(f"wrote {write_result(args.out, result, missing=missing)}")
 
 
 if __name__ == "__main__":

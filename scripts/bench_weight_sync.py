@@ -15,7 +15,6 @@ unbucketed `iter_hf_weights` (one collective per tensor) is the baseline row "pe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -91,7 +90,7 @@ def _memcpy(nbytes: int):
     return run
 
 
-def _rank(tp: int, pp: int) -> dict:
+def _rank(tp: int, pp: int, before_rev: str | None = None) -> dict:
     import torch.distributed as dist
     import transformers as tf
 
@@ -118,6 +117,18 @@ def _rank(tp: int, pp: int) -> dict:
 
     modes = [(f"bucket {mb} MiB", lambda mb=mb: bucketed(mb)) for mb in BUCKET_MB]
     modes.append(("per-tensor", per_tensor))
+    if before_rev:  # the bucketed sync as it was at that revision, same run, same engine
+        from megaprm.bench import load_module_at
+
+        old = load_module_at(before_rev, "megaprm/parallel/weight_sync.py", "weight_sync_before")
+
+        def before(mb):
+            st = old.sync_weights(model, g, engine, bucket_bytes=mb << 20)
+            return {"bytes": st.bytes, "num_buckets": st.num_buckets,
+                    "peak_bucket_bytes": st.peak_bucket_bytes,
+                    "collectives": st.num_buckets if tp > 1 else 0}
+
+        modes += [(f"before {mb} MiB", lambda mb=mb: before(mb)) for mb in (BUCKET_MB[0], BUCKET_MB[-1])]
     nbytes_hf = bucketed(BUCKET_MB[-1])["bytes"]
     modes.append(("memcpy", _memcpy(nbytes_hf)))
     samples = {label: [] for label, _ in modes}
@@ -161,10 +172,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "bench_weight_sync.json"))
+    ap.add_argument("--before-rev", default=None,
+                    help="git revision whose bucketed sync is timed too (rows 'before N MiB')")
     args = ap.parse_args()
+    from megaprm.bench import load_average, write_result
+
     results = []
     for tp, pp in LAYOUTS:
-        per_rank = launch.spawn(_rank, 2, tp, pp, timeout_s=1800)
+        per_rank = launch.spawn(_rank, 2, tp, pp, args.before_rev, timeout_s=1800)
         r0 = per_rank[0]
         for i, row in enumerate(r0["rows"]):  # the slowest rank's time is the sync's time
             row["seconds_min_max_over_ranks"] = max(r["rows"][i]["seconds_min"] for r in per_rank)
@@ -183,13 +198,11 @@ def main():
     out = {
         "model": HF_CONFIG, "hf_bytes": results[0]["rows"][0]["bytes"], "world_size": 2,
         "repeats": REPEATS, "torch": torch.__version__, "machine": platform.machine(),
-        "cpus": os.cpu_count(), "load_average_at_end": os.getloadavg(),
+        "cpus": os.cpu_count(), "load_average_at_end": os.getloadavg(), "load": load_average(),
+        "before_rev": args.before_rev,
         "threads_per_rank": max(1, (os.cpu_count() or 1) // 2),
         "backend": "gloo" if not torch.cuda.is_available() else "nccl", "layouts": results}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=2)
-    print(f"wrote {args.out}")
+    print(f"wrote {write_result(args.out, out)}")
 
 
 if __name__ == "__main__":

@@ -44,11 +44,20 @@ def plot_actor(d: dict, ax) -> None:
                  f"ratio {d['ratio_megaprm_over_transformers']:.2f} | {_device(d)}", fontsize=9)
 
 
+def _ms(row: dict, prefix: str) -> float:
+    """A per-call time in ms: thread-CPU time where recorded (`<prefix>_cpu_ms`), else wall
+    (`<prefix>_wall_ms`), else the older single `<prefix>_ms` field."""
+    for key in (f"{prefix}_cpu_ms", f"{prefix}_wall_ms", f"{prefix}_ms"):
+        if key in row:
+            return row[key]
+    raise KeyError(f"{prefix}_cpu_ms")
+
+
 def plot_advantages(d: dict, ax) -> None:
     single = d["single_process"]
     names = list(single)
-    ours = [single[n]["ours_ms"] for n in names]
-    loop = [single[n]["loop_reference_ms"] for n in names]
+    ours = [_ms(single[n], "ours") for n in names]
+    loop = [_ms(single[n], "loop_reference") for n in names]
     x = range(len(names))
     w = 0.38
     ax.bar([i - w / 2 for i in x], ours, w, label="megaprm (vectorised)")
@@ -57,13 +66,16 @@ def plot_advantages(d: dict, ax) -> None:
     if verl.get("available"):
         for n, r in verl.items():
             if isinstance(r, dict) and n in names:
-                for key, marker in (("verl_vectorized_ms", "^"), ("verl_loop_ms", "v")):
-                    if key in r:
-                        ax.scatter([names.index(n)], [r[key]], marker=marker, color="k",
-                                   zorder=3, label=key.replace("_ms", "") + " (verl's own interleaved run)")
+                for kind, marker in (("verl_vectorized", "^"), ("verl_loop", "v")):
+                    try:
+                        v = _ms(r, kind)
+                    except KeyError:
+                        continue
+                    ax.scatter([names.index(n)], [v], marker=marker, color="k", zorder=3,
+                               label=f"{kind} (verl's own interleaved run)")
     ax.set_yscale("log")
     ax.set_xticks(list(x), names, rotation=30, ha="right")
-    ax.set_ylabel("ms per call (median, log)")
+    ax.set_ylabel("ms per call (median thread-CPU, log)")
     base = "loop reference" + (" and verl" if verl.get("available") else " (verl not installed)")
     ax.set_title(f"Advantage estimators (baseline: {base}, same run)\n{_device(d)}", fontsize=9)
     handles, labels = ax.get_legend_handles_labels()
@@ -155,7 +167,8 @@ PLOTTERS = {"bench_actor": plot_actor, "bench_convert": plot_convert, "bench_adv
 
 def plot_file(path: Path, out_dir: Path) -> Path:
     d = json.loads(path.read_text())
-    fn = PLOTTERS.get(path.stem, plot_generic)
+    # bench_x.partial.json (a run that could not measure everything) plots like bench_x.json
+    fn = PLOTTERS.get(path.name.split(".")[0], plot_generic)
     fig, ax = plt.subplots(figsize=(9, 5))
     try:
         fn(d, ax)
@@ -166,6 +179,8 @@ def plot_file(path: Path, out_dir: Path) -> Path:
         ax = fig.add_subplot()
         plot_generic(d, ax)
     fig.tight_layout()
+    if d.get("missing"):
+        ax.set_title(ax.get_title() + f"\nPARTIAL run: no {', '.join(d['missing'])}", fontsize=9)
     out = out_dir / f"{path.stem}.png"
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -16,9 +16,12 @@ def _load(name):
 SYNTHETIC = {
     "bench_actor": {"device": "CPU", "megaprm_tokens_per_s": 2500.0,
                     "transformers_tokens_per_s": 5000.0, "ratio_megaprm_over_transformers": 0.5},
+    # the keys bench_advantages.py writes (thread-CPU and wall ms per call)
     "bench_advantages": {"device": {"kind": "cpu", "cores": 2}, "single_process": {
-        "grpo": {"ours_ms": 0.1, "loop_reference_ms": 12.0, "speedup_vs_loop": 120.0}},
-        "verl": {"available": False}},
+        "grpo": {"ours_cpu_ms": 0.1, "ours_wall_ms": 0.2, "loop_reference_cpu_ms": 12.0,
+                 "loop_reference_wall_ms": 13.0, "speedup_vs_loop_cpu": 120.0}},
+        "verl": {"available": True, "grpo": {"ours_cpu_ms": 0.1, "verl_loop_cpu_ms": 9.0,
+                                             "verl_vectorized_cpu_ms": 0.5}}},
     "bench_weight_sync": {"backend": "gloo", "world_size": 2, "machine": "x86_64", "cpus": 2,
                           "layouts": [{"tp": 1, "pp": 1, "rows": [
                               {"mode": "bucket 4 MiB", "gbytes_per_s": 1.0,
@@ -66,3 +69,45 @@ def test_bench_cli_rejects_unknown_name():
     with pytest.raises(ValueError, match="unknown"):
         cmd_bench(argparse.Namespace(only="nope", timeout_s=1.0))
     assert "rl_step" in BENCHES
+
+
+def test_committed_results_plot_with_their_own_plotter(tmp_path, capsys):
+    """Every JSON under scripts/results is read by its plotter, never the generic fallback
+    (issue 16: `megaprm bench --only advantages` hit KeyError: 'ours_ms')."""
+    import shutil
+
+    plot = _load("plot_benchmarks")
+    results = sorted((ROOT / "scripts" / "results").glob("bench_*.json"))
+    assert results
+    for p in results:
+        shutil.copy(p, tmp_path / p.name)
+    written = plot.plot_all(tmp_path, tmp_path / "png")
+    assert len(written) == len(results)
+    assert "layout not understood" not in capsys.readouterr().err
+
+
+def test_partial_run_never_replaces_a_complete_result(tmp_path, capsys):
+    from megaprm.bench import write_result
+
+    plot = _load("plot_benchmarks")
+    out = tmp_path / "bench_advantages.json"
+    full = SYNTHETIC["bench_advantages"]
+    assert write_result(out, full) == out
+    partial = {**full, "verl": {"available": False}}
+    # a run without verl goes next to the complete one, which stays as it was
+    assert write_result(out, partial, missing=["verl"]) == tmp_path / "bench_advantages.partial.json"
+    assert "kept" in capsys.readouterr().err
+    kept = json.loads(out.read_text())
+    assert kept["complete"] and kept["verl"]["available"]
+    # both plot, the partial one with its own plotter and a PARTIAL mark
+    names = sorted(p.name for p in plot.plot_all(tmp_path, tmp_path / "png"))
+    assert names == ["bench_advantages.partial.png", "bench_advantages.png"]
+    assert "layout not understood" not in capsys.readouterr().err
+    # with no complete result there yet, a partial run is the result; a complete run replaces it
+    other = tmp_path / "new" / "bench_x.json"
+    assert write_result(other, {"a": 1}, missing=["verl"]) == other
+    assert write_result(other, {"a": 2}) == other and json.loads(other.read_text())["a"] == 2
+    # results committed before the flag existed count as complete
+    legacy = tmp_path / "bench_legacy.json"
+    legacy.write_text(json.dumps({"a": 0}))
+    assert write_result(legacy, {"a": 3}, missing=["dp2"]).name == "bench_legacy.partial.json"
