@@ -40,6 +40,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -153,6 +154,18 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:400]}"
 
 
+def _errno(e: BaseException) -> Optional[int]:
+    """The OS error number of `e` or of an error it wraps (dist_checkpointing wraps writes)."""
+    seen = 0
+    while e is not None and seen < 10:
+        if getattr(e, "errno", None):
+            return e.errno
+        if "No space left on device" in str(e):
+            return errno.ENOSPC
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
 def _agreed(groups: Groups, fn: Callable[[], object]):
     """Run `fn` on every rank. Returns (result, failures): failures is [] on every rank when all
     succeeded, else the same list of (rank, errno, one-line text) on every rank."""
@@ -161,7 +174,7 @@ def _agreed(groups: Groups, fn: Callable[[], object]):
     try:
         result = fn()
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised as one line
-        err = (groups.rank, getattr(e, "errno", None), _one_line(e))
+        err = (groups.rank, _errno(e), _one_line(e))
     if not _any_rank(err is not None, groups):
         return result, []
     return result, [e for e in _gather(err, groups) if e is not None]
@@ -381,14 +394,66 @@ def _prepare(ckpt_root: str, tmp: str, models: dict, sources: dict, groups: Grou
                               source=os.path.abspath(src.hf_dir)).write(os.path.join(tmp, key))
 
 
+def _die_with_parent(parent: int = 0) -> None:
+    """SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG); if the parent is
+    already gone (it died before the signal was armed), exit now."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if parent and os.getppid() != parent:
+        os._exit(1)
+
+
+# dist_checkpointing writes through forked worker processes; a rank killed mid-save (SIGKILL,
+# os._exit) left them orphaned, some hung for good, holding the rank's stdout open. Children
+# forked while a save runs get a parent-death signal (only then: a child forked by a
+# short-lived thread would die with that thread).
+_saving_pid = 0
+
+
+def _arm_forked_child() -> None:
+    if _saving_pid:
+        _die_with_parent(_saving_pid)
+
+
+if sys.platform.startswith("linux"):
+    os.register_at_fork(after_in_child=_arm_forked_child)
+
+_queue_manager = None
+
+
+def _writer_queue_dies_with_us() -> None:
+    """dist_checkpointing's writer reports through a `multiprocessing.Manager` queue, a spawned
+    server process that outlives a rank killed by SIGKILL or os._exit. Start that manager
+    ourselves, with a parent-death signal, and hand megatron its queue."""
+    global _queue_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not sys.platform.startswith("linux") or filesystem_async._results_queue is not None:
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    _queue_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    _queue_manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = _queue_manager.Queue()
+
+
 def _save_models(tmp: str, models: dict) -> None:
     from megatron.core import dist_checkpointing
 
     from checkpoint_tools import layout, stages
 
-    for key, model in models.items():
-        dist_checkpointing.save(stages.sharded_state_dict(_unwrap(model)),
-                                os.path.join(tmp, key, layout.MODEL_SUBDIR))
+    global _saving_pid
+    _writer_queue_dies_with_us()
+    _saving_pid = os.getpid()
+    try:
+        for key, model in models.items():
+            dist_checkpointing.save(stages.sharded_state_dict(_unwrap(model)),
+                                    os.path.join(tmp, key, layout.MODEL_SUBDIR))
+    finally:
+        _saving_pid = 0
 
 
 def save(ckpt_root: str, step: int, groups: Groups, *, models: dict, optimizers: dict,
@@ -422,6 +487,16 @@ def save(ckpt_root: str, step: int, groups: Groups, *, models: dict, optimizers:
             f"the newest checkpoint stays {kept} (lower the learning rate or check the rewards)")
 
     def fail(failures: list) -> None:
+        # Some writers hide ENOSPC behind their own errors: a nearly full disk tells (measured
+        # on every rank before the partial checkpoint is removed).
+        try:
+            free_now = shutil.disk_usage(ckpt_root).free
+        except OSError:
+            free_now = -1
+        full = _any_rank(0 <= free_now < 1 << 20, groups)
+        if full:
+            failures = [(r, errno.ENOSPC, t) for r, _, t in failures]
+        _barrier(groups)
         if groups.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         prev = (step_dirs(ckpt_root) or [None])[0] if os.path.isdir(ckpt_root) else None
@@ -441,7 +516,10 @@ def save(ckpt_root: str, step: int, groups: Groups, *, models: dict, optimizers:
     def rank_file():
         blob = {"optimizers": {k: o.state_dict() for k, o in optimizers.items()},
                 "rng": rng_state()}
-        torch.save(blob, os.path.join(tmp, f"rank_{groups.rank:05d}.pt"))
+        # Through our own file object: torch's zip writer turns a path's write errors into
+        # "unexpected pos" riddles; a Python file keeps the OSError (ENOSPC) as the context.
+        with open(os.path.join(tmp, f"rank_{groups.rank:05d}.pt"), "wb") as f:
+            torch.save(blob, f)
 
     for phase, fn in (("prepare", lambda: _prepare(ckpt_root, tmp, models, sources, groups)),
                       ("models", lambda: _save_models(tmp, models)), ("rank", rank_file)):
