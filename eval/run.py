@@ -121,7 +121,13 @@ def prompt_ids(tokenizer, question: str) -> list[int]:
 
 # ---------------------------------------------------------------------------------- model
 def is_megatron_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, _CKPT_MARKER))
+    """A megaprm checkpoint in the one format: checkpoint_tools' (or a trainer's step_N/actor),
+    a trainer's step_N, or a trainer run directory (its checkpoints/ hold step_N)."""
+    candidates = [path, os.path.join(path, "actor")]
+    ckpts = os.path.join(path, "checkpoints")
+    if os.path.isdir(ckpts):
+        candidates += [os.path.join(ckpts, d, "actor") for d in os.listdir(ckpts)]
+    return any(os.path.isfile(os.path.join(c, _CKPT_MARKER)) for c in candidates)
 
 
 def resolve_model(path: str, workdir: str) -> str:
@@ -132,8 +138,8 @@ def resolve_model(path: str, workdir: str) -> str:
         return path
     if not is_megatron_checkpoint(path):
         raise ValueError(f"--model {path}: neither an HF model directory (config.json) nor a "
-                         f"checkpoint_tools Megatron checkpoint ({_CKPT_MARKER}); export a "
-                         "training checkpoint with `python -m checkpoint_tools export-hf` first")
+                         f"megaprm checkpoint ({_CKPT_MARKER}: checkpoint_tools import-hf, a "
+                         "trainer run directory or its checkpoints/step_N)")
     out = os.path.join(workdir, "hf")
     cmd = [sys.executable, "-m", "checkpoint_tools", "export-hf", "--ckpt", path, "--out", out,
            "--no-verify"]
@@ -147,18 +153,13 @@ def resolve_model(path: str, workdir: str) -> str:
 
 
 def build_engine(cfg: EvalConfig, hf_dir: str, tokenizer):
-    if cfg.engine == "vllm":
-        from megaprm.rollout.vllm_engine import VLLMEngine  # lazy: vLLM is GPU-only
+    """The one engine factory (rollout.factory), one process: this rank's device."""
+    from megaprm.config import RolloutConfig
+    from megaprm.parallel.device import rank_device
+    from megaprm.rollout.factory import build_engine as build
 
-        return VLLMEngine(hf_dir)
-    import torch
-
-    from megaprm.rollout.hf_engine import HFEngine, HFEngineConfig
-
-    eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
-    return HFEngine.from_pretrained(hf_dir, HFEngineConfig(
-        device="cuda" if torch.cuda.is_available() else "cpu",
-        pad_token_id=tokenizer.pad_token_id, eos_token_ids=eos))
+    return build(RolloutConfig(engine=cfg.engine), hf_dir, tokenizer, world_size=1, tp_size=1,
+                 seed=cfg.seed, device=rank_device())
 
 
 # ---------------------------------------------------------------------------------- run

@@ -77,9 +77,14 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 64
+    gpu_memory_utilization: float = 0.5  # vLLM: share of the GPU for weights + KV cache
+    sleep_level: int = 1                 # vLLM sleep: 1 offloads weights to host, 2 drops them
 
     def __post_init__(self):
         _check(self.engine in ("hf", "vllm"), "rollout.engine", self.engine, "hf or vllm")
+        _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+               self.gpu_memory_utilization, "in (0, 1]")
+        _check(self.sleep_level in (1, 2), "rollout.sleep_level", self.sleep_level, "1 or 2")
         _check(isinstance(self.n, int) and self.n >= 2, "rollout.n", self.n,
                "an integer >= 2 (group baselines need at least two samples per prompt)")
         _check(self.temperature > 0, "rollout.temperature", self.temperature, "> 0 for RL")

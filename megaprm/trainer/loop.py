@@ -288,17 +288,16 @@ class RLTrainer:
                               "token-classification PRM (prm.input_format=pure)")
 
     def _build_engine(self):
+        """The colocated rollout engine on this rank's device (vLLM: external_launcher when
+        world > 1, the trainer's tp, one seed per tp group); it starts from the policy's HF
+        files and holds the actor's weights after the first sync."""
         from megaprm.parallel.device import rank_device
+        from megaprm.rollout.factory import build_engine
 
-        if self.cfg.rollout.engine == "vllm":
-            from megaprm.rollout.vllm_engine import VLLMEngine
-
-            return VLLMEngine.from_pretrained(self.src.hf_dir)
-        from megaprm.rollout.hf_engine import HFEngine, HFEngineConfig
-
-        return HFEngine.from_pretrained(self.src.hf_dir, HFEngineConfig(
-            device=str(rank_device()), pad_token_id=self.tok.pad_token_id,
-            eos_token_ids=(self.tok.eos_token_id,)))
+        g = self.groups
+        return build_engine(self.cfg.rollout, self.src.hf_dir, self.tok,
+                            world_size=g.world_size, tp_size=g.tp_size,
+                            seed=self.cfg.trainer.seed, device=rank_device())
 
     # ------------------------------------------------------------------ phases
     def sync_weights(self) -> None:
@@ -338,10 +337,10 @@ class RLTrainer:
         return batch, truths[lo:lo + per], group_ids
 
     def _engine_awake(self) -> None:
-        """After a skipped step (or an evaluation) the engine sleeps holding the actor's
-        unchanged weights: wake it as is."""
+        """After a skipped step (or an evaluation) the engine sleeps: reload the actor's
+        (unchanged) weights through the one lifecycle (a level-2 sleep has dropped them)."""
         if self.engine.asleep:
-            self.engine.wake()
+            self.sync_weights()
 
     def outcome_reward(self, batch: RolloutBatch, truths: list, group_ids):
         """Phase: verifier. Arithmetic: exact per-step check; math: math-verify."""
