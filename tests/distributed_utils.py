@@ -69,8 +69,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
         port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args),
                              daemon=True) for r in range(world_size)]
-        for p in procs:
-            p.start()
+        from megaprm.parallel.launch import gpu_count, hidden_gpus
+
+        with hidden_gpus(world_size > gpu_count()):  # one GPU, several ranks: gloo on the CPU
+            for p in procs:
+                p.start()
         for p in procs:
             p.join(timeout)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]

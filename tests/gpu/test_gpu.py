@@ -1,0 +1,249 @@
+"""The GPU tier (`pytest -m gpu`): the whole path on CUDA, one GPU, against the same references
+as the CPU tests. Skipped, with the reason, where CUDA is absent (`make test` on CPU).
+
+One rank per test runs on cuda:0 (parallel.launch.spawn keeps the GPU visible when the world
+fits the GPUs); multi-rank layouts stay in the CPU tier.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megaprm.algorithms.registry import METHODS
+from megaprm.parallel import launch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA on this machine: the GPU tier did not run")]
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+DEMO_YAML = os.path.join(ROOT, "megaprm", "configs", "demo.yaml")
+SMALL = ["trainer.wandb=disabled", "trainer.progress=false", "rollout.max_tokens=16",
+         "data.prompts_per_step=4", "rollout.n=4", "actor.micro_batch_size=8",
+         "actor.optim.lr=1e-3", "advantage.prof.remove=2", "prm.input_format=raw",
+         "actor.mini_batches=1"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from megaprm.models.tiny import build_hf_model, save_tiny_model, tiny_config
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    root = tmp_path_factory.mktemp("gpu")
+    kw = dict(vocab_size=len(tok), hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+              intermediate_size=128, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    policy = save_tiny_model("qwen2", str(root / "policy"), tokenizer=tok, **kw)
+    prm = build_hf_model(tiny_config("qwen2", head="token_cls", **kw), seed=1)
+    prm.save_pretrained(str(root / "prm"))
+    tok.save_pretrained(str(root / "prm"))
+    return policy, str(root / "prm")
+
+
+def _config(run_dir, policy, prm, method, extra=()):
+    from megaprm.config import load_config
+
+    kind = "implicit" if method == "prime" else (
+        "discriminative" if method in ("pure", "prof_grpo", "papo", "blend") else "none")
+    return load_config(DEMO_YAML, [f"trainer.run_dir={run_dir}", f"model.path={policy}",
+                                   f"prm.path={prm}", f"prm.kind={kind}",
+                                   f"advantage.method={method}", *SMALL, *extra])
+
+
+# ------------------------------------------------------------------ actor vs transformers
+
+def _actor_vs_transformers(policy, dtype_name):
+    from transformers import AutoModelForCausalLM
+
+    from megaprm.models.hf_spec import spec_from_hf
+    from megaprm.parallel.init import init_distributed
+    from megaprm.trainer import loop, model_source
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    g = init_distributed()
+    src = model_source.resolve(policy)
+    spec = spec_from_hf(src.hf_dir)
+    pol = loop.Policy(spec, g, src, trainable=False, dtype=dtype)
+    ids = torch.randint(0, spec.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    ours = pol.logprobs(ids, 2)
+    hf = AutoModelForCausalLM.from_pretrained(policy, dtype=dtype).cuda().eval()
+    with torch.no_grad():
+        logits = hf(ids.cuda()).logits.float()
+    ref = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:].cuda()[..., None])[..., 0]
+    diff = (ours.float() - ref.cpu()).abs()
+    return {"device": str(next(pol.model.parameters()).device), "max": float(diff.max()),
+            "mean": float(diff.mean())}
+
+
+def test_actor_logprobs_equal_transformers_on_cuda(models):
+    policy, _ = models
+    fp32 = launch.spawn(_actor_vs_transformers, 1, policy, "fp32")[0]
+    assert fp32["device"].startswith("cuda")
+    assert fp32["max"] <= 1e-4, fp32
+    bf16 = launch.spawn(_actor_vs_transformers, 1, policy, "bf16")[0]
+    print(f"bf16 log-prob |diff| vs transformers: mean {bf16['mean']:.3g} max {bf16['max']:.3g}")
+    assert bf16["mean"] <= 2e-2, bf16  # bf16 rounding of two different kernels
+
+
+# ------------------------------------------------------------------ optimizer: CPU vs CUDA
+
+def _one_adam_step(policy):
+    from megaprm.models.hf_spec import spec_from_hf
+    from megaprm.parallel import pipeline
+    from megaprm.parallel.init import init_distributed
+    from megaprm.trainer.sft import sft_step
+    from megaprm.trainer import model_source
+
+    g = init_distributed()
+    src = model_source.resolve(policy)
+    spec = spec_from_hf(src.hf_dir)
+    model = pipeline.build_stage(spec, g)
+    model_source.load_weights(model, src, spec, g)
+    ddp = pipeline.wrap_ddp(model, g)
+    opt = pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-3, clip_grad=1.0), g)
+    ids = torch.randint(0, spec.vocab_size, (4, 24), generator=torch.Generator().manual_seed(3))
+    res = sft_step(ddp, opt, g, ids, torch.ones(4, 24), micro_batch_size=2,
+                   vocab_size=spec.vocab_size)
+    return {"megatron_optimizer": opt.megatron, "loss": res.loss, "grad_norm": res.grad_norm,
+            "params": {n: p.detach().float().cpu() for n, p in ddp.module.named_parameters()}}
+
+
+def test_megatron_optimizer_on_cuda_steps_like_the_cpu_adamw(models):
+    policy, _ = models
+    gpu = launch.spawn(_one_adam_step, 1, policy)[0]
+    with launch.hidden_gpus(True):
+        cpu = launch.spawn(_one_adam_step, 1, policy)[0]
+    assert gpu["megatron_optimizer"] and not cpu["megatron_optimizer"]
+    assert gpu["loss"] == pytest.approx(cpu["loss"], rel=1e-4)
+    assert gpu["grad_norm"] == pytest.approx(cpu["grad_norm"], rel=1e-3)
+    for name, p in cpu["params"].items():
+        assert torch.allclose(gpu["params"][name], p, atol=1e-5), name
+
+
+# ------------------------------------------------------------------ RL, PRM, sync, checkpoints
+
+def _rl_every_method(run_root, policy, prm):
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer.loop import RLTrainer
+
+    g = init_distributed()
+    out = {}
+    for method in METHODS:
+        tr = RLTrainer(_config(os.path.join(run_root, method), policy, prm, method,
+                               ["trainer.steps=1"]), g, build_char_tokenizer())
+        hist = tr.fit()
+        out[method] = {"device": str(next(tr.actor.model.parameters()).device),
+                       "engine": str(next(tr.engine.model.parameters()).device), **hist[0]}
+    return out
+
+
+def test_one_rl_step_of_every_method_on_one_gpu(models, tmp_path):
+    policy, prm = models
+    res = launch.spawn(_rl_every_method, 1, str(tmp_path), policy, prm)[0]
+    for method, m in res.items():
+        assert m["device"].startswith("cuda") and m["guard/skipped_total"] == 0, (method, m)
+        assert m["rollout/logprob_diff_max"] <= 1e-4, (method, m)  # engine == trainer (fp32)
+        assert all(v == v for k, v in m.items() if not isinstance(v, str)), method
+
+
+def _sync_logits(policy):
+    from megaprm.parallel import pipeline
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer import loop
+
+    g = init_distributed()
+    cfg = _config("/tmp/megaprm-gpu-sync", policy, policy, "grpo", ["trainer.steps=0"])
+    tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
+    with torch.no_grad():  # move the actor off its HF init so the sync has something to carry
+        for p in tr.actor.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    tr.sync_weights()
+    ids = torch.randint(0, tr.spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = pipeline.run(tr.actor.model, loop._split(ids, torch.ones(2, 16), None, 2, 1),
+                            groups=g, post=lambda mb, lg: (None, lg.float().cpu()),
+                            forward_only=True)[0]
+        theirs = tr.engine.model(ids.to(tr.engine.device)).logits.float().cpu()
+    return float((ours - theirs).abs().max())
+
+
+def test_weight_sync_into_the_hf_engine_on_cuda(models):
+    policy, _ = models
+    assert launch.spawn(_sync_logits, 1, policy)[0] <= 1e-4
+
+
+def _prm_score_and_train(policy, prm, out_dir):
+    from transformers import AutoModelForTokenClassification
+
+    from megaprm.models.hf_spec import spec_from_hf
+    from megaprm.models.prm import build_prm
+    from megaprm.parallel import pipeline
+    from megaprm.parallel.init import init_distributed
+    from megaprm.trainer import model_source
+    from megaprm.trainer.prm_training import PRMTrainConfig, train_prm
+
+    g = init_distributed()
+    src = model_source.resolve(prm)
+    spec = spec_from_hf(src.hf_dir)
+    model = build_prm(spec, tp=1, pp=1, pp_rank=0)
+    model_source.load_weights(model, src, spec, g)
+    ids = torch.randint(0, spec.vocab_size, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = pipeline.run(model.eval(), [pipeline.TokenBatch(ids, torch.ones(2, 20))],
+                            groups=g, post=lambda mb, out: (None, out.float().cpu()),
+                            forward_only=True)[0]
+        hf = AutoModelForTokenClassification.from_pretrained(prm).cuda().eval()
+        ref = hf(ids.cuda()).logits.float().cpu()
+    diff = float((ours.reshape(ref.shape) - ref).abs().max())
+    result = train_prm(PRMTrainConfig(model_dir=policy, output_dir=out_dir, num_train=64,
+                                      num_eval=32, stage1_steps=1, stage2_steps=1,
+                                      global_batch_size=8, micro_batch_size=4), g)
+    return diff, result.eval.auroc
+
+
+def test_prm_scores_equal_transformers_and_one_training_step_on_cuda(models, tmp_path):
+    policy, prm = models
+    diff, auroc = launch.spawn(_prm_score_and_train, 1, policy, prm, str(tmp_path / "prm"))[0]
+    assert diff <= 1e-4
+    assert 0.0 <= auroc <= 1.0
+
+
+def _resume(run_dir, policy, prm, steps):
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer.loop import RLTrainer
+
+    g = init_distributed()
+    cfg = _config(run_dir, policy, prm, "rloo", [f"trainer.steps={steps}",
+                                                  "trainer.save_every=1"])
+    return RLTrainer(cfg, g, build_char_tokenizer()).fit()
+
+
+def test_checkpoint_save_then_resume_on_cuda_gives_the_same_next_step(models, tmp_path):
+    policy, prm = models
+    ref = launch.spawn(_resume, 1, str(tmp_path / "ref"), policy, prm, 3)[0]
+    launch.spawn(_resume, 1, str(tmp_path / "run"), policy, prm, 2)
+    resumed = launch.spawn(_resume, 1, str(tmp_path / "run"), policy, prm, 3)[0]
+    assert len(resumed) == 1
+    for k, v in resumed[0].items():
+        if not k.startswith(("timing/", "throughput/", "weight_sync/")):
+            assert v == pytest.approx(ref[2][k], rel=1e-4, abs=1e-6), k
+
+
+def test_conversion_verify_and_eval_on_cuda(models, tmp_path):
+    policy, _ = models
+    ckpt = tmp_path / "ckpt"
+    p = subprocess.run([sys.executable, "-m", "checkpoint_tools", "import-hf", "--hf", policy,
+                        "--out", str(ckpt)], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.run([sys.executable, "-m", "checkpoint_tools", "verify", "--hf", policy,
+                        "--ckpt", str(ckpt)], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0 and json.loads(p.stdout)["passed"], p.stdout + p.stderr[-3000:]
+    p = subprocess.run([sys.executable, "-m", "megaprm.cli", "eval", "--model", str(ckpt),
+                        "--benchmarks", "math500", "--limit", "2", "--k", "1", "--max-tokens",
+                        "8", "--no-progress"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
