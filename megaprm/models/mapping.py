@@ -169,9 +169,13 @@ def required_hf_names(model, spec: ModelSpec, pp: int, pp_rank: int) -> list:
 @torch.no_grad()
 def load_stage(model, get_hf: Callable[[str], torch.Tensor], spec: ModelSpec, *,
                tp_rank: int, tp_size: int, pp: int, pp_rank: int) -> None:
-    """Copy HF tensors into this rank's stage; shape mismatches name the parameter."""
+    """Copy HF tensors into this rank's stage; shape mismatches and NaN/inf name the tensor."""
     for rule, param in stage_rules(model, spec, pp, pp_rank):
         shard = to_megatron_shard(rule, get_hf, spec, tp_rank, tp_size)
+        if not torch.isfinite(shard).all():
+            bad = [n for n in rule.hf_names if not torch.isfinite(get_hf(n)).all()]
+            raise ValueError(f"HF tensor {', '.join(bad or rule.hf_names)} holds NaN/inf: the "
+                             "checkpoint is corrupt; re-download or re-save it")
         if shard.shape != param.shape:
             raise ValueError(
                 f"shape mismatch for {rule.megatron_name} (from {', '.join(rule.hf_names)}): "

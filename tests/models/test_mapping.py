@@ -102,3 +102,21 @@ def test_qwen3_attention_bias_refused():
         spec_from_hf(cfg)
     cfg["attention_bias"] = False
     assert not spec_from_hf(cfg).qkv_bias
+
+
+def test_nonfinite_hf_tensor_is_named(tmp_path):
+    from megaprm.parallel.init import destroy
+
+    d = save_tiny_model("llama", str(tmp_path / "m"))
+    sd = load_file(f"{d}/model.safetensors")
+    sd["model.layers.1.self_attn.k_proj.weight"][3, 5] = float("nan")
+    save_file(sd, f"{d}/model.safetensors", metadata={"format": "pt"})
+    spec = spec_from_hf(d)
+    pipeline, g = _session()
+    try:
+        model = pipeline.build_stage(spec, g)
+        with pytest.raises(ValueError, match=r"HF tensor model.layers.1.self_attn.k_proj.weight "
+                                             r"holds NaN/inf"):
+            load_hf_weights(model, d, spec, tp_rank=0, tp_size=1, pp=1, pp_rank=0)
+    finally:
+        destroy()

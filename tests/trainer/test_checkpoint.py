@@ -368,3 +368,37 @@ def test_two_ranks_agree_on_damage_enospc_and_nan(tmp_path, hf_dir):
     assert r0["enospc"] == r1["enospc"] and "no space left on device (rank 1)" in r0["enospc"]
     assert r0["nan"] == r1["nan"] and "holds NaN/inf (on 1 rank(s))" in r0["nan"]
     assert r0["listing"] == ["latest", "step_000001", "step_000002.damaged"]
+
+
+def test_trainer_checkpoint_exports_with_checkpoint_tools(tmp_path, hf_dir, groups):
+    """step_N/actor is a checkpoint_tools checkpoint: export-hf writes HF weights equal to the
+    trained (saved) ones, and the side files travel."""
+    from safetensors.torch import load_file
+
+    from checkpoint_tools import export_hf
+    from megaprm.models.hf_spec import spec_from_hf
+    from megaprm.models.mapping import load_hf_weights
+    from megaprm.parallel import pipeline
+
+    ddp, opt = _build(hf_dir, groups)
+    _train_step(ddp, opt)
+    path = _save(tmp_path / "ckpt", 0, groups, ddp, opt, hf_dir)
+    out = str(tmp_path / "exported")
+    export_hf(os.path.join(path, "actor"), out)  # a 1-rank export runs here, then tears down
+    from megaprm.parallel.init import init_distributed
+
+    groups = init_distributed()
+    assert os.path.isfile(os.path.join(out, "config.json"))
+    fresh = pipeline.build_stage(spec_from_hf(out), groups)
+    load_hf_weights(fresh, out, spec_from_hf(out), tp_rank=0, tp_size=1, pp=1, pp_rank=0)
+    vocab = spec_from_hf(out).vocab_size  # rows past it are Megatron's padding, not exported
+    got = {k: v for k, v in fresh.state_dict().items() if not k.endswith("_extra_state")}
+    want = _weights(ddp)
+    assert got.keys() == want.keys()
+    for k in want:
+        cut = vocab if k in ("embedding.word_embeddings.weight", "output_layer.weight") else None
+        assert torch.equal(got[k][:cut], want[k][:cut]), k
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    assert exported.keys() == original.keys()
+    assert not torch.equal(exported["model.norm.weight"], original["model.norm.weight"])
