@@ -39,6 +39,7 @@ from megaprm.parallel.init import ParallelConfigError
 # Errors a user causes (wrong paths, configs, weights, layouts); anything else is a bug.
 USER_ERRORS = (ConversionError, UnsupportedModelError, ParallelConfigError, FileNotFoundError)
 VERIFY_BATCH, VERIFY_SEQ = 2, 16
+SKIPPED = {"skipped": True, "reason": "--no-verify: transformers-vs-Megatron logits not compared"}
 
 
 # ------------------------------------------------------------------------------ shared pieces
@@ -129,14 +130,32 @@ def _catching(fn, *args):
 
 def _run_ranks(fn, world: int, *args) -> list:
     """Run fn on this torchrun world, or spawn `world` local ranks; the leader gets all results
-    (under torchrun only its own, as a one-item list)."""
+    (under torchrun only its own, as a one-item list). A world of one runs in this process:
+    a spawned rank would import torch and megatron a second time (most of a small
+    conversion's wall time)."""
     if launch.under_torchrun():
         return [fn(*args)]
+    if world == 1:
+        return [_in_process(fn, *args)]
     results = launch.spawn(_catching, world, fn, *args)
     failed = next((r for r in results if isinstance(r, _Failed)), None)
     if failed:
         raise ConversionError(failed.message)
     return results
+
+
+def _in_process(fn, *args):
+    """fn as the single rank of a world of one in this process; the process group and
+    Megatron's parallel state are torn down afterwards (the caller may convert again)."""
+    from megatron.core import parallel_state
+
+    try:
+        return fn(*args)
+    finally:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _is_leader() -> bool:
@@ -236,13 +255,33 @@ def _model_dir(ckpt_dir: str) -> str:
     return os.path.join(ckpt_dir, layout.MODEL_SUBDIR)
 
 
+@contextlib.contextmanager
+def in_process_write_queue():
+    """Megatron's torch_dist writer hands its results back through a queue that it creates
+    with a *spawned* multiprocessing Manager: a fresh interpreter that re-imports `__main__`,
+    seconds per process that saves once (most of import-hf's 15x over a raw write). A
+    synchronous save collects the results in this process, so a plain queue does the job."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    prev = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = prev
+
+
 def save_checkpoint(model, ckpt_model_dir: str) -> None:
+    """Synchronous torch_dist save of this stage (global keys: loads at any tp/pp)."""
     from megatron.core import dist_checkpointing
 
     if dist.get_rank() == 0:
         os.makedirs(ckpt_model_dir, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(stages.sharded_state_dict(model), ckpt_model_dir)
+    with in_process_write_queue():
+        dist_checkpointing.save(stages.sharded_state_dict(model), ckpt_model_dir)
 
 
 def load_checkpoint(model, ckpt_model_dir: str) -> None:
@@ -290,14 +329,14 @@ def _import_rank(hf_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: in
         t_read = time.perf_counter() - t0
         save_checkpoint(model, _model_dir(tmp))
         t_save = time.perf_counter() - t0 - t_read
-        outputs = None
-        if verify:  # check what was written, not what is in memory: clear, then load back
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.zero_()
-            load_checkpoint(model, _model_dir(tmp))
+        outputs, t_verify = None, 0.0
+        if verify:  # the weights as loaded and saved, still in memory; re-reading the
+            # written checkpoint is the `verify` command's job
+            t1 = time.perf_counter()
             outputs = stages.full_outputs(model, spec, g, verify_batch(spec))
-        return _rank_report(g, outputs, tmp_dir=tmp, read_s=t_read, save_s=t_save)
+            t_verify = time.perf_counter() - t1
+        return _rank_report(g, outputs, tmp_dir=tmp, read_s=t_read, save_s=t_save,
+                            verify_s=t_verify)
 
 
 def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: int,
@@ -319,8 +358,10 @@ def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: 
                 writer.add(name, tensor)
         files = writer.finish() if writer is not None else None
         t_write = time.perf_counter() - t0 - t_load
+        t1 = time.perf_counter()
         outputs = stages.full_outputs(model, spec, g, verify_batch(spec)) if verify else None
         return _rank_report(g, outputs, tmp_dir=tmp, load_s=t_load, write_s=t_write,
+                            verify_s=time.perf_counter() - t1,
                             files=files, bytes=writer.total_bytes if writer else None,
                             peak_shard_bytes=writer.peak_pending_bytes if writer else None)
 
@@ -371,8 +412,13 @@ def _discard(tmp_dir: str | None) -> None:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
-def _verified(what: str, megatron: torch.Tensor, hf_dir: str, spec: ModelSpec, dtype: str) -> dict:
+def _verified(what: str, megatron: torch.Tensor, hf_dir: str, spec: ModelSpec, dtype: str,
+              rank_s: float) -> dict:
+    """Compare with transformers; `seconds` = the ranks' forward + the reference (timed apart
+    from the conversion)."""
+    t0 = time.perf_counter()
     report = compare(megatron, reference_outputs(hf_dir, spec, dtype), dtype)
+    report["seconds"] = rank_s + time.perf_counter() - t0
     if not report["passed"]:
         raise ConversionError(
             f"{what}: Megatron outputs differ from transformers beyond tolerance (max abs diff "
@@ -417,10 +463,10 @@ def import_hf(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
     def finish() -> dict:
         report = {"command": "import-hf", "hf": hf_dir, "out": out_dir, "tp": tp, "pp": pp,
                   "dtype": dtype, "architecture": spec.architecture,
-                  "seconds": time.perf_counter() - t0, "read_s": r0["read_s"],
-                  "save_s": r0["save_s"], **_rss(results)}
-        if verify:
-            report["verify"] = _verified("import-hf", r0["outputs"], hf_dir, spec, dtype)
+                  "seconds": time.perf_counter() - t0, "core_s": r0["read_s"] + r0["save_s"],
+                  "read_s": r0["read_s"], "save_s": r0["save_s"], **_rss(results)}
+        report["verify"] = _verified("import-hf", r0["outputs"], hf_dir, spec, dtype,
+                                     r0["verify_s"]) if verify else SKIPPED
         layout.copy_side_files(hf_dir, os.path.join(r0["tmp_dir"], layout.HF_SUBDIR))
         layout.CheckpointMeta(format=layout.FORMAT, version=1, architecture=spec.architecture,
                               dtype=dtype, tp=tp, pp=pp, source=hf_dir).write(r0["tmp_dir"])
@@ -473,12 +519,11 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
         _write_hf_config(ckpt_dir, r0["tmp_dir"], meta.dtype)
         report = {"command": "export-hf", "ckpt": ckpt_dir, "out": out_dir, "tp": tp, "pp": pp,
                   "dtype": meta.dtype, "architecture": meta.architecture,
-                  "seconds": time.perf_counter() - t0, "load_s": r0["load_s"],
-                  "write_s": r0["write_s"], "files": r0["files"], "bytes": r0["bytes"],
+                  "seconds": time.perf_counter() - t0, "core_s": r0["load_s"] + r0["write_s"],
+                  "load_s": r0["load_s"], "write_s": r0["write_s"], "files": r0["files"], "bytes": r0["bytes"],
                   "peak_shard_bytes": r0["peak_shard_bytes"], **_rss(results)}
-        if verify:
-            report["verify"] = _verified("export-hf", r0["outputs"], r0["tmp_dir"], spec,
-                                         meta.dtype)
+        report["verify"] = _verified("export-hf", r0["outputs"], r0["tmp_dir"], spec,
+                                     meta.dtype, r0["verify_s"]) if verify else SKIPPED
         layout.commit(r0["tmp_dir"], out_dir, force)
         return report
 
