@@ -33,6 +33,7 @@ another config (digest of the sub-config the trainer passes) is refused, naming 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -83,14 +84,19 @@ def _unwrap(model):
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "numpy": np.random.get_state()}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ------------------------------------------------------------------------------ config digest
@@ -440,25 +446,33 @@ def _writer_queue_dies_with_us() -> None:
     filesystem_async._results_queue = _queue_manager.Queue()
 
 
+@contextlib.contextmanager
+def writers_die_with_this_process():
+    """Around `dist_checkpointing.save`: its writer processes (forked) and its result-queue
+    manager (spawned) get a parent-death signal, so a rank killed mid-save leaves no orphan."""
+    global _saving_pid
+    _writer_queue_dies_with_us()
+    _saving_pid = os.getpid()
+    try:
+        yield
+    finally:
+        _saving_pid = 0
+
+
 def _save_models(tmp: str, models: dict) -> None:
     from megatron.core import dist_checkpointing
 
     from checkpoint_tools import layout, stages
 
-    global _saving_pid
-    _writer_queue_dies_with_us()
-    _saving_pid = os.getpid()
-    try:
+    with writers_die_with_this_process():
         for key, model in models.items():
             dist_checkpointing.save(stages.sharded_state_dict(_unwrap(model)),
                                     os.path.join(tmp, key, layout.MODEL_SUBDIR))
-    finally:
-        _saving_pid = 0
 
 
 def save(ckpt_root: str, step: int, groups: Groups, *, models: dict, optimizers: dict,
-         trainer_state: dict, sources: Optional[dict] = None, config: Optional[dict] = None, keep_last: int = 0,
-         crash_at: Optional[str] = None, crash_after_models: bool = False,
+         trainer_state: dict, sources: Optional[dict] = None, config: Optional[dict] = None,
+         keep_last: int = 0, crash_at: Optional[str] = None, crash_after_models: bool = False,
          log: Callable[[str], None] = print) -> str:
     """Write checkpoint `step` (collective; every rank calls it). Returns `ckpt_root/step_N`.
 
@@ -642,8 +656,9 @@ def _read_trainer_json(path: str) -> dict:
     try:
         with open(tpath, encoding="utf-8") as f:
             state = json.load(f)
-        for k in ("step", "world_size", "tp", "pp"):
-            state[k]  # noqa: B018 - presence check
+        missing = [k for k in ("step", "world_size", "tp", "pp") if k not in state]
+        if missing:
+            raise KeyError(f"no {missing}")
         return state
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{tpath} is unreadable ({_one_line(e)}); delete {path} to resume "

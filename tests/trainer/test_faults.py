@@ -70,7 +70,7 @@ def _victim(mode: str, root: str, hf: str, arg: str) -> None:
     torch.manual_seed(0)
     g = init_distributed()
     ddp, opt = _build(hf, g)
-    say = lambda *a: print(*a, flush=True)  # noqa: E731
+    say = lambda *a: print(*a, flush=True)
     if mode == "crash":  # save 1, then die at `arg` while saving 2
         _train_step(ddp, opt)
         _save(root, 1, g, ddp, opt, hf)
