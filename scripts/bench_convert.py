@@ -100,7 +100,10 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dirs", nargs="*")
+    p.add_argument("--out", default=OUT)
     a = p.parse_args()
+    from megaprm.bench import load_average, write_result
+
     if a.phase == "make":
         print(json.dumps(_phase_make(a.dirs[0], a.layers, a.hidden, a.ffn, a.vocab)))
         return
@@ -119,10 +122,21 @@ def main() -> None:
                              "--pp", str(a.pp), "--no-verify")
         exp, exp_wall = _cli("export-hf", "--ckpt", ck, "--out", out, "--no-verify",
                              "--max-shard-size", "200MB")
-        ver, _ = _cli("verify", "--hf", out, "--ckpt", ck, "--tp", str(a.tp), "--pp", str(a.pp))
+        ver, ver_wall = _cli("verify", "--hf", out, "--ckpt", ck, "--tp", str(a.tp),
+                             "--pp", str(a.pp))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
+    before = None
+    if os.path.isfile(a.out):  # the result this run replaces, for the before/after columns
+        with open(a.out, encoding="utf-8") as f:
+            old = json.load(f)
+        before = {"machine_load_1m": [old.get("machine", {}).get("load_avg_1m_at_start"),
+                                      old.get("machine", {}).get("load_avg_1m_at_end")],
+                  **{side: {k: old.get(side, {}).get(k) for k in
+                            ("end_to_end_s", "core_s", "raw_over_core_ratio")}
+                     for side in ("import_hf", "export_hf")},
+                  "raw_safetensors_s": old.get("raw_safetensors", {}).get("seconds")}
     nbytes = raw[0]["bytes"]
     raw_s = min(r["seconds"] for r in raw)
     gbps = lambda s: nbytes / s / 1e9
@@ -149,15 +163,16 @@ def main() -> None:
                       "raw_over_core_ratio": gbps(raw_s) / gbps(exp_core)},
         "verify_after_roundtrip": {k: ver[k] for k in ("max_abs_diff", "top1_agreement",
                                                        "passed")},
+        "verify_command": {"end_to_end_s": ver_wall},
+        "load": load_average(),
+        "before": before,
         "notes": "ratios > 1: the tool is that many times slower than one raw safetensors "
                  "read+write of the same bytes. Peak RSS per rank includes the rank's model "
                  "stage (the whole model at tp=pp=1), the touched mmap pages of the input, "
                  "and the Python/torch/megatron baseline (~390 MB for a tiny model).",
     }
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))
+    print(f"wrote {write_result(a.out, result)}")
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def _memcpy(nbytes: int):
     return run
 
 
-def _rank(tp: int, pp: int, before_rev: str | None = None) -> dict:
+def _rank(tp: int, pp: int, before_rev: str | None = None, repeats: int = REPEATS) -> dict:
     import torch.distributed as dist
     import transformers as tf
 
@@ -134,7 +134,7 @@ def _rank(tp: int, pp: int, before_rev: str | None = None) -> dict:
     samples = {label: [] for label, _ in modes}
     info = {}
     # round-robin over modes, so load from other processes hits every mode alike
-    for rep in range(REPEATS + 1):
+    for rep in range(repeats + 1):
         for label, fn in modes:
             dist.barrier()
             with PeakRSS() as rss:
@@ -174,12 +174,13 @@ def main():
                                                   "bench_weight_sync.json"))
     ap.add_argument("--before-rev", default=None,
                     help="git revision whose bucketed sync is timed too (rows 'before N MiB')")
+    ap.add_argument("--repeats", type=int, default=REPEATS, help="timed syncs per mode")
     args = ap.parse_args()
     from megaprm.bench import load_average, write_result
 
     results = []
     for tp, pp in LAYOUTS:
-        per_rank = launch.spawn(_rank, 2, tp, pp, args.before_rev, timeout_s=1800)
+        per_rank = launch.spawn(_rank, 2, tp, pp, args.before_rev, args.repeats, timeout_s=1800)
         r0 = per_rank[0]
         for i, row in enumerate(r0["rows"]):  # the slowest rank's time is the sync's time
             row["seconds_min_max_over_ranks"] = max(r["rows"][i]["seconds_min"] for r in per_rank)
@@ -197,7 +198,7 @@ def main():
                   f"RSS +{row['rss_growth_mb']:.0f} MiB")
     out = {
         "model": HF_CONFIG, "hf_bytes": results[0]["rows"][0]["bytes"], "world_size": 2,
-        "repeats": REPEATS, "torch": torch.__version__, "machine": platform.machine(),
+        "repeats": args.repeats, "torch": torch.__version__, "machine": platform.machine(),
         "cpus": os.cpu_count(), "load_average_at_end": os.getloadavg(), "load": load_average(),
         "before_rev": args.before_rev,
         "threads_per_rank": max(1, (os.cpu_count() or 1) // 2),

@@ -206,13 +206,15 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8
     two writing passes over `[B, T]`, no float64 `[B, T]` temporaries.
     """
     m = mask.to(values.dtype)
-    return _whiten_masked(values * m, m, eps=eps, group=group, inplace=True).to(values.dtype)
-
-
-def _whiten_masked(x: torch.Tensor, m: torch.Tensor, *, eps: float, group: Any | None,
-                   inplace: bool) -> torch.Tensor:
-    """`masked_whiten` of `x[B, T]` that is already 0 off the mask `m` (same dtype)."""
     n_local = m.sum(1).to(torch.float64).sum()
+    return _whiten_masked(values * m, m, n_local, eps=eps, group=group,
+                          inplace=True).to(values.dtype)
+
+
+def _whiten_masked(x: torch.Tensor, m: torch.Tensor, n_local: torch.Tensor, *, eps: float,
+                   group: Any | None, inplace: bool) -> torch.Tensor:
+    """`masked_whiten` of `x[B, T]` that is already 0 off the mask `m` (same dtype), whose
+    valid-token count on this rank is `n_local` (float64 scalar)."""
     s_local = x.sum(1).to(torch.float64).sum()
     s = all_reduce(torch.stack([n_local, s_local]), "sum", group)
     n, mean = s[0], s[1] / s[0].clamp(min=1)
@@ -328,10 +330,10 @@ def prime(outcome: torch.Tensor, logp_prm: torch.Tensor, logp_ref: torch.Tensor,
                                                              step_end_mask)
     index = group_index(group_ids, group, b)
     if gamma_outcome == 1.0 and gamma_process == 1.0:
-        returns = _prime_returns_gamma1(outcome, r, mask, index, norm=norm, norm_scope=norm_scope,
-                                        rloo_form=rloo_form, outcome_coef=outcome_coef,
-                                        process_coef=process_coef, group=group)
-        adv = _whiten_masked(returns, mask, eps=1e-8, group=group, inplace=False)
+        returns, n_tok = _prime_returns_gamma1(
+            outcome, r, mask, index, norm=norm, norm_scope=norm_scope, rloo_form=rloo_form,
+            outcome_coef=outcome_coef, process_coef=process_coef, group=group)
+        adv = _whiten_masked(returns, mask, n_tok.sum(), eps=1e-8, group=group, inplace=False)
         return adv.to(logp_prm.dtype), returns.to(logp_prm.dtype)
     if norm == "batch_norm":
         r = prime_batch_norm(r, response_mask, scope=norm_scope, group=group)
@@ -368,8 +370,8 @@ def _prime_rloo_coefficients(outcome: torch.Tensor, mu: torch.Tensor, index: Gro
 def _prime_returns_gamma1(outcome: torch.Tensor, r: torch.Tensor, mask: torch.Tensor,
                           index: GroupIndex, *, norm: str, norm_scope: str, rloo_form: str,
                           outcome_coef: float, process_coef: float,
-                          group: Any | None) -> torch.Tensor:
-    """PRIME returns `[B, T]` for gamma = 1 from one cumsum of `r[B, T]` (zero off-mask;
+                          group: Any | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PRIME returns `[B, T]` (and the valid tokens per row, float64 `[B]`) for gamma = 1 from one cumsum of `r[B, T]` (zero off-mask;
     overwritten).
 
     reverse-cumsum_t r = C_T - C_{t-1} (C the forward cumsum, C_{-1} = 0), so
@@ -410,7 +412,7 @@ def _prime_returns_gamma1(outcome: torch.Tensor, r: torch.Tensor, mask: torch.Te
         ret = kappa.to(dt)[:, None].expand(b, t).clone()
         ret[:, 1:].addcmul_(gamma.to(dt)[:, None], w[:, :-1])
     ret[:, 1:].addcmul_(csum[:, :-1], alpha.to(dt)[:, None], value=-1.0)
-    return ret.mul_(mask)
+    return ret.mul_(mask), n_tok
 
 
 def _row_counts(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -652,11 +654,11 @@ def _pure_tiled(step_reward: torch.Tensor, vr: torch.Tensor | None, seg_len: tor
         adv_val = (g - mean) * rstd * nz
     # one token -> segment index shared by both outputs; segments per row: for each step the
     # tokens before its closing token, the closing token, then the padding
-    sep_len = smask.long()
+    sep_len = smask.int()   # int32 lengths -> an int32 token index (half the bytes of int64)
     ret_vals = torch.stack([g, g], dim=2)
     adv_vals = torch.stack([adv_val, adv_val * (1 - sep)], dim=2)    # 0 on separators
-    lengths = torch.stack([seg_len - sep_len, sep_len], dim=2).reshape(b, 2 * n_steps)
-    lengths = torch.cat([lengths, tail], dim=1).reshape(-1)
+    lengths = torch.stack([seg_len.int() - sep_len, sep_len], dim=2).reshape(b, 2 * n_steps)
+    lengths = torch.cat([lengths, tail.int()], dim=1).reshape(-1)
     idx = torch.repeat_interleave(lengths, output_size=b * t)           # [B * T]
 
     def expand(vals: torch.Tensor) -> torch.Tensor:
