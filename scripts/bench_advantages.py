@@ -67,10 +67,10 @@ def make_batch(groups: int, n: int, tokens: int, seed: int = 0) -> dict[str, tor
         end_mask[i, e] = True
     step_scores = torch.rand(b, max_steps, generator=g) * 2 - 1
     process = ((step_scores + 1) / 2 * step_mask).sum(1) / step_mask.sum(1)
-    return dict(outcome=outcome, process=process, group_ids=group_ids, mask=mask,
-                num_steps=step_mask.sum(1), logp_a=-torch.rand(b, tokens, generator=g) * 3,
-                logp_b=-torch.rand(b, tokens, generator=g) * 3, step_scores=step_scores,
-                step_mask=step_mask, ends=ends, end_mask=end_mask)
+    return {"outcome": outcome, "process": process, "group_ids": group_ids, "mask": mask,
+                "num_steps": step_mask.sum(1), "logp_a": -torch.rand(b, tokens, generator=g) * 3,
+                "logp_b": -torch.rand(b, tokens, generator=g) * 3, "step_scores": step_scores,
+                "step_mask": step_mask, "ends": ends, "end_mask": end_mask}
 
 
 def estimators(d: dict[str, torch.Tensor], group: Any) -> dict[str, Callable[[], Any]]:

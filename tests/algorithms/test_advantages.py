@@ -151,7 +151,7 @@ def test_prime_matches_loop(seed, granularity, norm, form, gammas):
 def test_prime_code_form_differs_from_paper_by_zero_sum_term():
     """§1.4 ⚠: code = paper + (r_t - mu_i)/(K-1), which sums to zero over each response."""
     b = random_batch(3, n_groups=3, t=8)
-    kw = dict(norm="none")
+    kw = {"norm": "none"}
     _, code = A.prime(b.outcome, b.logp_a, b.logp_b, b.response_mask, b.group_ids, rloo_form="code", **kw)
     _, paper = A.prime(b.outcome, b.logp_a, b.logp_b, b.response_mask, b.group_ids, rloo_form="paper", **kw)
     torch.testing.assert_close(code[:, 0], paper[:, 0], atol=1e-5, rtol=0)  # same sequence total
@@ -351,8 +351,8 @@ def test_registry_prof_grpo_is_grpo_on_kept():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(method="ppo"), "advantage.method='ppo'"),
-    (dict(prof=None), None),
+    ({"method": "ppo"}, "advantage.method='ppo'"),
+    ({"prof": None}, None),
 ])
 def test_config_validation(kwargs, match):
     if match is None:
