@@ -150,7 +150,7 @@ def bench_shape(name, shape, args, dev, dtype) -> dict:
     with torch.no_grad():
         ref_lp = torch.log_softmax(hf(ids).logits[:, :-1].float(), -1).gather(
             -1, ids[:, 1:, None])[..., 0]
-    del hf
+    hf = None  # free it before the megaprm models are built
 
     def megaprm_rows(impl, chunk, compile_, variants):
         model = pipeline.build_stage(spec, g, dtype=dtype, impl=impl, compile=compile_)
@@ -178,15 +178,14 @@ def bench_shape(name, shape, args, dev, dtype) -> dict:
             row = {"variant": variant, "batch": kind, "max_abs_logprob_diff_vs_hf": err}
             if kind == "full":
                 mbs = [pipeline.TokenBatch(ids, torch.ones(batch, seq, device=dev))]
-                record(row, lambda: step(mbs), full)
+                record(row, lambda mbs=mbs: step(mbs), full)
             elif kind == "ragged":
                 record(row, lambda: step(padded), ragged)
             else:  # packed by a token budget of one padded micro-batch's tokens
                 mbs = microbatch.make_micro_batches(
                     ids, real.float(), max_tokens=batch * seq, lengths=lengths.to(dev))
                 row["micro_batches"] = len(mbs)
-                record(row, lambda: step(mbs), ragged)
-        del model
+                record(row, lambda mbs=mbs: step(mbs), ragged)
 
     megaprm_rows("local", 0, False, [("megatron_local", "full")])
     megaprm_rows("sdpa", 0, False, [("sdpa", "full")])

@@ -109,7 +109,7 @@ class _ChunkedLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, n_valid, group, with_entropy, temperature,
                 chunk_tokens):
-        b, s, local_v = logits.shape
+        b, s, _ = logits.shape
         dev = logits.device
         z_max = torch.empty(b, s, dtype=torch.float32, device=dev)
         blocks = list(_blocks(b, s, chunk_tokens))

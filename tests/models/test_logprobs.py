@@ -105,7 +105,11 @@ def test_chunked_saves_no_vocab_sized_tensor_but_its_input():
     x = logits.bfloat16().requires_grad_(True)
     for chunk, expect_big in ((0, True), (8, False)):
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+
+        def pack(t, saved=saved):
+            saved.append(t)
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             vocab_parallel_logprobs(x[:, :-1], target[:, :16], vocab_size=V_TRUE,
                                     with_entropy=True, chunk_tokens=chunk)
         big = [t for t in saved if t.numel() >= 4 * 16 * V_TRUE

@@ -38,7 +38,7 @@ def _split_reference(ids, mask, payload, size, pp):
 
 @pytest.mark.parametrize("size,pp", [(3, 1), (3, 2), (7, 2), (1, 1)])
 def test_fixed_rows_match_the_row_split(size, pp):
-    ids, mask, payload, lengths = _rows()
+    ids, mask, payload, _ = _rows()
     mbs = microbatch.make_micro_batches(ids, mask, payload, micro_batch_size=size, pp_size=pp)
     ref = _split_reference(ids, mask, payload, size, pp)
     assert len(mbs) == len(ref)
@@ -117,7 +117,7 @@ def test_pack_bins_first_fit_decreasing():
 
 
 def test_errors_name_the_problem():
-    ids, mask, payload, lengths = _rows()
+    ids, mask, _, lengths = _rows()
     with pytest.raises(ValueError, match="exactly one of micro_batch_size / max_tokens"):
         microbatch.make_micro_batches(ids, mask)
     with pytest.raises(ValueError, match="needs `lengths`"):
