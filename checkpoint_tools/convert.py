@@ -318,7 +318,7 @@ def _import_rank(hf_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: in
     g = _init(tp, pp)
     with _shared_tmp(tmp_dir, out_dir) as tmp:
         spec = spec_from_hf(hf_dir)
-        model = stages.build(spec, g, DTYPES[dtype])
+        model = stages.build(spec, g, DTYPES[dtype], init=False)  # every weight is loaded
         check_hf_weights(hf_dir, model, spec, g)
         weights = mapping.HFWeights(hf_dir)
         t0 = time.perf_counter()
@@ -348,7 +348,7 @@ def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: 
     with _shared_tmp(tmp_dir, out_dir) as tmp:
         meta = layout.CheckpointMeta.read(ckpt_dir)
         spec = spec_from_hf(os.path.join(ckpt_dir, layout.HF_SUBDIR))
-        model = stages.build(spec, g, DTYPES[meta.dtype])
+        model = stages.build(spec, g, DTYPES[meta.dtype], init=False)
         t0 = time.perf_counter()
         load_checkpoint(model, _model_dir(ckpt_dir))
         t_load = time.perf_counter() - t0
@@ -370,7 +370,7 @@ def _verify_rank(ckpt_dir: str, tp: int, pp: int) -> dict:
     g = _init(tp, pp)
     meta = layout.CheckpointMeta.read(ckpt_dir)
     spec = spec_from_hf(os.path.join(ckpt_dir, layout.HF_SUBDIR))
-    model = stages.build(spec, g, DTYPES[meta.dtype])
+    model = stages.build(spec, g, DTYPES[meta.dtype], init=False)
     load_checkpoint(model, _model_dir(ckpt_dir))
     return _rank_report(g, stages.full_outputs(model, spec, g, verify_batch(spec)))
 

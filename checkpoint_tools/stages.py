@@ -13,14 +13,17 @@ from megaprm.parallel import pipeline
 from megaprm.parallel.groups import Groups
 
 
-def build(spec: ModelSpec, groups: Groups, dtype: torch.dtype):
-    """This rank's stage for `spec` (initial weights; load a checkpoint or HF weights into it)."""
+def build(spec: ModelSpec, groups: Groups, dtype: torch.dtype, *, init: bool = True):
+    """This rank's stage for `spec` (initial weights; load a checkpoint or HF weights into it).
+    `init=False` leaves the parameters uninitialised (Megatron's `perform_initialization`):
+    for callers that overwrite every one of them (~1 s per 100 M parameters on CPU)."""
+    kw = {} if init else {"perform_initialization": False}
     if spec.head == "lm":
-        return pipeline.build_stage(spec, groups, dtype=dtype)
+        return pipeline.build_stage(spec, groups, dtype=dtype, **kw)
     from megaprm.models.prm import build_prm
 
     return build_prm(spec, tp=groups.tp_size, pp=groups.pp_size, pp_rank=groups.pp_rank,
-                     dtype=dtype)
+                     dtype=dtype, **kw)
 
 
 def sharded_state_dict(model) -> dict:
