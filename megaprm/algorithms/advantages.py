@@ -212,7 +212,8 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8
 
 
 def _whiten_masked(x: torch.Tensor, m: torch.Tensor, n_local: torch.Tensor, *, eps: float,
-                   group: Any | None, inplace: bool) -> torch.Tensor:
+                   group: Any | None, inplace: bool,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """`masked_whiten` of `x[B, T]` that is already 0 off the mask `m` (same dtype), whose
     valid-token count on this rank is `n_local` (float64 scalar)."""
     s_local = x.sum(1).to(torch.float64).sum()
@@ -223,8 +224,9 @@ def _whiten_masked(x: torch.Tensor, m: torch.Tensor, n_local: torch.Tensor, *, e
     ss = all_reduce(local.clamp(min=0).reshape(1), "sum", group)[0]
     var = ss / (n - 1).clamp(min=1)
     rstd = float(torch.rsqrt(var + eps))
-    out = x.sub_(m, alpha=float(mean)) if inplace else torch.sub(x, m, alpha=float(mean))
-    return out.mul_(rstd)
+    if inplace:
+        return x.sub_(m, alpha=float(mean)).mul_(rstd)
+    return torch.sub(x, m, alpha=float(mean), out=out).mul_(rstd)
 
 
 # --------------------------------------------------------------------------- PRIME (§1)
@@ -333,7 +335,10 @@ def prime(outcome: torch.Tensor, logp_prm: torch.Tensor, logp_ref: torch.Tensor,
         returns, n_tok = _prime_returns_gamma1(
             outcome, r, mask, index, norm=norm, norm_scope=norm_scope, rloo_form=rloo_form,
             outcome_coef=outcome_coef, process_coef=process_coef, group=group)
-        adv = _whiten_masked(returns, mask, n_tok.sum(), eps=1e-8, group=group, inplace=False)
+        # r's buffer (now its cumsum, no longer needed) receives the advantages: one fresh
+        # [B, T] allocation less, which on CPU is a page-faulting pass of its own
+        adv = _whiten_masked(returns, mask, n_tok.sum(), eps=1e-8, group=group, inplace=False,
+                             out=r if r.dtype == returns.dtype else None)
         return adv.to(logp_prm.dtype), returns.to(logp_prm.dtype)
     if norm == "batch_norm":
         r = prime_batch_norm(r, response_mask, scope=norm_scope, group=group)
