@@ -400,14 +400,14 @@ def _prepare(ckpt_root: str, tmp: str, models: dict, sources: dict, groups: Grou
                               source=os.path.abspath(src.hf_dir)).write(os.path.join(tmp, key))
 
 
-def _die_with_parent(parent: int = 0) -> None:
+def _die_with_parent(parent: int) -> None:
     """SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG); if the parent is
     already gone (it died before the signal was armed), exit now."""
     import ctypes
     import signal
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if parent and os.getppid() != parent:
+    if os.getppid() != parent:
         os._exit(1)
 
 
@@ -426,35 +426,20 @@ def _arm_forked_child() -> None:
 if sys.platform.startswith("linux"):
     os.register_at_fork(after_in_child=_arm_forked_child)
 
-_queue_manager = None
-
-
-def _writer_queue_dies_with_us() -> None:
-    """dist_checkpointing's writer reports through a `multiprocessing.Manager` queue, a spawned
-    server process that outlives a rank killed by SIGKILL or os._exit. Start that manager
-    ourselves, with a parent-death signal, and hand megatron its queue."""
-    global _queue_manager
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if not sys.platform.startswith("linux") or filesystem_async._results_queue is not None:
-        return
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
-
-    _queue_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    _queue_manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
-    filesystem_async._results_queue = _queue_manager.Queue()
-
 
 @contextlib.contextmanager
 def writers_die_with_this_process():
-    """Around `dist_checkpointing.save`: its writer processes (forked) and its result-queue
-    manager (spawned) get a parent-death signal, so a rank killed mid-save leaves no orphan."""
+    """Around `dist_checkpointing.save`: its forked writer processes get a parent-death signal,
+    and its result queue is an in-process one (checkpoint_tools.convert.in_process_write_queue)
+    instead of a spawned Manager server, which outlived a rank killed by SIGKILL/os._exit. So a
+    rank killed mid-save leaves no orphan (and a save costs no extra interpreter)."""
+    from checkpoint_tools.convert import in_process_write_queue
+
     global _saving_pid
-    _writer_queue_dies_with_us()
     _saving_pid = os.getpid()
     try:
-        yield
+        with in_process_write_queue():
+            yield
     finally:
         _saving_pid = 0
 
