@@ -24,8 +24,6 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 
-import torch
-
 MODEL_SUBDIR = "model"
 HF_SUBDIR = "hf"
 META_FILE = "megaprm_checkpoint.json"
@@ -35,7 +33,21 @@ FORMAT = "megaprm-megatron-dist-ckpt"
 _WEIGHT_FILE = re.compile(
     r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.*\.(safetensors|bin)\.index\.json$")
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+
+
+def _torch_dtypes() -> dict:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def __getattr__(name: str):
+    # DTYPES (name -> torch dtype) is built on first use: importing torch here would make
+    # `python -m checkpoint_tools --help` pay for it
+    if name == "DTYPES":
+        return _torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 _HF_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 HF_DTYPE_NAME = {v: k for k, v in _HF_DTYPE_NAMES.items()}  # fp32 -> float32
 
@@ -156,19 +168,19 @@ def resolve_checkpoint(path: str, model: str = "actor") -> str:
         f"{_describe(path)}")
 
 
-def write_checkpoint_meta(ckpt_dir: str, hf_dir: str, architecture: str, dtype: str | torch.dtype,
+def write_checkpoint_meta(ckpt_dir: str, hf_dir: str, architecture: str, dtype,
                           tp: int, pp: int) -> None:
     """Complete a checkpoint whose `model/` was saved from `checkpoint_tools.stages.
     sharded_state_dict(model)`: copy `hf_dir`'s side files (config, tokenizer, ...) into
     `ckpt_dir/hf/` and write `megaprm_checkpoint.json`. `dtype`: fp32 | bf16 | fp16 or a torch
     dtype (the stored weights'). Call on one rank, after the save."""
-    if isinstance(dtype, torch.dtype):
-        names = {v: k for k, v in DTYPES.items()}
+    if not isinstance(dtype, str):  # a torch.dtype
+        names = {v: k for k, v in _torch_dtypes().items()}
         if dtype not in names:
-            raise ConversionError(f"dtype {dtype} is not one of {sorted(DTYPES)}")
+            raise ConversionError(f"dtype {dtype} is not one of {sorted(DTYPE_NAMES)}")
         dtype = names[dtype]
-    if dtype not in DTYPES:
-        raise ConversionError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
+    if dtype not in DTYPE_NAMES:
+        raise ConversionError(f"dtype={dtype!r}: expected one of {sorted(DTYPE_NAMES)}")
     copy_side_files(hf_dir, os.path.join(ckpt_dir, HF_SUBDIR))
     CheckpointMeta(format=FORMAT, version=1, architecture=architecture, dtype=dtype, tp=tp, pp=pp,
                    source=os.path.abspath(hf_dir)).write(ckpt_dir)
