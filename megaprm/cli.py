@@ -21,9 +21,10 @@ def _user_errors() -> tuple:
     from megaprm.parallel.init import ParallelConfigError
     from megaprm.parallel.launch import LaunchError
     from megaprm.trainer.checkpoint import CheckpointError
+    from megaprm.trainer.run_lock import RunLockError
 
-    types = [ConfigError, ParallelConfigError, LaunchError, CheckpointError, FileNotFoundError,
-             ValueError]
+    types = [ConfigError, ParallelConfigError, LaunchError, CheckpointError, RunLockError,
+             FileNotFoundError, ValueError]
     try:
         from checkpoint_tools.layout import ConversionError
         types.append(ConversionError)
@@ -33,12 +34,17 @@ def _user_errors() -> tuple:
 
 
 def _on_ranks(args, argv, preflight, body) -> int:
-    """`preflight()` in the launcher, then `body()` on every torchrun rank."""
+    """`preflight()` in the launcher, then `body()` on every torchrun rank. A preflight may
+    return a lock the launcher holds while its ranks run."""
     from megaprm.parallel import launch
 
     if not launch.under_torchrun():
-        preflight()
-        return launch.relaunch(args, argv)
+        lock = preflight()
+        try:
+            return launch.relaunch(args, argv)
+        finally:
+            if lock is not None:
+                lock.release()
     launch.die_with_parent()
     # megatron-core 0.16 warns about a default it sets itself, once per rank and model
     warnings.filterwarnings("ignore", message="full scope is deprecated")
@@ -86,6 +92,14 @@ def cmd_train(args) -> int:
         from megaprm.trainer.preflight import check_rl_launch
 
         check_rl_launch(cfg, world_size_of(args))
+        if args.node_rank != 0:  # node 0's launcher holds the (shared) run directory
+            return None
+        from megaprm.trainer.loop import LOCK_ENV
+        from megaprm.trainer.run_lock import RunLock
+
+        lock = RunLock(cfg.trainer.run_dir).acquire()
+        os.environ[LOCK_ENV] = os.path.abspath(cfg.trainer.run_dir)  # inherited by the ranks
+        return lock
 
     def body():
         from megaprm.parallel.init import destroy, init_distributed

@@ -46,9 +46,14 @@ class ModelConfig:
 
     path: Optional[str] = None
     dtype: str = "fp32"
+    impl: Optional[str] = None   # layer spec: te | sdpa | local (None: TE where it imports, else sdpa)
+    compile: bool = False        # torch.compile the layers (docs/actor.md)
+    recompute: bool = False      # Megatron's full activation recompute, one layer at a time
 
     def __post_init__(self):
         _check(self.dtype in ("fp32", "bf16"), "model.dtype", self.dtype, "fp32 or bf16")
+        _check(self.impl in (None, "te", "sdpa", "local"), "model.impl", self.impl,
+               "te, sdpa, local or null (automatic)")
 
 
 @dataclass
@@ -61,9 +66,19 @@ class DataConfig:
     eval_path: Optional[str] = None  # held-out prompts for trainer.eval_every (task=math)
     prompts_per_step: int = 16
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    on_bad_row: str = "skip"            # skip (counted, reported) | error (names file + line)
+    keep_unanswered: bool = False       # keep rows without an answer, reward 0 (PURE does)
+    max_prompt_tokens: Optional[int] = None
+    long_prompt: str = "error"          # over max_prompt_tokens: truncate | drop | error
 
     def __post_init__(self):
         _check(self.task in ("arithmetic", "math"), "data.task", self.task, "arithmetic or math")
+        _check(self.on_bad_row in ("skip", "error"), "data.on_bad_row", self.on_bad_row,
+               "skip or error")
+        _check(self.long_prompt in ("truncate", "drop", "error"), "data.long_prompt",
+               self.long_prompt, "truncate, drop or error")
+        _check(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
+               "data.max_prompt_tokens", self.max_prompt_tokens, "a positive token count")
         _check(self.prompts_per_step >= 1, "data.prompts_per_step", self.prompts_per_step, ">= 1")
         if self.task == "math":
             _check(self.path is not None, "data.path", self.path,
@@ -106,6 +121,9 @@ class ActorConfig:
     kl_kind: str = "low_var_kl"
     mini_batches: int = 1
     micro_batch_size: int = 16
+    # token budget per micro-batch (verl's ppo_max_token_len_per_gpu): sequences are packed into
+    # rows of at most this many tokens instead of micro_batch_size padded rows; None: off
+    max_tokens_per_micro_batch: Optional[int] = None
 
     def __post_init__(self):
         _check(self.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
@@ -117,6 +135,9 @@ class ActorConfig:
                "k1, k2, k3 or low_var_kl")
         _check(self.mini_batches >= 1, "actor.mini_batches", self.mini_batches, ">= 1")
         _check(self.micro_batch_size >= 1, "actor.micro_batch_size", self.micro_batch_size, ">= 1")
+        _check(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 2,
+               "actor.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch,
+               "a token budget >= the longest prompt + response, or null")
         _check(self.eps_low >= 0 and self.eps_high >= 0, "actor.eps_low/eps_high",
                (self.eps_low, self.eps_high), ">= 0")
 
@@ -158,6 +179,7 @@ class TrainerConfig:
     save_every: int = 0
     keep_last: int = 0
     resume: bool = True
+    resume_fallback: bool = True  # a damaged newest checkpoint: use the previous intact one
     allow_config_change: bool = False
     eval_every: int = 0
     eval_problems: int = 64

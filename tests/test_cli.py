@@ -249,7 +249,7 @@ def _pids_with(marker: str) -> list:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and prctl")
-def test_kill_9_of_the_launcher_leaves_no_rank(policy, tmp_path):
+def test_second_start_refused_and_kill_9_of_the_launcher_leaves_no_rank(policy, tmp_path):
     run_dir = str(tmp_path / "orphan-check")
     launcher = subprocess.Popen(train_cmd(policy, run_dir, "--nproc", "2", "trainer.steps=500"),
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -262,6 +262,9 @@ def test_kill_9_of_the_launcher_leaves_no_rank(policy, tmp_path):
             time.sleep(1)
         others = [p for p in _pids_with(run_dir) if p != launcher.pid]
         assert len(others) >= 3, others  # torchrun + 2 ranks
+        # a second start on the same run directory is refused while the first one runs
+        one_line_error(run(train_cmd(policy, run_dir, "--nproc", "1", "trainer.steps=500")),
+                       "is in use by pid")
     finally:
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()

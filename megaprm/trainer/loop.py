@@ -38,7 +38,7 @@ from megaprm.algorithms.registry import AdvantageInputs, AdvantageOutputs, compu
 from megaprm.config import Config, ConfigError, save_config, to_dict
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.models.logprobs import vocab_parallel_logprobs
-from megaprm.parallel import pipeline, weight_sync
+from megaprm.parallel import microbatch, pipeline, weight_sync
 from megaprm.parallel.device import to_host
 from megaprm.parallel.groups import Groups
 from megaprm.rollout.engine import RightPadded, RolloutBatch, SamplingParams
@@ -105,7 +105,8 @@ def agree(fault: Optional[str], groups: Groups) -> Optional[str]:
 
 # ----------------------------------------------------------------------------- config digest
 
-_NOT_DIGESTED = {"trainer": ("steps", "save_every", "resume", "eval_every", "eval_problems",
+_NOT_DIGESTED = {"trainer": ("steps", "save_every", "resume", "resume_fallback", "eval_every",
+                             "eval_problems",
                              "wandb", "progress", "keep_last", "allow_config_change",
                              "export_hf", "log_samples", "run_dir")}
 
@@ -151,12 +152,15 @@ def targets_to_response(values: torch.Tensor, rp: RightPadded, width: int) -> to
 
 
 def logprob_post(spec, groups: Groups, temperature: float, with_entropy: bool = False):
-    """`post` for pipeline.run: token log-probs [b, s-1] (and entropy) at `temperature`."""
+    """`post` for pipeline.run: token log-probs [n, L-1] (and entropy) at `temperature`, one row
+    per sequence of the micro-batch (packed rows unpacked)."""
     def post(mb, logits):
         out = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=groups.tp,
                                       tp_rank=groups.tp_rank, vocab_size=spec.vocab_size,
                                       with_entropy=with_entropy, temperature=temperature)
-        return None, out
+        if with_entropy:
+            return None, (microbatch.unpack(mb, out[0]), microbatch.unpack(mb, out[1]))
+        return None, microbatch.unpack(mb, out)
     return post
 
 
@@ -165,9 +169,11 @@ class Policy:
     `temperature`: the distribution its log-probs describe (the rollout's, for actor and ref)."""
 
     def __init__(self, spec, groups: Groups, src: model_source.ModelSource, *, trainable: bool,
-                 optim=None, dtype=torch.float32, temperature: float = 1.0):
+                 optim=None, dtype=torch.float32, temperature: float = 1.0, batching=None,
+                 build: Optional[dict] = None):
         self.spec, self.groups, self.src, self.temperature = spec, groups, src, temperature
-        model = pipeline.build_stage(spec, groups, dtype=dtype)
+        self.batching = batching or Batching(16, None, groups.pp_size)
+        model = pipeline.build_stage(spec, groups, dtype=dtype, **(build or {}))
         model_source.load_weights(model, src, spec, groups)
         if trainable:
             self.model = pipeline.wrap_ddp(model, groups)
@@ -178,32 +184,43 @@ class Policy:
                 p.requires_grad_(False)
 
     @torch.no_grad()
-    def logprobs(self, input_ids: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
-        """log p_T(input_ids[:, t+1] | <=t) [B, L-1] on every rank, on the host (forward only)."""
-        mbs = _split(input_ids, torch.zeros_like(input_ids, dtype=torch.float32), None,
-                     micro_batch_size, self.groups.pp_size)
+    def logprobs(self, input_ids: torch.Tensor, lengths: Optional[torch.Tensor] = None
+                 ) -> torch.Tensor:
+        """log p_T(input_ids[:, t+1] | <=t) [B, L-1] on every rank, on the host (forward only).
+        `lengths` [B]: real tokens per row (needed to pack; 0 past them when packed)."""
+        B = input_ids.shape[0]
+        mbs = self.batching.split(input_ids, torch.zeros(input_ids.shape[0],
+                                                         input_ids.shape[1] - 1), None, lengths)
         parts = pipeline.run(self.model, mbs, groups=self.groups, forward_only=True,
                              post=logprob_post(self.spec, self.groups, self.temperature))
-        out = pipeline.broadcast_from_last_stage(to_host(torch.cat(parts)) if parts else None,
-                                                 self.groups)
-        return out[: input_ids.shape[0]]
+        out = to_host(microbatch.to_rows(mbs, parts, B)) if parts else None
+        return pipeline.broadcast_from_last_stage(out, self.groups)
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a phase's rows become micro-batches: `micro_batch_size` padded rows, or packed rows
+    of at most `max_tokens` tokens (then `lengths` are needed). Payload and outputs stay one row
+    per sequence (`microbatch.unpack` / `to_rows`)."""
+
+    micro_batch_size: int
+    max_tokens: Optional[int]
+    pp_size: int
+
+    def split(self, ids, mask_t, payload, lengths=None) -> List[pipeline.TokenBatch]:
+        """ids [B, L]; mask_t [B, L-1] target-aligned (position t predicts t+1)."""
+        mask = torch.nn.functional.pad(mask_t, (0, 1))
+        if self.max_tokens is not None and lengths is not None:
+            return microbatch.make_micro_batches(ids, mask, payload, max_tokens=self.max_tokens,
+                                                 lengths=lengths, pp_size=self.pp_size)
+        return microbatch.make_micro_batches(ids, mask, payload,
+                                             micro_batch_size=self.micro_batch_size,
+                                             pp_size=self.pp_size)
 
 
 def _split(ids, mask, payload, size, pp) -> List[pipeline.TokenBatch]:
-    """Micro-batches of `size` rows; with pp > 1 all the same shape (short one padded)."""
-    out = []
-    for s in range(0, ids.shape[0], size):
-        mb_ids, mb_mask = ids[s:s + size], mask[s:s + size]
-        mb_pay = None if payload is None else {k: v[s:s + size] for k, v in payload.items()}
-        if pp > 1 and mb_ids.shape[0] < size:
-            extra = size - mb_ids.shape[0]
-            mb_ids = torch.cat([mb_ids, mb_ids.new_zeros(extra, ids.shape[1])])
-            mb_mask = torch.cat([mb_mask, mb_mask.new_zeros(extra, mask.shape[1])])
-            if mb_pay is not None:
-                mb_pay = {k: torch.cat([v, v.new_zeros(extra, *v.shape[1:])])
-                          for k, v in mb_pay.items()}
-        out.append(pipeline.TokenBatch(mb_ids, mb_mask, mb_pay))
-    return out
+    """Micro-batches of `size` padded rows (mask [B, L-1]); with pp > 1 all the same shape."""
+    return Batching(size, None, pp).split(ids, mask, payload)
 
 
 # Per micro-batch sums the update reports; the step's value of each is sum / count over every
@@ -223,17 +240,25 @@ class RLTrainer:
 
         self.cfg, self.groups, self.tok = cfg, groups, tokenizer
         check_batch(cfg, groups.dp_size)
+        self.lock = _lock_run_dir(cfg.trainer.run_dir, groups)
+        # the data first: a bad prompt file fails before any model is built
+        self.data = _make_data(cfg, tokenizer, log=print if groups.rank == 0 else None)
         self.src = model_source.resolve(cfg.model.path, "model.path")
         self.spec = spec_from_hf(self.src.hf_dir)
         self.spec.check_parallel(groups.tp_size, groups.pp_size)
         self.temperature = cfg.rollout.temperature  # the one place: actor, ref, PURE's KL
         dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+        self.batching = Batching(cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch,
+                                 groups.pp_size)
+        kw = dict(dtype=dtype, batching=self.batching,
+                  build={"impl": cfg.model.impl, "compile": cfg.model.compile,
+                         "recompute": cfg.model.recompute})
         self.actor = Policy(self.spec, groups, self.src, trainable=True, optim=cfg.actor.optim,
-                            dtype=dtype, temperature=self.temperature)
+                            temperature=self.temperature, **kw)
         needs_ref = (cfg.actor.kl_coef or cfg.prm.kind == "implicit"
                      or (cfg.advantage.method == "pure" and cfg.advantage.pure.kl_coef))
-        self.ref = (Policy(self.spec, groups, self.src, trainable=False, dtype=dtype,
-                           temperature=self.temperature) if needs_ref else None)
+        self.ref = (Policy(self.spec, groups, self.src, trainable=False,
+                           temperature=self.temperature, **kw) if needs_ref else None)
         self.prm = self.implicit = None
         if cfg.prm.kind == "discriminative":
             self._build_discriminative_prm()
@@ -242,15 +267,13 @@ class RLTrainer:
             # T = 1 (q = log pi_prm - log pi_ref of the sampled tokens; PRIME samples at T = 1)
             imp_src = model_source.resolve(cfg.prm.path or cfg.model.path, "prm.path")
             self.implicit = Policy(self.spec, groups, imp_src, trainable=True,
-                                   optim=cfg.prm.optim, dtype=dtype)
+                                   optim=cfg.prm.optim, **kw)
             self.implicit_ref = (self.ref if self.temperature == 1.0 else
-                                 Policy(self.spec, groups, self.src, trainable=False,
-                                        dtype=dtype))
+                                 Policy(self.spec, groups, self.src, trainable=False, **kw))
         self.engine = self._build_engine()
         self.sep_ids = separator_token_ids(tokenizer)
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.data = _make_data(cfg)
         self.run_dir = cfg.trainer.run_dir
         self.ckpt_root = os.path.join(self.run_dir, "checkpoints")
         self.digest_fields = config_digest_fields(cfg)
@@ -301,20 +324,11 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ phases
     def sync_weights(self) -> None:
-        """Phase: new actor weights -> the colocated rollout engine (HF names, bucketed)."""
-        t0 = time.perf_counter()
-        nbytes = 0
-
-        def stream():
-            nonlocal nbytes
-            for bucket in weight_sync.iter_hf_buckets(self.actor.model, self.groups):
-                for name, t in bucket:
-                    nbytes += t.numel() * t.element_size()
-                    yield name, t
-        self.engine.update_weights(stream())  # wake weights, load, reset cache, wake KV
-        dt = time.perf_counter() - t0
-        self.last_sync = {"weight_sync/seconds": dt, "weight_sync/gbytes": nbytes / 1e9,
-                          "weight_sync/gbps": nbytes / 1e9 / max(dt, 1e-9)}
+        """Phase: new actor weights -> the colocated rollout engine (HF names, one collective
+        per bucket; the engine wakes its weights, loads, resets its prefix cache, wakes KV)."""
+        s = weight_sync.sync_into(self.engine.update_weights, self.actor.model, self.groups)
+        self.last_sync = {"weight_sync/seconds": s["seconds"],
+                          "weight_sync/gbytes": s["bytes"] / 1e9, "weight_sync/gbps": s["gbps"]}
 
     def rollout(self, step: int):
         """Phase: this rank's prompts -> n samples each, then the engine sleeps (frees its
@@ -433,6 +447,7 @@ class RLTrainer:
         parameters and optimiser state of before the first one and raises StepSkipped."""
         cfg = self.cfg.actor
         mask_t = rp.loss_mask[:, :-1] * keep[:, None].float()
+        lengths = rp.attention_mask.long().sum(1)
         B = rp.input_ids.shape[0]
         rows_per = B // cfg.mini_batches  # check_batch: mini_batches divides B
         snap = self.actor.opt.snapshot() if cfg.mini_batches > 1 else None
@@ -442,9 +457,10 @@ class RLTrainer:
         try:
             for k in range(cfg.mini_batches):
                 rows = slice(k * rows_per, (k + 1) * rows_per)
-                mb_metrics = self._update_minibatch(rp.input_ids[rows], mask_t[rows],
-                                                    adv_t[rows], logp_old_t[rows],
-                                                    None if logp_ref_t is None else logp_ref_t[rows])
+                mb_metrics = self._update_minibatch(
+                    rp.input_ids[rows], mask_t[rows], adv_t[rows], logp_old_t[rows],
+                    None if logp_ref_t is None else logp_ref_t[rows],
+                    lengths=lengths[rows])
                 if mb_metrics is None:  # no valid token in this mini-batch on any rank
                     continue
                 updates += 1
@@ -474,7 +490,7 @@ class RLTrainer:
         out["actor/lr"] = self.cfg.actor.optim.lr
         return out
 
-    def _update_minibatch(self, ids, m, adv, old, ref) -> Optional[dict]:
+    def _update_minibatch(self, ids, m, adv, old, ref, lengths=None) -> Optional[dict]:
         """One optimiser step on one mini-batch; returns dp-reduced sums (token-weighted means
         as sums x tokens) or None when the mini-batch has no valid token anywhere."""
         cfg, g = self.cfg.actor, self.groups
@@ -486,13 +502,14 @@ class RLTrainer:
         payload = {"adv": adv, "old": old, "m": m}
         if ref is not None:
             payload["ref"] = ref
-        mbs = _split(ids, m, payload, cfg.micro_batch_size, g.pp_size)
+        mbs = self.batching.split(ids, m, payload, lengths)
         temperature = self.temperature
 
         def post(mb, logits):
             lp, ent = vocab_parallel_logprobs(
                 logits[:, :-1], mb.input_ids[:, 1:], tp_group=g.tp, tp_rank=g.tp_rank,
                 vocab_size=self.spec.vocab_size, with_entropy=True, temperature=temperature)
+            lp, ent = microbatch.unpack(mb, lp), microbatch.unpack(mb, ent)  # rows of payload
             p = mb.payload
             loss, met = actor_loss(lp, p["old"], p["adv"], p["m"], eps_low=cfg.eps_low,
                                    eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
@@ -538,11 +555,13 @@ class RLTrainer:
         seqs = dp_sum(rp.input_ids.shape[0], g)
         payload = {"ref": logp_ref_t, "m": mask_t,
                    "o": sb.outcome.float()[:, None].expand_as(mask_t)}
-        mbs = _split(rp.input_ids, mask_t, payload, self.cfg.actor.micro_batch_size, g.pp_size)
+        mbs = self.batching.split(rp.input_ids, mask_t, payload,
+                                  rp.attention_mask.long().sum(1))
 
         def post(mb, logits):
-            lp = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=g.tp,
-                                         tp_rank=g.tp_rank, vocab_size=self.spec.vocab_size)
+            lp = microbatch.unpack(mb, vocab_parallel_logprobs(
+                logits[:, :-1], mb.input_ids[:, 1:], tp_group=g.tp, tp_rank=g.tp_rank,
+                vocab_size=self.spec.vocab_size))
             p = mb.payload
             rows = p["m"].sum(1) > 0
             loss = implicit_prm_ce_loss(lp[rows], p["ref"][rows], p["m"][rows], p["o"][rows, 0],
@@ -575,10 +594,11 @@ class RLTrainer:
         if fault is not None:
             raise StepSkipped(fault)
         rp = batch.to_right_padded(self.pad)
-        mbs = cfg.actor.micro_batch_size
+        lengths = rp.attention_mask.long().sum(1)
         with t("old_logprobs"):
-            logp_old_t = self.actor.logprobs(rp.input_ids, mbs)
-            logp_ref_t = self.ref.logprobs(rp.input_ids, mbs) if self.ref is not None else None
+            logp_old_t = self.actor.logprobs(rp.input_ids, lengths)
+            logp_ref_t = (self.ref.logprobs(rp.input_ids, lengths) if self.ref is not None
+                          else None)
         R = batch.response_ids.shape[1]
         logp_old = targets_to_response(logp_old_t, rp, R)
         logp_ref = targets_to_response(logp_ref_t, rp, R) if logp_ref_t is not None else None
@@ -593,7 +613,7 @@ class RLTrainer:
         if self.implicit is not None:
             with t("prm_update"):
                 imp_ref_t = (logp_ref_t if self.implicit_ref is self.ref
-                             else self.implicit_ref.logprobs(rp.input_ids, mbs))
+                             else self.implicit_ref.logprobs(rp.input_ids, lengths))
                 metrics.update(self.update_implicit_prm(rp, sb, imp_ref_t))
         with t("weight_sync"):
             self.sync_weights()
@@ -758,6 +778,8 @@ class RLTrainer:
             if g.rank == 0:
                 print(f"[megaprm] final policy exported to {out}", flush=True)
         self.logger.close()
+        if self.lock is not None:
+            self.lock.release()
         return history
 
     def step_or_skip(self, step: int) -> dict:
@@ -786,13 +808,35 @@ class RLTrainer:
                   f"{d:.3g} > {LOGPROB_DIFF_WARN} (see docs/rollout.md)", flush=True)
 
 
+def _lock_run_dir(run_dir: str, groups: Groups):
+    """One run per run directory. The launcher (megaprm train) holds the lock for its ranks;
+    started any other way (a hand-written torchrun, tests), global rank 0 takes it here and every
+    rank learns the outcome, so a refused start stops all ranks with the same line."""
+    from megaprm.trainer.run_lock import RunLock, RunLockError
+
+    lock, err = None, None
+    if groups.rank == 0 and os.environ.get(LOCK_ENV) != os.path.abspath(run_dir):
+        try:
+            lock = RunLock(run_dir).acquire()
+        except RunLockError as e:
+            err = str(e)
+    err = agree(err, groups)
+    if err is not None:
+        if lock is not None:
+            lock.release()
+        raise checkpoint.CheckpointError(err.split(": ", 1)[-1])
+    return lock
+
+
+LOCK_ENV = "MEGAPRM_RUN_DIR_LOCKED"  # set by the launcher that holds the run directory's lock
 HELD_OUT_SEED = 987_654_321  # arithmetic eval problems; training draws seed*100_003 + step
 LOGPROB_DIFF_WARN = 1e-2     # fp32 engines agree to ~1e-6; bf16 vLLM vs Megatron ~1e-2 typical
 
 
-def _make_data(cfg: Config):
+def _make_data(cfg: Config, tokenizer=None, log=None):
     """step -> (prompt texts, ground truths) of the global prompt batch, deterministic in step
-    (the data position is the step number, so resume needs nothing else)."""
+    (the data position is the step number, so resume needs nothing else). A prompt file is read
+    once, with its load report printed (`log`) and `data.*` row rules applied."""
     P = cfg.data.prompts_per_step
     if cfg.data.task == "arithmetic":
         from megaprm.tasks.arithmetic import generate_problems
@@ -804,11 +848,17 @@ def _make_data(cfg: Config):
         return arithmetic
     from megaprm.tasks.datasets import load_prompts
 
-    records, report = load_prompts(cfg.data.path)
+    d = cfg.data
+    records, report = load_prompts(d.path, on_bad_row=d.on_bad_row,
+                                   keep_unanswered=d.keep_unanswered,
+                                   max_prompt_tokens=d.max_prompt_tokens,
+                                   long_prompt=d.long_prompt,
+                                   tokenizer=tokenizer if d.max_prompt_tokens else None, log=log)
     if not records:
-        raise ConfigError(f"data.path={cfg.data.path!r}: no usable rows ({report.summary()})")
+        raise ConfigError(f"data.path={d.path!r}: no usable rows ({report.summary()})")
 
     def math(step):
         rows = [records[(step * P + i) % len(records)] for i in range(P)]
         return [r.prompt for r in rows], [r.answer for r in rows]
+    math.report = report
     return math

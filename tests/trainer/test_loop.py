@@ -13,6 +13,7 @@ from megaprm.config import ConfigError, load_config
 from megaprm.parallel import launch
 
 DEMO_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "megaprm", "configs", "demo.yaml")
+PER_RANK = ("timing/", "throughput/", "weight_sync/")  # wall-clock: differs between runs
 SMALL = ["trainer.wandb=disabled", "trainer.progress=false", "rollout.max_tokens=20",
          "data.prompts_per_step=4", "rollout.n=4", "actor.micro_batch_size=4",
          "actor.optim.lr=1e-3", "advantage.prof.remove=2", "prm.input_format=raw"]
@@ -71,7 +72,7 @@ def test_every_method_runs_on_two_ranks(models, tmp_path, tp):
                 assert 0.0 <= m["reward/outcome_mean"] <= 1.0
                 assert m["timing/update_s"] > 0 and m["timing/rollout_s"] > 0
         # both ranks see the same (dp-reduced) training metrics; timings are per rank
-        same = [{k: v for k, v in r[method][-1].items() if not k.startswith("timing/")}
+        same = [{k: v for k, v in r[method][-1].items() if not k.startswith(PER_RANK)}
                 for r in results]
         assert same[0] == pytest.approx(same[1])
         jsonl = os.path.join(tmp_path, f"{method}-tp{tp}", "metrics.jsonl")
@@ -107,7 +108,7 @@ def test_kill_during_save_then_resume_reproduces(models, tmp_path):
     assert len(resumed) == 2  # steps 2 and 3 only
     for a, b in zip(resumed, ref[2:]):
         for k in a:
-            if not k.startswith("timing/"):
+            if not k.startswith(PER_RANK):
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
     rows = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -175,12 +176,12 @@ def _temperature_work(run_dir, policy, prm, temperature):
     tr._step = 0
     batch, _, _ = tr.rollout(0)
     rp = batch.to_right_padded(tr.pad)
-    old = loop.targets_to_response(tr.actor.logprobs(rp.input_ids, 4), rp,
+    old = loop.targets_to_response(tr.actor.logprobs(rp.input_ids), rp,
                                    batch.response_ids.shape[1])
     m = batch.response_mask.bool()
     diff = float((old - batch.sampler_logprobs)[m].abs().max())
     at_t1 = float((loop.targets_to_response(
-        _with_temperature(tr.actor, 1.0).logprobs(rp.input_ids, 4), rp,
+        _with_temperature(tr.actor, 1.0).logprobs(rp.input_ids), rp,
         batch.response_ids.shape[1]) - batch.sampler_logprobs)[m].abs().max())
     tr.engine.wake()
     hist = tr.fit()
@@ -213,7 +214,7 @@ def test_trainer_logprobs_are_the_samplers_at_the_rollout_temperature(models, tm
 
 # ------------------------------------------------------------------ metrics are global means
 
-def _metrics_work(run_dir, policy, prm, micro_batch_size):
+def _metrics_work(run_dir, policy, prm, micro_batch_size, packed=False):
     import torch.distributed as dist
 
     from megaprm.algorithms.losses import actor_loss
@@ -225,7 +226,9 @@ def _metrics_work(run_dir, policy, prm, micro_batch_size):
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=1", "actor.entropy_coef=0.01",
                                                  "rollout.temperature=0.8", "actor.mini_batches=1",
-                                                 f"actor.micro_batch_size={micro_batch_size}"])
+                                                 f"actor.micro_batch_size={micro_batch_size}",
+                                                 *(["actor.max_tokens_per_micro_batch=96"]
+                                                   if packed else [])])
     tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
     tr._step = 0
     batch, _, _ = tr.rollout(0)
@@ -254,13 +257,17 @@ def _metrics_work(run_dir, policy, prm, micro_batch_size):
     return metrics, ref
 
 
-@pytest.mark.parametrize("world,mbs", [(1, 10_000), (1, 3), (2, 10_000), (2, 3)],
-                         ids=["1rank-1mb", "1rank-3mb", "2ranks-1mb", "2ranks-3mb"])
-def test_update_metrics_equal_a_single_batch_reference(models, tmp_path, world, mbs):
+@pytest.mark.parametrize("world,mbs,packed", [(1, 10_000, False), (1, 3, False),
+                                              (2, 10_000, False), (2, 3, False), (1, 3, True)],
+                         ids=["1rank-1mb", "1rank-3mb", "2ranks-1mb", "2ranks-3mb",
+                              "1rank-packed"])
+def test_update_metrics_equal_a_single_batch_reference(models, tmp_path, world, mbs, packed):
     """Logged actor metrics are global token means over all micro-batches and ranks (maxima as
-    maxima), equal to one actor_loss call on the whole gathered batch."""
+    maxima), equal to one actor_loss call on the whole gathered batch; with sequences packed
+    into token-budget rows the update computes the same losses."""
     policy, prm = models
-    for metrics, ref in launch.spawn(_metrics_work, world, str(tmp_path), policy, prm, mbs):
+    for metrics, ref in launch.spawn(_metrics_work, world, str(tmp_path), policy, prm, mbs,
+                                     packed):
         for k in ("actor/pg_loss", "actor/clip_frac", "actor/ratio_mean", "actor/ratio_max",
                   "actor/approx_kl", "actor/entropy", "actor/entropy_token_mean", "actor/loss"):
             assert metrics[k] == pytest.approx(ref[k], rel=1e-4, abs=1e-6), k
@@ -282,13 +289,13 @@ def _rollback_work(run_dir, policy, prm):
     real = tr._update_minibatch
     calls = {"n": 0}
 
-    def poisoned(ids, m, adv, old, ref):  # the second mini-batch of the first step goes NaN
+    def poisoned(ids, m, adv, old, ref, **kw):  # the second mini-batch of the first step goes NaN
         calls["n"] += 1
         if calls["n"] == 1:  # a real update (a random policy earns no reward of its own)
             adv = torch.randn(adv.shape, generator=torch.Generator().manual_seed(0))
         if calls["n"] == 2:  # as from NaN logits: the ratio, the loss and the grads go NaN
             old = torch.full_like(old, float("nan"))
-        return real(ids, m, adv, old, ref)
+        return real(ids, m, adv, old, ref, **kw)
     tr._update_minibatch = poisoned
     before = [p.detach().clone() for p in tr.actor.model.parameters()]
     opt_before = len(tr.actor.opt.impl.state)
