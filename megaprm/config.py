@@ -46,7 +46,7 @@ class ModelConfig:
 
     path: Optional[str] = None
     dtype: str = "fp32"
-    impl: Optional[str] = None   # layer spec: te | sdpa | local (None: TE where it imports, else sdpa)
+    impl: Optional[str] = None   # layer spec te | sdpa | local; None: TE if it imports, else sdpa
     compile: bool = False        # torch.compile the layers (docs/actor.md)
     recompute: bool = False      # Megatron's full activation recompute, one layer at a time
 
@@ -124,6 +124,9 @@ class ActorConfig:
     # token budget per micro-batch (verl's ppo_max_token_len_per_gpu): sequences are packed into
     # rows of at most this many tokens instead of micro_batch_size padded rows; None: off
     max_tokens_per_micro_batch: Optional[int] = None
+    # PURE's guard (released models/loss.py:81-84): a micro-batch whose mean PPO ratio exceeds
+    # this contributes no gradient (loss x 0); None: off
+    skip_ratio_above: Optional[float] = None
 
     def __post_init__(self):
         _check(self.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
@@ -155,10 +158,19 @@ class PRMConfig:
     beta: float = 0.05
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, clip_grad=10.0))
     low_score: float = 0.5  # a step is "low" (PRM says wrong) below this probability
+    # PRIME's implicit PRM: optimiser steps per iteration on the accuracy-filtered rollouts
+    # (released: 4 = 1024 responses / reward_model.mini_batch_size 256) and the update order
+    # (after: each mini-batch scored inside the update, as released; none: never trained)
+    mini_batches: int = 1
+    update: str = "after"
 
     def __post_init__(self):
         _check(self.kind in ("discriminative", "implicit", "none"), "prm.kind", self.kind,
                "discriminative, implicit or none")
+        _check(isinstance(self.mini_batches, int) and self.mini_batches >= 1, "prm.mini_batches",
+               self.mini_batches, "an integer >= 1")
+        _check(self.update in ("after", "none"), "prm.update", self.update,
+               "after (released PRIME) or none")
         _check(self.input_format in ("auto", "qwen25_math_prm", "pure", "raw", "megaprm"),
                "prm.input_format", self.input_format, "auto, qwen25_math_prm, pure, raw or megaprm")
 

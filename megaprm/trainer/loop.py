@@ -488,6 +488,9 @@ class RLTrainer:
             out["actor/ratio_first_minibatch"] = first
         out["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) / max(updates, 1)
         out["actor/lr"] = self.cfg.actor.optim.lr
+        if self.cfg.actor.skip_ratio_above is not None:
+            out["actor/ratio_skipped_microbatches"] = sums.get(
+                "actor/ratio_skipped_microbatches", 0.0)
         return out
 
     def _update_minibatch(self, ids, m, adv, old, ref, lengths=None) -> Optional[dict]:
@@ -518,8 +521,12 @@ class RLTrainer:
                                    kl_kind=cfg.kl_kind, global_tokens=tokens, global_seqs=seqs,
                                    norm_len=self.cfg.rollout.max_tokens)
             n = float(p["m"].sum())
+            if cfg.skip_ratio_above is not None and met["actor/ratio_mean"] > cfg.skip_ratio_above:
+                loss = loss * 0.0  # PURE: this micro-batch moves nothing
+                met = {**met, "actor/ratio_skipped": 1.0}
             sums = {k: met[k] * n for k in ("actor/clip_frac", "actor/dual_clip_frac",
                                             "actor/approx_kl", "actor/ratio_mean")}
+            sums["actor/ratio_skipped_microbatches"] = met.get("actor/ratio_skipped", 0.0)
             sums["actor/entropy_token_mean"] = float((ent.detach() * p["m"]).sum())
             for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
                 if k in met:
@@ -735,6 +742,7 @@ class RLTrainer:
         models, optims, _ = self._ckpt_parts()
         state = checkpoint.load(self.ckpt_root, self.groups, models=models, optimizers=optims,
                                 config=self.digest_fields,
+                                fallback=self.cfg.trainer.resume_fallback,
                                 allow_config_change=self.cfg.trainer.allow_config_change,
                                 log=print if self.groups.rank == 0 else (lambda _m: None))
         if state is None:

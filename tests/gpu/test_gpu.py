@@ -48,7 +48,9 @@ def _config(run_dir, policy, prm, method, extra=()):
     kind = "implicit" if method == "prime" else (
         "discriminative" if method in ("pure", "prof_grpo", "papo", "blend") else "none")
     return load_config(DEMO_YAML, [f"trainer.run_dir={run_dir}", f"model.path={policy}",
-                                   f"prm.path={prm}", f"prm.kind={kind}",
+                                   # PRIME's implicit PRM starts from the policy
+                                   f"prm.path={'null' if method == 'prime' else prm}",
+                                   f"prm.kind={kind}",
                                    f"advantage.method={method}", *SMALL, *extra])
 
 

@@ -39,7 +39,9 @@ def _config(run_dir, policy, prm, method, extra=()):
     kind = "implicit" if method == "prime" else (
         "discriminative" if method in ("pure", "prof_grpo", "papo", "blend") else "none")
     return load_config(DEMO_YAML, [f"trainer.run_dir={run_dir}", f"model.path={policy}",
-                                   f"prm.path={prm}", f"prm.kind={kind}",
+                                   # PRIME's implicit PRM starts from the policy
+                                   f"prm.path={'null' if method == 'prime' else prm}",
+                                   f"prm.kind={kind}",
                                    f"advantage.method={method}", *SMALL, *extra])
 
 
@@ -344,3 +346,32 @@ def test_nan_reward_on_one_rank_is_skipped_by_both(models, tmp_path):
     for hist in results:
         assert hist[0].get("guard/skipped") == 1.0
         assert "guard/skipped" not in hist[1] and hist[1]["guard/skipped_total"] == 1.0
+
+
+def _ratio_guard_work(run_dir, policy, prm):
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer import loop
+
+    g = init_distributed()
+    # a threshold below 1 makes every micro-batch "exceed" it: PURE's guard then zeroes them all
+    cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=1", "actor.skip_ratio_above=0.5",
+                                                 "actor.mini_batches=1",
+                                                 "actor.micro_batch_size=4"])
+    tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
+    batch, _, _ = tr.rollout(0)
+    rp = batch.to_right_padded(tr.pad)
+    old = tr.actor.logprobs(rp.input_ids)
+    adv = torch.randn(old.shape, generator=torch.Generator().manual_seed(0))
+    before = [p.detach().clone() for p in tr.actor.model.parameters()]
+    m = tr.update_actor(rp, adv, old, None, torch.ones(rp.input_ids.shape[0]))
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, tr.actor.model.parameters()))
+    return m["actor/ratio_skipped_microbatches"], unchanged
+
+
+def test_pure_ratio_guard_zeroes_the_update(models, tmp_path):
+    """PURE's released guard: a micro-batch whose mean ratio exceeds the threshold moves
+    nothing (random advantages would otherwise move every weight)."""
+    policy, prm = models
+    skipped, unchanged = launch.spawn(_ratio_guard_work, 1, str(tmp_path), policy, prm)[0]
+    assert skipped >= 2 and unchanged
