@@ -1,8 +1,8 @@
 """The RL step as named phases (ARCHITECTURE.md "One RL step"):
 
-    rollout -> outcome reward -> process reward -> [agree] -> advantages (+ filter)
-    -> old/ref log-probs -> PPO update (all or nothing) -> implicit-PRM update (PRIME)
-    -> weight sync
+    rollout -> outcome reward -> process reward -> [agree] -> old/ref log-probs
+    -> implicit-PRM update + scores (PRIME) -> advantages (+ filter) -> PPO update (all or
+    nothing) -> weight sync
 
 Every rank runs the same code on its own data-parallel shard of the prompts; group statistics
 are reduced over the dp group inside the estimators; the Megatron models run under tp/pp
@@ -393,8 +393,9 @@ class RLTrainer:
         return t
 
     def process_reward(self, sb: ScoredBatch) -> None:
-        """Phase: PRM. Discriminative: P(step correct) per step; implicit: q per token."""
-        from megaprm.rewards.scoring import ChatStepFormat, implicit_prm_rewards, score_rollouts
+        """Phase: discriminative PRM, P(step correct) per step (PRIME's implicit PRM scores
+        inside its update, `prime_prm`)."""
+        from megaprm.rewards.scoring import ChatStepFormat, score_rollouts
         from megaprm.rewards.steps import prof_num_steps
 
         b, mbs = sb.rollout, self.cfg.actor.micro_batch_size
@@ -411,15 +412,6 @@ class RLTrainer:
             # step count, which is the same split after the PRM's truncation
             sb.prof_steps = (sb.step_mask.sum(1) if isinstance(self.prm_fmt, ChatStepFormat)
                              else prof_num_steps(b.decode_responses(self.tok)))
-        elif self.implicit is not None:
-            imp = implicit_prm_rewards(self.implicit.model, self.implicit_ref.model, self.groups,
-                                       b.prompt_ids, b.prompt_mask, b.response_ids,
-                                       b.response_mask, sep_ids=self.sep_ids,
-                                       vocab_size=self.spec.vocab_size, micro_batch_size=mbs,
-                                       pad_id=self.pad)
-            sb.q = to_host(imp.q)
-            if not torch.isfinite(sb.q).all():
-                raise FloatingPointError("implicit PRM produced non-finite rewards")
 
     def advantages(self, sb: ScoredBatch, logp_old_resp, logp_ref_resp) -> AdvantageOutputs:
         """Phase: estimator from the registry; group statistics reduced over dp (host group)."""
@@ -554,32 +546,79 @@ class RLTrainer:
                 "actor/grad_norm_max": grad_norm,
                 "actor/ratio_max": dp_reduce({"r": ratio_max}, g, op="max")["r"]}
 
-    def update_implicit_prm(self, rp: RightPadded, sb: ScoredBatch, logp_ref_t) -> dict:
-        """Phase (PRIME): BCE(sigmoid(beta * sum_t q_t), outcome) on the same rollouts (§1.3).
-        Padding rows (pp > 1 micro-batches) carry no mask and are left out of the loss."""
+    def prime_prm(self, sb: ScoredBatch, rp: RightPadded, lengths, logp_ref_t) -> dict:
+        """Phase (PRIME, released `update=after`, research §1.3/§1.6): the implicit PRM is
+        trained with BCE(sigmoid(beta * sum_t q_t), outcome) on the accuracy-filtered rollouts
+        in `prm.mini_batches` optimiser steps, and each mini-batch's q = log pi_prm - log pi_ref
+        is the one computed inside the update (mini-batch k is scored by the PRM after k-1
+        steps). Filtered-out rows are never trained on and get q = 0 (the policy loss masks
+        them). `prm.update=none` scores all rows with the current PRM and never trains it."""
+        from megaprm.algorithms import filters
+
+        cfg, g = self.cfg, self.groups
+        pc = cfg.advantage.prime
+        B = rp.input_ids.shape[0]
+        if cfg.prm.update == "none":
+            lp = self.implicit.logprobs(rp.input_ids, lengths)
+            self._set_q(sb, rp, lp - logp_ref_t)
+            return {}
+        keep = (filters.accuracy(sb.outcome.float(), sb.group_ids, low=pc.acc_low,
+                                 high=pc.acc_high, group=pipeline.optional_group(g.host_dp))
+                if pc.accuracy_filter else torch.ones(B, dtype=torch.bool))
+        rows = keep.nonzero()[:, 0]
+        q_t = torch.zeros(B, rp.input_ids.shape[1] - 1)
+        losses, norms, applied = [], [], []
+        for idx in rows.tensor_split(cfg.prm.mini_batches):
+            lp, loss, grad_norm, ok = self._prm_minibatch(rp, idx, logp_ref_t, lengths,
+                                                          sb.outcome)
+            if idx.numel():
+                q_t[idx] = lp - logp_ref_t[idx]
+            losses.append(loss)
+            norms.append(grad_norm)
+            applied.append(ok)
+        self._set_q(sb, rp, q_t)
+        return {"prm/loss": sum(losses) / len(losses), "prm/grad_norm": max(norms),
+                "prm/applied": float(all(applied)), "prm/updates": float(len(losses)),
+                "prm/trained_rows": dp_sum(float(rows.numel()), g)}
+
+    def _set_q(self, sb: ScoredBatch, rp: RightPadded, q_t: torch.Tensor) -> None:
+        b = sb.rollout
+        sb.q = targets_to_response(q_t, rp, b.response_ids.shape[1]) * b.response_mask
+        fault = None if torch.isfinite(sb.q).all() else "implicit PRM produced non-finite q"
+        fault = agree(fault, self.groups)
+        if fault is not None:
+            raise StepSkipped(fault)
+
+    def _prm_minibatch(self, rp: RightPadded, idx, logp_ref_t, lengths, outcome):
+        """One implicit-PRM optimiser step on rows `idx` of this rank (maybe none: the step's
+        collectives still run); returns (log-probs [n, L-1] before the step, loss, grad norm,
+        applied)."""
         g, beta = self.groups, self.cfg.prm.beta
-        mask_t = rp.loss_mask[:, :-1]
-        seqs = dp_sum(rp.input_ids.shape[0], g)
-        payload = {"ref": logp_ref_t, "m": mask_t,
-                   "o": sb.outcome.float()[:, None].expand_as(mask_t)}
-        mbs = self.batching.split(rp.input_ids, mask_t, payload,
-                                  rp.attention_mask.long().sum(1))
+        mask_t = rp.loss_mask[:, :-1][idx]
+        seqs = dp_sum(float(idx.numel()), g)
+        payload = {"ref": logp_ref_t[idx], "m": mask_t,
+                   "o": outcome.float()[idx][:, None].expand_as(mask_t)}
+        mbs = (self.batching.split(rp.input_ids[idx], mask_t, payload, lengths[idx])
+               if idx.numel() else [])
 
         def post(mb, logits):
             lp = microbatch.unpack(mb, vocab_parallel_logprobs(
                 logits[:, :-1], mb.input_ids[:, 1:], tp_group=g.tp, tp_rank=g.tp_rank,
                 vocab_size=self.spec.vocab_size))
             p = mb.payload
-            rows = p["m"].sum(1) > 0
-            loss = implicit_prm_ce_loss(lp[rows], p["ref"][rows], p["m"][rows], p["o"][rows, 0],
-                                        beta=beta, global_seqs=seqs)
-            return loss, float(loss.detach())
+            real = p["m"].sum(1) > 0  # pp padding rows carry no mask and no loss
+            loss = implicit_prm_ce_loss(lp[real], p["ref"][real], p["m"][real],
+                                        p["o"][real, 0], beta=beta, global_seqs=max(seqs, 1.0))
+            return loss, {"lp": lp.detach(), "loss": float(loss.detach())}
 
         self.implicit.opt.zero_grad()
         parts = pipeline.run(self.implicit.model, mbs, groups=g, post=post, forward_only=False)
-        loss = pipeline.broadcast_from_last_stage(dp_sum(sum(parts) if parts else 0.0, g), g)
+        lp = (to_host(microbatch.to_rows(mbs, [p["lp"] for p in parts], idx.numel()))
+              if parts else None)
+        loss = sum(p["loss"] for p in parts)
+        lp, loss = pipeline.broadcast_from_last_stage((lp, loss), g)
         grad_norm, applied = self.implicit.opt.step()
-        return {"prm/loss": loss, "prm/grad_norm": grad_norm, "prm/applied": float(applied)}
+        return lp, dp_sum(loss, g), grad_norm, applied
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict:
@@ -609,19 +648,20 @@ class RLTrainer:
         R = batch.response_ids.shape[1]
         logp_old = targets_to_response(logp_old_t, rp, R)
         logp_ref = targets_to_response(logp_ref_t, rp, R) if logp_ref_t is not None else None
+        prm_metrics = {}
+        if self.implicit is not None:  # PRIME: train the PRM (filtered, mini-batched), score
+            with t("prm_update"):
+                imp_ref_t = (logp_ref_t if self.implicit_ref is self.ref
+                             else self.implicit_ref.logprobs(rp.input_ids, lengths))
+                prm_metrics = self.prime_prm(sb, rp, lengths, imp_ref_t)
         with t("advantages"):
             adv = self.advantages(sb, logp_old, logp_ref)
         adv_t = response_to_targets(adv.advantages, rp)
-        metrics = self._rollout_metrics(sb, adv, logp_old)
+        metrics = {**self._rollout_metrics(sb, adv, logp_old), **prm_metrics}
         with t("update"):
             metrics.update(self.update_actor(rp, adv_t, logp_old_t,
                                              logp_ref_t if cfg.actor.kl_coef else None,
                                              adv.keep))
-        if self.implicit is not None:
-            with t("prm_update"):
-                imp_ref_t = (logp_ref_t if self.implicit_ref is self.ref
-                             else self.implicit_ref.logprobs(rp.input_ids, lengths))
-                metrics.update(self.update_implicit_prm(rp, sb, imp_ref_t))
         with t("weight_sync"):
             self.sync_weights()
         metrics.update(self.last_sync)

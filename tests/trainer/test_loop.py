@@ -375,3 +375,61 @@ def test_pure_ratio_guard_zeroes_the_update(models, tmp_path):
     policy, prm = models
     skipped, unchanged = launch.spawn(_ratio_guard_work, 1, str(tmp_path), policy, prm)[0]
     assert skipped >= 2 and unchanged
+
+
+# ------------------------------------------------------------------ PRIME's PRM loop as released
+
+def _prime_work(run_dir, policy, prm):
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer import loop
+
+    g = init_distributed()
+    cfg = _config(run_dir, policy, prm, "prime", ["trainer.steps=1", "prm.mini_batches=2",
+                                                  "prm.optim.lr=1e-2"])
+    tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
+    real_outcome = tr.outcome_reward
+
+    def mixed(batch, truths, group_ids):  # group 0 all correct (filtered), others half right
+        sb = real_outcome(batch, truths, group_ids)
+        first = sb.group_ids == sb.group_ids.min()
+        sb.outcome = torch.where(first, torch.ones_like(sb.outcome),
+                                 (torch.arange(len(sb.outcome)) % 2).float())
+        return sb
+    tr.outcome_reward = mixed
+    seen = {"params_at_call": [], "rows": []}
+    real_mb = tr._prm_minibatch
+
+    def recording(rp, idx, *a):
+        seen["params_at_call"].append([p.detach().clone() for p in tr.implicit.model.parameters()])
+        seen["rows"].append(idx.tolist())
+        return real_mb(rp, idx, *a)
+    tr._prm_minibatch = recording
+    captured = {}
+    real_adv = tr.advantages
+
+    def keep_q(sb, *a):
+        captured["q"], captured["group_ids"] = sb.q.clone(), sb.group_ids.clone()
+        captured["mask"] = sb.rollout.response_mask.clone()
+        return real_adv(sb, *a)
+    tr.advantages = keep_q
+    hist = tr.fit()
+    p0, p1 = seen["params_at_call"]
+    moved = any(not torch.equal(a, b) for a, b in zip(p0, p1))
+    return hist[0], seen["rows"], moved, captured
+
+
+def test_prime_prm_trains_on_the_filtered_batch_in_minibatches_scored_inside(models, tmp_path):
+    """Released PRIME (update=after): prm.mini_batches optimiser steps per iteration over the
+    accuracy-filtered rollouts only; mini-batch 2 is scored by the PRM after step 1; filtered
+    groups are never trained on and carry q = 0."""
+    policy, prm = models
+    m, rows, moved, cap = launch.spawn(_prime_work, 1, str(tmp_path), policy, prm)[0]
+    assert m["prm/updates"] == 2.0 and len(rows) == 2
+    first = cap["group_ids"] == cap["group_ids"].min()
+    trained = sorted(rows[0] + rows[1])
+    assert trained == (~first).nonzero()[:, 0].tolist()  # every kept row once, no filtered row
+    assert m["prm/trained_rows"] == len(trained)
+    assert moved, "mini-batch 2 was scored by the PRM before its first step"
+    assert torch.all(cap["q"][first] == 0)
+    assert torch.any(cap["q"][~first] * cap["mask"][~first] != 0)
