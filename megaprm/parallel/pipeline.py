@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from megaprm.parallel.device import comm_device, model_device, to_device
 from megaprm.parallel.groups import Groups
 
 
@@ -95,8 +96,10 @@ def run(model, micro_batches: List[TokenBatch], *, groups: Groups,
     if groups.pp_size > 1 and any(mb.input_ids.shape[0] != mbs for mb in micro_batches):
         raise ValueError("with pp > 1 every micro-batch must have the same batch size")
 
+    device = model_device(model)
+
     def step(data_iterator, model_chunk):
-        mb = next(data_iterator)
+        mb = to_device(next(data_iterator), device)  # the device rule's one crossing point
         output = forward(model_chunk, mb)
 
         def loss_func(output_tensor):
@@ -206,7 +209,7 @@ class Optimizer:
 
     def grad_norm(self) -> float:
         """L2 norm of the full model's grads: tp duplicates once, shared embedding once."""
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=comm_device(self.groups.backend))
         for p in self.params:
             g = p.main_grad if hasattr(p, "main_grad") else p.grad
             if g is None:
@@ -214,7 +217,7 @@ class Optimizer:
             duplicate = (not getattr(p, "tensor_model_parallel", False)) and self.groups.tp_rank > 0
             shared_copy = getattr(p, "shared_embedding", False) and not self.groups.is_first_stage
             if not duplicate and not shared_copy:
-                sq += g.double().pow(2).sum().cpu()
+                sq += g.double().pow(2).sum().to(sq.device)
         if self.groups.mp is not None and dist.get_world_size(self.groups.mp) > 1:
             dist.all_reduce(sq, group=self.groups.mp)
         return float(sq.sqrt())
@@ -225,6 +228,11 @@ class Optimizer:
 
         finalize_model_grads([self.model])
         if self.megatron:
+            # bf16 without a grad scaler: Megatron reports success on a NaN grad norm, so check
+            # the grads ourselves (agreed over all ranks) before any parameter moves
+            if not self.grads_finite():
+                self.zero_grad()
+                return float("nan"), False
             ok, norm, _ = self.impl.step()
             return float(norm or 0.0), bool(ok)
         for p in self.params:
@@ -241,12 +249,65 @@ class Optimizer:
             self.impl.step()
         return norm, True
 
+    def grads_finite(self) -> bool:
+        """True iff every rank's accumulated grads are finite (one all-reduce over the world;
+        with the distributed optimizer each rank may hold only its shard of the reduced grads)."""
+        bad = torch.zeros((), dtype=torch.float32, device=comm_device(self.groups.backend))
+        for p in self.params:
+            g = p.main_grad if hasattr(p, "main_grad") else p.grad
+            if g is not None:
+                bad += (~torch.isfinite(g)).any().to(bad.dtype).to(bad.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad)
+        return float(bad) == 0.0
+
+    def snapshot(self) -> dict:
+        """Host copies of everything a step changes: the model's parameters and the optimiser's
+        (main) parameters and state tensors. `restore(snapshot)` undoes any number of steps,
+        including the lazy creation of optimiser state on a first step."""
+        opts = _torch_optimizers(self.impl)
+        tensors = [p.data for p in self.model.parameters()]
+        for opt in opts:
+            for group in opt.param_groups:
+                tensors += [p.data for p in group["params"]]
+            for st in opt.state.values():
+                tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        seen, saved = set(), []
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                saved.append((t, t.detach().to("cpu", copy=True)))
+        had_state = [set(map(id, opt.state)) for opt in opts]
+        return {"tensors": saved, "opts": opts, "had_state": had_state}
+
+    @staticmethod
+    def restore(snapshot: dict) -> None:
+        with torch.no_grad():
+            for t, saved in snapshot["tensors"]:
+                t.copy_(saved)
+        for opt, had in zip(snapshot["opts"], snapshot["had_state"]):
+            for p in [p for p in opt.state if id(p) not in had]:
+                del opt.state[p]
+
     def state_dict(self):
         return self.impl.state_dict() if self.impl is not None else {}
 
     def load_state_dict(self, sd):
         if self.impl is not None:
             self.impl.load_state_dict(sd)
+
+
+def _torch_optimizers(impl) -> list:
+    """The torch optimisers inside a (chained) Megatron optimiser, or the torch one itself."""
+    if impl is None:
+        return []
+    if isinstance(impl, torch.optim.Optimizer):
+        return [impl]
+    chained = getattr(impl, "chained_optimizers", None)
+    if chained is not None:
+        return [o for c in chained for o in _torch_optimizers(c)]
+    inner = getattr(impl, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else []
 
 
 def build_stage(spec, groups: Groups, *, dtype=torch.float32, **kw):

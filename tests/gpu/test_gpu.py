@@ -14,44 +14,22 @@ import torch
 
 from megaprm.algorithms.registry import METHODS
 from megaprm.parallel import launch
+from tests.rl_setup import rl_config, tiny_policy_and_prm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA on this machine: the GPU tier did not run")]
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-DEMO_YAML = os.path.join(ROOT, "megaprm", "configs", "demo.yaml")
-SMALL = ["trainer.wandb=disabled", "trainer.progress=false", "rollout.max_tokens=16",
-         "data.prompts_per_step=4", "rollout.n=4", "actor.micro_batch_size=8",
-         "actor.optim.lr=1e-3", "advantage.prof.remove=2", "prm.input_format=raw",
-         "actor.mini_batches=1"]
+GPU = ["rollout.max_tokens=16", "actor.micro_batch_size=8", "actor.mini_batches=1"]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from megaprm.models.tiny import build_hf_model, save_tiny_model, tiny_config
-    from megaprm.tasks.tokenizer import build_char_tokenizer
-
-    tok = build_char_tokenizer()
-    root = tmp_path_factory.mktemp("gpu")
-    kw = dict(vocab_size=len(tok), hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-              intermediate_size=128, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    policy = save_tiny_model("qwen2", str(root / "policy"), tokenizer=tok, **kw)
-    prm = build_hf_model(tiny_config("qwen2", head="token_cls", **kw), seed=1)
-    prm.save_pretrained(str(root / "prm"))
-    tok.save_pretrained(str(root / "prm"))
-    return policy, str(root / "prm")
+    return tiny_policy_and_prm(tmp_path_factory.mktemp("gpu"), hidden=64)
 
 
 def _config(run_dir, policy, prm, method, extra=()):
-    from megaprm.config import load_config
-
-    kind = "implicit" if method == "prime" else (
-        "discriminative" if method in ("pure", "prof_grpo", "papo", "blend") else "none")
-    return load_config(DEMO_YAML, [f"trainer.run_dir={run_dir}", f"model.path={policy}",
-                                   # PRIME's implicit PRM starts from the policy
-                                   f"prm.path={'null' if method == 'prime' else prm}",
-                                   f"prm.kind={kind}",
-                                   f"advantage.method={method}", *SMALL, *extra])
+    return rl_config(run_dir, policy, prm, method, [*GPU, *extra])
 
 
 # ------------------------------------------------------------------ actor vs transformers

@@ -11,38 +11,20 @@ import torch
 from megaprm.algorithms.registry import METHODS
 from megaprm.config import ConfigError, load_config
 from megaprm.parallel import launch
+from tests.rl_setup import DEMO_YAML, rl_config, tiny_policy_and_prm
 
-DEMO_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "megaprm", "configs", "demo.yaml")
 PER_RANK = ("timing/", "throughput/", "weight_sync/")  # wall-clock: differs between runs
-SMALL = ["trainer.wandb=disabled", "trainer.progress=false", "rollout.max_tokens=20",
-         "data.prompts_per_step=4", "rollout.n=4", "actor.micro_batch_size=4",
-         "actor.optim.lr=1e-3", "advantage.prof.remove=2", "prm.input_format=raw"]
+LOOP = ["rollout.max_tokens=20", "actor.micro_batch_size=4"]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny policy and a tiny token-classification PRM sharing the char tokenizer."""
-    from megaprm.models.tiny import build_hf_model, save_tiny_model, tiny_config
-    from megaprm.tasks.tokenizer import build_char_tokenizer
-
-    tok = build_char_tokenizer()
-    root = tmp_path_factory.mktemp("models")
-    kw = dict(vocab_size=len(tok), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-              intermediate_size=64, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    policy = save_tiny_model("qwen2", str(root / "policy"), tokenizer=tok, **kw)
-    prm = build_hf_model(tiny_config("qwen2", head="token_cls", **kw), seed=1)
-    prm.save_pretrained(str(root / "prm"))
-    return policy, str(root / "prm")
+    return tiny_policy_and_prm(tmp_path_factory.mktemp("models"))
 
 
 def _config(run_dir, policy, prm, method, extra=()):
-    kind = "implicit" if method == "prime" else (
-        "discriminative" if method in ("pure", "prof_grpo", "papo", "blend") else "none")
-    return load_config(DEMO_YAML, [f"trainer.run_dir={run_dir}", f"model.path={policy}",
-                                   # PRIME's implicit PRM starts from the policy
-                                   f"prm.path={'null' if method == 'prime' else prm}",
-                                   f"prm.kind={kind}",
-                                   f"advantage.method={method}", *SMALL, *extra])
+    return rl_config(run_dir, policy, prm, method, [*LOOP, *extra])
 
 
 def _run_methods(run_root, policy, prm, tp, steps):
