@@ -800,6 +800,8 @@ class RLTrainer:
 
         cfg, g = self.cfg.trainer, self.groups
         start = self.maybe_resume()
+        if start == 0:  # a fresh start (or a kill before the first checkpoint): no old rows
+            self.logger.truncate_after(-1)
         crash_at = int(os.environ.get("MEGAPRM_CRASH_DURING_SAVE_AT", "-1"))  # tests only
         history = []
         bar = tqdm(range(start, cfg.steps), desc=f"RL {self.cfg.advantage.method}",

@@ -65,11 +65,20 @@ def test_train_two_ranks_export_verify_eval(policy, tmp_path):
     from safetensors.torch import load_file
 
     run_dir = tmp_path / "run"
-    p = run(train_cmd(policy, run_dir, "--nproc", "2", "trainer.steps=2"))
+    p = run(train_cmd(policy, run_dir, "--nproc", "2", "trainer.steps=2", "trainer.eval_every=1",
+                      "trainer.eval_problems=4"))
     assert p.returncode == 0, p.stderr[-4000:]
     rows = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["guard/skipped_total"] == 0 for r in rows)
+    assert all(0.0 <= r["eval/accuracy"] <= 1.0 and r["eval/problems"] == 4 for r in rows)
+    assert all(k in rows[0] for k in ("actor/entropy_token_mean", "actor/lr", "timing/step_s",
+                                      "throughput/tokens_per_s", "response/length_max"))
+    samples = [json.loads(x) for x in open(run_dir / "samples.jsonl")]
+    assert {s["step"] for s in samples} == {0, 1} and all("response" in s for s in samples)
+    p = run([*MEGAPRM, "plot", str(run_dir)])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert all((run_dir / "plots" / f"{f}.png").is_file() for f in ("actor", "eval", "reward"))
     step_dir = run_dir / "checkpoints" / "step_000001"
     assert (step_dir / "actor" / "megaprm_checkpoint.json").is_file()
 
