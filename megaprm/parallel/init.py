@@ -61,11 +61,17 @@ def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] =
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group(backend=backend, world_size=world_size, rank=rank,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        if "MASTER_ADDR" not in os.environ and world_size == 1:
+            # a world of one needs no rendezvous: an in-process store, no port to race for
+            dist.init_process_group(backend=backend, store=dist.HashStore(), world_size=1,
+                                    rank=0, timeout=timeout)
+        else:
+            if "MASTER_ADDR" not in os.environ:
+                os.environ["MASTER_ADDR"] = "127.0.0.1"
+                os.environ["MASTER_PORT"] = str(_free_port())
+            dist.init_process_group(backend=backend, world_size=world_size, rank=rank,
+                                    timeout=timeout)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(

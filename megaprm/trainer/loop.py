@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import List, Optional
@@ -803,6 +804,7 @@ class RLTrainer:
         if start == 0:  # a fresh start (or a kill before the first checkpoint): no old rows
             self.logger.truncate_after(-1)
         crash_at = int(os.environ.get("MEGAPRM_CRASH_DURING_SAVE_AT", "-1"))  # tests only
+        kill_at = os.environ.get("MEGAPRM_KILL_AT", "")  # tests only: "step:after_log|after_save"
         history = []
         bar = tqdm(range(start, cfg.steps), desc=f"RL {self.cfg.advantage.method}",
                    disable=not (cfg.progress and g.rank == 0), initial=start, total=cfg.steps)
@@ -813,6 +815,8 @@ class RLTrainer:
                 metrics.update(with_eval)
             self._warn_on_drift(step, metrics)
             self.logger.log(step, metrics)
+            if kill_at == f"{step}:after_log":
+                os.kill(os.getpid(), signal.SIGKILL)
             history.append(metrics)
             bar.set_postfix(reward=f"{metrics.get('reward/outcome_mean', float('nan')):.3f}")
             if on_step is not None:
@@ -820,6 +824,8 @@ class RLTrainer:
             last = step == cfg.steps - 1
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
                 self.save(step, crash_after_models=step == crash_at)
+                if kill_at == f"{step}:after_save":
+                    os.kill(os.getpid(), signal.SIGKILL)
         if cfg.export_hf:
             from megaprm.trainer.export import save_hf
 

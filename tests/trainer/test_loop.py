@@ -415,3 +415,37 @@ def test_prime_prm_trains_on_the_filtered_batch_in_minibatches_scored_inside(mod
     assert moved, "mini-batch 2 was scored by the PRM before its first step"
     assert torch.all(cap["q"][first] == 0)
     assert torch.any(cap["q"][~first] * cap["mask"][~first] != 0)
+
+
+# ------------------------------------------------------------------ metrics.jsonl after kills
+
+def _killable_run(run_dir, policy, prm, kill_at, crash_at):
+    os.environ["MEGAPRM_KILL_AT"] = kill_at
+    os.environ["MEGAPRM_CRASH_DURING_SAVE_AT"] = str(crash_at)
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer.loop import RLTrainer
+
+    g = init_distributed()
+    cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=4", "trainer.save_every=1",
+                                                 "rollout.max_tokens=8"])
+    return len(RLTrainer(cfg, g, build_char_tokenizer()).fit())
+
+
+def test_metrics_hold_each_step_once_after_kills_at_random_points(models, tmp_path):
+    """10 seeded trials: SIGKILL after a step is logged, inside a save (after the model files),
+    or right after a save; the restart resumes and metrics.jsonl holds steps 0..3 exactly once."""
+    import random
+
+    policy, prm = models
+    rng = random.Random(1234)
+    for trial in range(10):
+        run_dir = str(tmp_path / f"t{trial}")
+        step, where = rng.randrange(4), rng.choice(["after_log", "mid_save", "after_save"])
+        kill_at = f"{step}:{where}" if where != "mid_save" else ""
+        crash = step if where == "mid_save" else -1
+        with pytest.raises(launch.RankFailed):
+            launch.spawn(_killable_run, 1, run_dir, policy, prm, kill_at, crash)
+        launch.spawn(_killable_run, 1, run_dir, policy, prm, "", -1)
+        steps = [json.loads(x)["step"] for x in open(os.path.join(run_dir, "metrics.jsonl"))]
+        assert steps == [0, 1, 2, 3], (trial, step, where, steps)
