@@ -360,3 +360,16 @@ def install() -> types.ModuleType:
     """Make `import vllm` return this stand-in in the current process (spawned ranks)."""
     sys.modules["vllm"] = mod = module()
     return mod
+
+
+def call_names(log) -> list:
+    """A stand-in's call log without the constructor, wake tags / sleep level in the name."""
+    out = []
+    for entry in log[1:]:
+        name = entry[0]
+        if name == "wake_up":
+            name += ":" + ",".join(entry[1] or ["all"])
+        elif name == "sleep":
+            name += f":{entry[1]}"
+        out.append(name)
+    return out

@@ -33,15 +33,9 @@ def policy(tmp_path_factory):
 
 
 def _ops(log):
-    out = []
-    for entry in log[1:]:
-        name = entry[0]
-        if name == "wake_up":
-            name += ":" + ",".join(entry[1] or ["all"])
-        elif name == "sleep":
-            name += f":{entry[1]}"
-        out.append(name)
-    return out
+    import fake_vllm
+
+    return fake_vllm.call_names(log)
 
 
 def _record_hf(log):

@@ -47,15 +47,7 @@ def _engine(model_dir, **kw):
 
 def _ops(llm):
     """The call log without the constructor, wake tags folded into the name."""
-    out = []
-    for entry in llm.log[1:]:
-        name = entry[0]
-        if name == "wake_up":
-            name += ":" + ",".join(entry[1] or ["all"])
-        elif name == "sleep":
-            name += f":{entry[1]}"
-        out.append(name)
-    return out
+    return fake_vllm.call_names(llm.log)
 
 
 def _other_weights(seed=9):
