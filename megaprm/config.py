@@ -148,7 +148,8 @@ class ActorConfig:
 @dataclass
 class PRMConfig:
     """`kind`: discriminative (a PRM directory, scores per step), implicit (PRIME: a causal LM
-    initialised from the policy, updated online with outcome labels), or none."""
+    initialised from the policy, updated online with outcome labels), oracle (the arithmetic
+    task's exact step labels as scores 1/0: the best any PRM could do), or none."""
 
     kind: str = "discriminative"
     path: Optional[str] = None
@@ -165,8 +166,9 @@ class PRMConfig:
     update: str = "after"
 
     def __post_init__(self):
-        _check(self.kind in ("discriminative", "implicit", "none"), "prm.kind", self.kind,
-               "discriminative, implicit or none")
+        _check(self.kind in ("discriminative", "implicit", "oracle", "none"), "prm.kind",
+               self.kind, "discriminative, implicit, oracle (exact step labels, arithmetic task) "
+               "or none")
         _check(isinstance(self.mini_batches, int) and self.mini_batches >= 1, "prm.mini_batches",
                self.mini_batches, "an integer >= 1")
         _check(self.update in ("after", "none"), "prm.update", self.update,
@@ -223,9 +225,12 @@ class Config:
 
     def __post_init__(self):
         needs_steps = self.advantage.method in ("pure", "prof_grpo", "papo", "blend")
-        if needs_steps and self.prm.kind != "discriminative":
+        if needs_steps and self.prm.kind not in ("discriminative", "oracle"):
             raise ConfigError(f"advantage.method={self.advantage.method!r} needs per-step scores: "
-                              f"set prm.kind=discriminative (got {self.prm.kind!r})")
+                              f"set prm.kind=discriminative or oracle (got {self.prm.kind!r})")
+        if self.prm.kind == "oracle" and self.data.task != "arithmetic":
+            raise ConfigError("prm.kind=oracle scores steps with the exact checker of the "
+                              f"arithmetic task; data.task={self.data.task!r} has none")
         if self.trainer.eval_every and self.data.task == "math" and not self.data.eval_path:
             raise ConfigError("trainer.eval_every needs data.eval_path (held-out prompts) for "
                               "data.task=math; set it or trainer.eval_every=0")

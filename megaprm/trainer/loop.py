@@ -372,6 +372,7 @@ class RLTrainer:
                       for p, t, r in zip(truths_b, texts, batch.finish_reason)]
             outcome = torch.tensor([float(c.final_correct) for c in checks])
             wrong_step = torch.tensor([c.correct_with_wrong_step for c in checks])
+            self._checks = checks  # the oracle PRM's labels
         else:
             from megaprm.rewards.verifiers import score_outcomes
 
@@ -400,6 +401,10 @@ class RLTrainer:
         from megaprm.rewards.steps import prof_num_steps
 
         b, mbs = sb.rollout, self.cfg.actor.micro_batch_size
+        if self.cfg.prm.kind == "oracle":
+            sb.step_scores, sb.step_mask = oracle_step_scores(self._checks, sb.seg.step_mask)
+            sb.prof_steps = prof_num_steps(b.decode_responses(self.tok))
+            return
         if self.prm is not None:
             scores, _ = score_rollouts(self.prm, self.groups, b.prompt_ids, b.prompt_mask,
                                        b.response_ids, b.response_mask, sep_ids=self.sep_ids,
@@ -862,6 +867,17 @@ class RLTrainer:
         if d is not None and d > LOGPROB_DIFF_WARN and self.groups.rank == 0:
             print(f"[megaprm] warning: step {step}: sampler vs trainer log-prob max |diff| "
                   f"{d:.3g} > {LOGPROB_DIFF_WARN} (see docs/rollout.md)", flush=True)
+
+
+def oracle_step_scores(checks: list, step_mask: torch.Tensor) -> tuple:
+    """The oracle process reward: step k of response i scores 1.0 if the exact checker marks it
+    correct, else 0.0 ([B, S], on the token segmentation's steps, which `split_steps` matches;
+    a step the checker did not see scores 0)."""
+    scores = torch.zeros(step_mask.shape, dtype=torch.float32)
+    for i, c in enumerate(checks):
+        n = min(len(c.step_correct), step_mask.shape[1])
+        scores[i, :n] = torch.tensor(c.step_correct[:n], dtype=torch.float32)
+    return scores * step_mask, step_mask.bool()
 
 
 def _lock_run_dir(run_dir: str, groups: Groups):

@@ -449,3 +449,52 @@ def test_metrics_hold_each_step_once_after_kills_at_random_points(models, tmp_pa
         launch.spawn(_killable_run, 1, run_dir, policy, prm, "", -1)
         steps = [json.loads(x)["step"] for x in open(os.path.join(run_dir, "metrics.jsonl"))]
         assert steps == [0, 1, 2, 3], (trial, step, where, steps)
+
+
+# ------------------------------------------------------------------ the oracle process reward
+
+def test_oracle_step_scores_are_the_exact_checkers_labels():
+    """prm.kind=oracle: step k scores 1/0 as check_steps marks it, on the token segmentation's
+    steps; a wrong_result corruption has exactly one 0, a reference solution none."""
+    import random
+
+    from megaprm.rewards.steps import segment_steps, separator_token_ids
+    from megaprm.tasks.arithmetic import (ArithmeticConfig, check_steps, corrupt_solution,
+                                          generate_problems, reference_solution)
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer.loop import oracle_step_scores
+
+    tok = build_char_tokenizer()
+    probs = generate_problems(ArithmeticConfig(), 24, seed=5)
+    rng = random.Random(0)
+    texts = [reference_solution(p) if i % 2 else corrupt_solution(p, rng, "wrong_result")
+             for i, p in enumerate(probs)]
+    rows = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in texts]
+    R = max(map(len, rows))
+    ids = torch.tensor([r + [tok.pad_token_id] * (R - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (R - len(r)) for r in rows])
+    seg = segment_steps(ids, mask, separator_token_ids(tok))
+    checks = [check_steps(p, t) for p, t in zip(probs, texts)]
+    scores, smask = oracle_step_scores(checks, seg.step_mask)
+    for i, c in enumerate(checks):
+        n = int(smask[i].sum())
+        assert n == len(c.step_correct), i  # the checker's steps are the segmentation's
+        assert scores[i, :n].tolist() == [float(x) for x in c.step_correct]
+        assert (scores[i, :n] == 0).sum() == (0 if i % 2 else 1)
+
+
+def _oracle_rl_work(run_dir, policy, prm):
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer.loop import RLTrainer
+
+    g = init_distributed()
+    cfg = _config(run_dir, policy, prm, "prof_grpo", ["trainer.steps=1", "prm.kind=oracle"])
+    tr = RLTrainer(cfg, g, build_char_tokenizer())
+    return tr.prm is None, tr.fit()[0]
+
+
+def test_prof_grpo_runs_on_the_oracle_prm(models, tmp_path):
+    policy, prm = models
+    no_model, m = launch.spawn(_oracle_rl_work, 1, str(tmp_path), policy, prm)[0]
+    assert no_model and m["guard/skipped_total"] == 0 and "prm/outcome_agreement" in m
