@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass
 from megaprm.tasks.datasets import BENCHMARKS, load_benchmark
 
 PROMPT_TEMPLATE = "{question} Let's think step by step and output the final answer within \\boxed{{}}."
-_CKPT_MARKER = "megaprm_checkpoint.json"  # checkpoint_tools.layout.META_FILE
 
 
 @dataclass(frozen=True)
@@ -121,13 +120,15 @@ def prompt_ids(tokenizer, question: str) -> list[int]:
 
 # ---------------------------------------------------------------------------------- model
 def is_megatron_checkpoint(path: str) -> bool:
-    """A megaprm checkpoint in the one format: checkpoint_tools' (or a trainer's step_N/actor),
-    a trainer's step_N, or a trainer run directory (its checkpoints/ hold step_N)."""
-    candidates = [path, os.path.join(path, "actor")]
-    ckpts = os.path.join(path, "checkpoints")
-    if os.path.isdir(ckpts):
-        candidates += [os.path.join(ckpts, d, "actor") for d in os.listdir(ckpts)]
-    return any(os.path.isfile(os.path.join(c, _CKPT_MARKER)) for c in candidates)
+    """A megaprm checkpoint in the one format (checkpoint_tools.layout.resolve_checkpoint: a
+    checkpoint, a trainer's step_N or its run directory)."""
+    from checkpoint_tools.layout import ConversionError, resolve_checkpoint
+
+    try:
+        resolve_checkpoint(path)
+    except ConversionError:
+        return False
+    return True
 
 
 def resolve_model(path: str, workdir: str) -> str:
@@ -138,7 +139,7 @@ def resolve_model(path: str, workdir: str) -> str:
         return path
     if not is_megatron_checkpoint(path):
         raise ValueError(f"--model {path}: neither an HF model directory (config.json) nor a "
-                         f"megaprm checkpoint ({_CKPT_MARKER}: checkpoint_tools import-hf, a "
+                         "megaprm checkpoint (checkpoint_tools import-hf, a "
                          "trainer run directory or its checkpoints/step_N)")
     out = os.path.join(workdir, "hf")
     cmd = [sys.executable, "-m", "checkpoint_tools", "export-hf", "--ckpt", path, "--out", out,

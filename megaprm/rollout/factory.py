@@ -15,9 +15,6 @@ import torch
 from megaprm.config import RolloutConfig
 from megaprm.rollout.engine import RolloutEngine, preserved_rng_and_device
 
-# vLLM memory settings, read from RolloutConfig when it carries them (field name -> default).
-VLLM_DEFAULTS = {"gpu_memory_utilization": 0.5, "sleep_level": 1}
-
 
 def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, world_size: int,
                  tp_size: int, seed: int, device) -> RolloutEngine:
@@ -38,9 +35,10 @@ def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, worl
         pad = pad if pad is not None else (eos or (0,))[0]
         from megaprm.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-        extra = {k: getattr(rollout_cfg, k, v) for k, v in VLLM_DEFAULTS.items()}
         cfg = VLLMEngineConfig(tensor_parallel_size=tp_size, external_launcher=world_size > 1,
-                               seed=seed, pad_token_id=int(pad), eos_token_ids=eos, **extra)
+                               seed=seed, pad_token_id=int(pad), eos_token_ids=eos,
+                               gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+                               sleep_level=rollout_cfg.sleep_level)
         return VLLMEngine(model_path, cfg)  # saves/restores RNG and device itself
     from megaprm.rollout.hf_engine import HFEngine, HFEngineConfig
 

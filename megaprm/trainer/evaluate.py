@@ -4,17 +4,9 @@ over the dp group (host side). Arithmetic is checked step by step; math is grade
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
 from megaprm.parallel.groups import Groups
+from megaprm.parallel.host import dp_reduce
 from megaprm.rollout.engine import SamplingParams
-
-
-def _dp_sum(counts: torch.Tensor, groups: Groups) -> torch.Tensor:
-    if groups.dp_size > 1:
-        dist.all_reduce(counts, group=groups.host_dp)
-    return counts
 
 
 def evaluate_arithmetic(engine, tokenizer, groups: Groups, problems: list,
@@ -30,11 +22,12 @@ def evaluate_arithmetic(engine, tokenizer, groups: Groups, problems: list,
     texts = batch.decode_responses(tokenizer)
     checks = [check_steps(p, t, ends_with_eos=r == "stop")
               for p, t, r in zip(local, texts, batch.finish_reason)]
-    counts = _dp_sum(torch.tensor([len(checks), sum(c.final_correct for c in checks),
-                                   sum(c.correct_with_wrong_step for c in checks),
-                                   sum(c.all_steps_correct and c.final_correct for c in checks)],
-                                  dtype=torch.float64), groups)
-    total, correct, wrong_step, clean = counts.tolist()
+    counts = dp_reduce({"total": len(checks), "correct": sum(c.final_correct for c in checks),
+                        "wrong_step": sum(c.correct_with_wrong_step for c in checks),
+                        "clean": sum(c.all_steps_correct and c.final_correct for c in checks)},
+                       groups)
+    total, correct, wrong_step, clean = (counts[k] for k in ("total", "correct", "wrong_step",
+                                                             "clean"))
     return {"accuracy": correct / max(total, 1),
             "correct_with_wrong_step": wrong_step / max(correct, 1),
             "all_steps_correct": clean / max(total, 1), "problems": int(total)}
@@ -51,6 +44,6 @@ def evaluate_math(engine, tokenizer, groups: Groups, prompts: list, answers: lis
                             SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens,
                                            stop_token_ids=(tokenizer.eos_token_id,)))
     scores = score_outcomes(batch.decode_responses(tokenizer), answers[lo:lo + per], kind="math")
-    counts = _dp_sum(torch.tensor([float(len(scores)), float(scores.sum())], dtype=torch.float64),
-                     groups)
-    return {"accuracy": float(counts[1] / counts[0].clamp(min=1)), "problems": int(counts[0])}
+    counts = dp_reduce({"total": len(scores), "correct": float(scores.sum())}, groups)
+    return {"accuracy": counts["correct"] / max(counts["total"], 1),
+            "problems": int(counts["total"])}

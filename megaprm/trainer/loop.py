@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
 from megaprm.algorithms.losses import actor_loss, implicit_prm_ce_loss
 from megaprm.algorithms.registry import AdvantageInputs, AdvantageOutputs, compute_advantages
@@ -42,6 +41,7 @@ from megaprm.models.logprobs import vocab_parallel_logprobs
 from megaprm.parallel import microbatch, pipeline, weight_sync
 from megaprm.parallel.device import to_host
 from megaprm.parallel.groups import Groups
+from megaprm.parallel.host import agree, dp_mean, dp_reduce, dp_sum
 from megaprm.rollout.engine import RightPadded, RolloutBatch, SamplingParams
 from megaprm.trainer import checkpoint, model_source
 from megaprm.trainer.metrics import MetricsLogger, PhaseTimer
@@ -69,39 +69,6 @@ class ScoredBatch:
     correct_with_wrong_step: Optional[torch.Tensor] = None
     step_mask: Optional[torch.Tensor] = None   # [B, S] bool: the PRM's steps (step_scores')
     prof_steps: Optional[torch.Tensor] = None  # [B] PROF's H_i as released (text steps)
-
-
-# ----------------------------------------------------------------------------- host reductions
-
-def dp_reduce(values: dict, groups: Groups, op: str = "sum") -> dict:
-    """Reduce rank-local scalar metrics over the dp group (one all-reduce of a CPU tensor on the
-    host dp group). op: sum | max."""
-    if not values:
-        return {}
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    if groups.dp_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
-                        group=groups.host_dp)
-    return dict(zip(keys, t.tolist()))
-
-
-def dp_mean(values: dict, groups: Groups) -> dict:
-    return {k: v / groups.dp_size for k, v in dp_reduce(values, groups).items()}
-
-
-def dp_sum(x: float, groups: Groups) -> float:
-    return dp_reduce({"x": x}, groups)["x"]
-
-
-def agree(fault: Optional[str], groups: Groups) -> Optional[str]:
-    """Every rank learns whether any rank faulted (one gather over all ranks, on the agreement
-    group whose timeout is short); returns the first fault's message, or None."""
-    if groups.world_size == 1 or not dist.is_initialized():
-        return fault
-    msgs: list = [None] * groups.world_size
-    dist.all_gather_object(msgs, fault, group=groups.agree)
-    return next(((f"rank {r}: {m}") for r, m in enumerate(msgs) if m is not None), None)
 
 
 # ----------------------------------------------------------------------------- config digest

@@ -12,7 +12,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-META_FILE = "megaprm_checkpoint.json"
 
 
 @dataclass(frozen=True)
@@ -27,42 +26,35 @@ class ModelSource:
 
 
 def resolve(path: Optional[str], what: str = "model.path") -> ModelSource:
-    """Classify `path`; a one-line ValueError names what is missing and what would work."""
+    """Classify `path` (an HF directory, else whatever `checkpoint_tools.layout.
+    resolve_checkpoint` accepts: a checkpoint, a trainer step dir or run dir); a one-line
+    ValueError names what is missing and what would work."""
+    from checkpoint_tools import layout
+
     if path is None or not os.path.isdir(path):
         raise ValueError(f"{what}={path!r} is not a directory; point it at an HF model directory "
                          "(config.json + safetensors) or a megaprm checkpoint "
                          "(checkpoint_tools import-hf, or a trainer's checkpoints/step_N/actor)")
-    if os.path.isfile(os.path.join(path, META_FILE)):
-        hf, model = os.path.join(path, "hf"), os.path.join(path, "model")
-        if not (os.path.isfile(os.path.join(hf, "config.json")) and os.path.isdir(model)):
-            raise ValueError(f"{what}={path!r} has {META_FILE} but lacks hf/config.json or model/;"
-                             " the checkpoint is incomplete")
-        return ModelSource(path, hf, model)
-    if os.path.isdir(os.path.join(path, "actor")) and os.path.isfile(
-            os.path.join(path, "actor", META_FILE)):
-        return resolve(os.path.join(path, "actor"), what)  # a trainer step_N directory
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return ModelSource(path, path, None)
+    try:
+        ckpt = layout.resolve_checkpoint(path)
+    except layout.ConversionError:
         raise ValueError(f"{what}={path!r} has no config.json; pass an HF model directory or a "
-                         "megaprm checkpoint directory")
-    return ModelSource(path, path, None)
+                         "megaprm checkpoint directory") from None
+    return ModelSource(ckpt, os.path.join(ckpt, layout.HF_SUBDIR),
+                       os.path.join(ckpt, layout.MODEL_SUBDIR))
 
 
 def load_weights(model, src: ModelSource, spec, groups) -> None:
     """Fill this rank's stage from `src` (HF safetensors through the mapping, or the dist
-    checkpoint resharded to this run's tp/pp)."""
+    checkpoint resharded to this run's tp/pp, as checkpoint_tools loads it)."""
     if not src.is_megatron:
         from megaprm.models.mapping import load_hf_weights
 
         load_hf_weights(model, src.hf_dir, spec, tp_rank=groups.tp_rank, tp_size=groups.tp_size,
                         pp=groups.pp_size, pp_rank=groups.pp_rank)
         return
-    from checkpoint_tools.stages import sharded_state_dict
-    from megatron.core import dist_checkpointing
+    from checkpoint_tools.convert import load_checkpoint
 
-    m = model.module if hasattr(model, "module") else model
-    state = dist_checkpointing.load(sharded_state_dict(m), src.megatron_dir)
-    result = m.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    if missing:
-        raise ValueError(f"{src.megatron_dir} lacks {len(missing)} weight(s) the model needs: "
-                         f"{missing[:5]}")
+    load_checkpoint(model.module if hasattr(model, "module") else model, src.megatron_dir)

@@ -406,9 +406,9 @@ def prm_train_step(model, optimizer, groups: Groups, data: EncodedSteps, rows: t
                                 loss_mask=lm_mask)
     parts = pipeline.run(model, mbs, groups=groups, post=post, forward_only=False)
     grad_norm, _ = optimizer.step()
-    totals = (sum(parts) if parts else torch.zeros(2)).double()
+    totals = (sum(parts) if parts else torch.zeros(2)).double().cpu()  # host side
     if groups.dp_size > 1:
-        dist.all_reduce(totals, group=groups.dp)
+        dist.all_reduce(totals, group=groups.host_dp)
     loss, lm = pipeline.broadcast_from_last_stage(totals, groups).tolist()
     return loss, grad_norm, lm
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megaprm.models.logprobs import vocab_parallel_logprobs
 from megaprm.parallel import pipeline
 from megaprm.parallel.groups import Groups
+from megaprm.parallel.host import dp_sum
 
 
 @dataclass
@@ -22,13 +22,6 @@ class StepResult:
     grad_norm: float
     applied: bool
     tokens: int
-
-
-def global_sum(x: float, groups: Groups) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    if groups.dp_size > 1:
-        dist.all_reduce(t, group=groups.dp)
-    return float(t.item())
 
 
 def micro_batches(input_ids: torch.Tensor, loss_mask: torch.Tensor, size: int,
@@ -49,7 +42,7 @@ def sft_step(model, optimizer, groups: Groups, input_ids: torch.Tensor,
 
     input_ids [b, s] long (right-padded); loss_mask [b, s] float, last column ignored.
     """
-    denom = global_sum(loss_mask[:, :-1].sum().item(), groups)
+    denom = dp_sum(loss_mask[:, :-1].sum().item(), groups)
     if denom == 0:
         raise ValueError("sft_step: the batch has no loss tokens on any rank")
     pad = input_ids.shape[1] if groups.pp_size > 1 else None
@@ -65,6 +58,6 @@ def sft_step(model, optimizer, groups: Groups, input_ids: torch.Tensor,
     parts = pipeline.run(model, mbs, groups=groups, post=post, forward_only=False)
     grad_norm, applied = optimizer.step()
     local = float(sum(p.item() for p in parts)) if parts else 0.0
-    loss = global_sum(local, groups)  # dp sum of per-rank sums of already-normalised parts
+    loss = dp_sum(local, groups)  # dp sum of per-rank sums of already-normalised parts
     loss = pipeline.broadcast_from_last_stage(loss, groups)
     return StepResult(loss=loss, grad_norm=grad_norm, applied=applied, tokens=int(denom))

@@ -40,10 +40,10 @@ def _packed_sft_step(ddp, opt, g, ids, mask, lengths, vocab_size):
     (`microbatch.unpack`) so the loss code is the one for right-padded rows."""
     from megaprm.models.logprobs import vocab_parallel_logprobs
     from megaprm.parallel import microbatch, pipeline
-    from megaprm.trainer.sft import global_sum
+    from megaprm.parallel.host import dp_sum
 
     m = mask[:, :-1]
-    denom = global_sum(m.sum().item(), g)
+    denom = dp_sum(m.sum().item(), g)
     mbs = microbatch.make_micro_batches(ids, mask, {"m": m}, max_tokens=MAX_TOKENS,
                                         lengths=lengths, pp_size=g.pp_size)
     assert all(mb.input_ids.shape[0] == 1 for mb in mbs) and len(mbs) < ids.shape[0]
@@ -57,7 +57,7 @@ def _packed_sft_step(ddp, opt, g, ids, mask, lengths, vocab_size):
     opt.zero_grad()
     parts = pipeline.run(ddp, mbs, groups=g, post=post, forward_only=False)
     opt.step()
-    loss = global_sum(float(sum(p.item() for p in parts)) if parts else 0.0, g)
+    loss = dp_sum(float(sum(p.item() for p in parts)) if parts else 0.0, g)
     return pipeline.broadcast_from_last_stage(loss, g)
 
 
