@@ -192,6 +192,11 @@ def hf_dtype_name(cfg: dict) -> str:
     return _HF_DTYPE_NAMES.get(str(name).removeprefix("torch."), "fp32")
 
 
+def has_weights(hf_dir: str) -> bool:
+    """Whether an HF directory holds weight files (a checkpoint's hf/ holds only side files)."""
+    return any(_WEIGHT_FILE.match(f) for f in os.listdir(hf_dir))
+
+
 def side_files(hf_dir: str) -> list[str]:
     """Top-level non-weight files of an HF directory (config, tokenizer, generation config...)."""
     return sorted(f for f in os.listdir(hf_dir)

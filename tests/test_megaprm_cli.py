@@ -97,6 +97,14 @@ def test_train_two_ranks_export_verify_eval(policy, tmp_path):
              str(step_dir / "actor")])
     assert p.returncode == 0 and json.loads(p.stdout)["passed"], p.stdout + p.stderr[-2000:]
 
+    # a new run starts from the trainer's Megatron checkpoint (model.path = its step dir): the
+    # engine is built without weights and receives the checkpoint's, so sampler and trainer agree
+    p = run(train_cmd(policy, tmp_path / "from-ckpt", "--nproc", "1", "trainer.steps=1",
+                      f"model.path={step_dir}"))
+    assert p.returncode == 0, p.stderr[-4000:]
+    row = json.loads(open(tmp_path / "from-ckpt" / "metrics.jsonl").readline())
+    assert row["rollout/logprob_diff_max"] <= 1e-4, row["rollout/logprob_diff_max"]
+
     p = run([*MEGAPRM, "eval", "--model", str(step_dir), "--benchmarks", "math500", "--limit",
              "2", "--k", "1", "--max-tokens", "4", "--no-progress", "--out",
              str(tmp_path / "eval.json")])

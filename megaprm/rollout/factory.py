@@ -29,6 +29,11 @@ def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, worl
     if world_size < 1 or tp_size < 1 or world_size % tp_size:
         raise ValueError(f"build_engine: world_size={world_size} must be a positive multiple of "
                          f"tp_size={tp_size}")
+    from checkpoint_tools.layout import has_weights
+
+    # a megaprm checkpoint's hf/ has the config but no weights: the engine starts from random
+    # weights and receives the actor's with the first update_weights (the trainer syncs at once)
+    weights = has_weights(model_path)
     eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
     pad = tokenizer.pad_token_id
     if rollout_cfg.engine == "vllm":
@@ -38,10 +43,15 @@ def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, worl
         cfg = VLLMEngineConfig(tensor_parallel_size=tp_size, external_launcher=world_size > 1,
                                seed=seed, pad_token_id=int(pad), eos_token_ids=eos,
                                gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-                               sleep_level=rollout_cfg.sleep_level)
+                               sleep_level=rollout_cfg.sleep_level,
+                               load_format="auto" if weights else "dummy")
         return VLLMEngine(model_path, cfg)  # saves/restores RNG and device itself
     from megaprm.rollout.hf_engine import HFEngine, HFEngineConfig
 
+    ecfg = HFEngineConfig(device=str(torch.device(device)), pad_token_id=pad, eos_token_ids=eos)
     with preserved_rng_and_device():
-        return HFEngine.from_pretrained(model_path, HFEngineConfig(
-            device=str(torch.device(device)), pad_token_id=pad, eos_token_ids=eos))
+        if not weights:
+            from transformers import AutoConfig
+
+            return HFEngine.from_config(AutoConfig.from_pretrained(model_path), ecfg, seed=seed)
+        return HFEngine.from_pretrained(model_path, ecfg)

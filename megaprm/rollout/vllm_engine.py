@@ -88,6 +88,7 @@ class VLLMEngineConfig:
     seed: int = 0
     pad_token_id: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    load_format: str = "auto"  # "dummy": random weights, the first update_weights brings them
 
     def __post_init__(self):
         def bad(field, why):
@@ -131,7 +132,8 @@ class VLLMEngine:
                   "gpu_memory_utilization": cfg.gpu_memory_utilization,
                   "enable_sleep_mode": True, "dtype": cfg.dtype,
                   "enforce_eager": cfg.enforce_eager, "seed": cfg.seed,
-                  "logprobs_mode": "processed_logprobs", "skip_tokenizer_init": True}
+                  "logprobs_mode": "processed_logprobs", "skip_tokenizer_init": True,
+                  "load_format": cfg.load_format}
         if cfg.max_model_len is not None:
             kwargs["max_model_len"] = cfg.max_model_len
         if cfg.external_launcher:

@@ -28,7 +28,8 @@ VERSION = "0.33.0"
 # the first ones, the rest are EngineArgs fields (`engine/arg_utils.py:503,519,520,531,627,799`).
 LLM_KWARGS = {"model", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep_mode",
               "dtype", "enforce_eager", "seed", "logprobs_mode", "skip_tokenizer_init",
-              "max_model_len", "distributed_executor_backend"}
+              "max_model_len", "distributed_executor_backend",
+              "load_format"}  # EngineArgs.load_format (LoadConfig: "auto" | "dummy" | ...)
 
 
 class IllegalMemoryAccess(RuntimeError):
