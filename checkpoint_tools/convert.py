@@ -273,15 +273,77 @@ def in_process_write_queue():
         filesystem_async._results_queue = prev
 
 
-def save_checkpoint(model, ckpt_model_dir: str) -> None:
-    """Synchronous torch_dist save of this stage (global keys: loads at any tp/pp)."""
+WRITER_THREADS = 4  # files per rank; the loader reads whatever number the metadata lists
+
+
+@contextlib.contextmanager
+def threaded_writers(fsync: bool):
+    """Megatron's synchronous torch_dist save still forks one writer process per file (a fork
+    of a process holding the whole stage) and fsyncs every file: measured on the 424 MB model,
+    the save took 0.9-1.2 s against 0.3-0.65 s for the same bytes written by threads of this
+    process without fsync. This runs the same per-file writer (`write_preloaded_data`, same
+    bytes, same format) in threads of this process; `fsync` keeps Megatron's fsync per file.
+    The files are made durable (or not) like a plain safetensors save: the conversion renames
+    its tmp dir into place only after every rank has returned."""
+    import queue
+    import threading
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    writer = filesystem_async.FileSystemWriterAsync
+    prev = writer.__dict__["write_preloaded_data_multiproc"]
+
+    def write_in_threads(transform_list, use_msc, rank, write_buckets, results_queue):
+        local, done = queue.Queue(), queue.Queue()
+        threads = []
+        for i, bucket in enumerate(write_buckets):
+            done.put(i)
+            kw = {"use_msc": use_msc} if use_msc else {}
+            threads.append(threading.Thread(
+                target=writer.write_preloaded_data,
+                args=(transform_list, i, bucket, local, done, fsync), kwargs=kw, daemon=True))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out: dict | Exception = {}
+        while not local.empty():
+            i, res = local.get()
+            if isinstance(res, Exception):
+                out = res
+                break
+            out[i] = res
+        if not isinstance(out, Exception) and len(out) != len(write_buckets):
+            out = RuntimeError(f"torch_dist writer: {len(out)} of {len(write_buckets)} files "
+                               "reported back")
+        results_queue.put(out)
+
+    writer.write_preloaded_data_multiproc = staticmethod(write_in_threads)
+    try:
+        with in_process_write_queue():
+            yield
+    finally:
+        writer.write_preloaded_data_multiproc = prev
+
+
+def save_strategy(threads: int = WRITER_THREADS):
+    """torch_dist save strategy with `threads` writer files per rank (Megatron's default: 2)."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
+
+
+def save_checkpoint(model, ckpt_model_dir: str, *, fsync: bool = False) -> None:
+    """Synchronous torch_dist save of this stage (global keys: loads at any tp/pp), written by
+    threads of this process (see `threaded_writers`)."""
     from megatron.core import dist_checkpointing
 
     if dist.get_rank() == 0:
         os.makedirs(ckpt_model_dir, exist_ok=True)
     dist.barrier()
-    with in_process_write_queue():
-        dist_checkpointing.save(stages.sharded_state_dict(model), ckpt_model_dir)
+    with threaded_writers(fsync):
+        dist_checkpointing.save(stages.sharded_state_dict(model), ckpt_model_dir,
+                                sharded_strategy=save_strategy())
 
 
 def load_checkpoint(model, ckpt_model_dir: str) -> None:
