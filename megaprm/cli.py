@@ -1,4 +1,5 @@
-"""`megaprm {demo,train,train-prm,eval,bench,plot,convert}`: thin wrappers over the packages.
+"""`megaprm {demo,compare,train,train-prm,eval,bench,plot,convert}`: thin wrappers over the
+packages.
 
 Commands that need several ranks validate everything they can without ranks (config, model vs
 tp/pp, paths, resume layout), then re-launch themselves under torchrun through
@@ -76,6 +77,44 @@ def cmd_demo(args) -> int:
         summary = demo.run(dcfg, groups)
         if groups.rank == 0:
             demo.print_summary(summary)
+        destroy()
+        return 0
+
+    return _on_ranks(args, sys.argv[1:], preflight, body)
+
+
+def cmd_compare(args) -> int:
+    from megaprm import compare
+
+    def csv(text):
+        return tuple(x for x in (text or "").split(",") if x)
+
+    ccfg = compare.CompareConfig(
+        run_dir=args.run_dir, methods=csv(args.methods), seeds=args.seeds,
+        oracle=csv(args.oracle), rl_steps=args.rl_steps, hack_steps=args.hack_steps,
+        eval_problems=args.eval_problems, sampled_n=args.sampled_n,
+        warmup_steps=args.warmup_steps, prm_steps=args.prm_steps,
+        prm_examples=args.prm_examples, wandb=args.wandb, extra=list(args.overrides))
+
+    def preflight():
+        from megaprm.config import load_config
+        from megaprm.parallel.launch import world_size_of
+        from megaprm.trainer.preflight import check_batch
+
+        world = world_size_of(args)
+        demo_yaml = os.path.join(os.path.dirname(compare.__file__), "configs", "demo.yaml")
+        cfg = load_config(demo_yaml, ccfg.extra)  # the overrides every run gets are valid
+        check_batch(cfg, world)
+
+    def body():
+        from megaprm.parallel.init import destroy, init_distributed
+
+        groups = init_distributed(tp=1, pp=1, seed=0)
+        report = compare.run(ccfg, groups)
+        if groups.rank == 0:
+            print("\n" + compare.markdown(report))
+            print(f"[compare] wrote {ccfg.run_dir}/compare.json, compare.md and "
+                  + ", ".join(report["plots"]))
         destroy()
         return 0
 
@@ -184,6 +223,34 @@ def _parser() -> argparse.ArgumentParser:
                    help="override the held-out problems of the before/after evaluation")
     add_launch_args(d, cpu_default=2)
     d.set_defaults(fn=cmd_demo)
+
+    from dataclasses import fields
+
+    from megaprm.compare import ALL_METHODS, CompareConfig
+
+    defaults = argparse.Namespace(**{f.name: f.default for f in fields(CompareConfig)})
+    cp = sub.add_parser("compare", help="every method side by side on the exact-label task: "
+                                        "shared warm-up and PRM, RL per (method, seed), table")
+    cp.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated subset")
+    cp.add_argument("--seeds", type=int, default=defaults.seeds)
+    cp.add_argument("--oracle", default=",".join(defaults.oracle),
+                    help="methods also run with the exact step labels as process reward "
+                         "('' for none)")
+    cp.add_argument("--run-dir", default=defaults.run_dir)
+    cp.add_argument("--rl-steps", type=int, default=defaults.rl_steps)
+    cp.add_argument("--hack-steps", type=int, default=defaults.hack_steps,
+                    help="steps of the reward-hacking run (PURE on the PRM alone); 0: none")
+    cp.add_argument("--eval-problems", type=int, default=defaults.eval_problems)
+    cp.add_argument("--sampled-n", type=int, default=defaults.sampled_n,
+                    help="samples per held-out problem in the sampled evaluation")
+    cp.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    cp.add_argument("--prm-steps", type=int, default=defaults.prm_steps)
+    cp.add_argument("--prm-examples", type=int, default=defaults.prm_examples)
+    cp.add_argument("--wandb", default=defaults.wandb, choices=("offline", "online", "disabled"))
+    cp.add_argument("overrides", nargs="*", help="dotted overrides for every RL run, e.g. "
+                                                 "actor.optim.lr=1e-4")
+    add_launch_args(cp, cpu_default=2)
+    cp.set_defaults(fn=cmd_compare)
 
     t = sub.add_parser("train", help="RL from a YAML recipe (configs/) + dotted overrides")
     t.add_argument("--config", required=True)

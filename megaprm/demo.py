@@ -52,6 +52,16 @@ class DemoConfig:
 
 TASK = ArithmeticConfig(num_ops=(2, 4), operand_max=20, ops="+-", seed=0)
 
+# Each method's own knobs on the demo task; the actor, batch and schedule (configs/demo.yaml)
+# are shared, so methods differ only in their rewards and estimator. PRIME: the implicit PRM
+# starts from the policy with twice the actor's lr (released: PRM 1e-6 / actor 5e-7,
+# configs/prime.yaml). PURE: the released PRM's step reward is 2p - 1 (token-classification
+# head), the megaprm PRM gives p.
+METHOD_OVERRIDES = {
+    "prime": ["prm.kind=implicit", "prm.path=null", "prm.optim.lr=1e-4"],
+    "pure": ["advantage.pure.step_scores_are_probs=true"],
+}
+
 
 def init_policy(dcfg: DemoConfig, tokenizer, out_dir: str, rank: int) -> str:
     from megaprm.models.tiny import save_tiny_model
@@ -198,8 +208,7 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
     overrides = [f"trainer.run_dir={rl_dir}", f"model.path={sft_dir}",
                  f"prm.path={prm_dir}", f"trainer.steps={dcfg.rl_steps}",
                  f"trainer.seed={dcfg.seed}", f"advantage.method={dcfg.method}"]
-    if dcfg.method == "prime":
-        overrides += ["prm.kind=implicit", "prm.path=null"]
+    overrides += METHOD_OVERRIDES.get(dcfg.method, [])
     cfg = load_config(os.path.join(os.path.dirname(__file__), "configs", "demo.yaml"), overrides)
     trainer = RLTrainer(cfg, groups, tok)
     before = evaluate(trainer.engine, tok, groups, dcfg.eval_problems)

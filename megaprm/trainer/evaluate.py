@@ -10,18 +10,23 @@ from megaprm.rollout.engine import SamplingParams
 
 
 def evaluate_arithmetic(engine, tokenizer, groups: Groups, problems: list,
-                        max_tokens: int = 64) -> dict:
-    """accuracy, the share of correct answers resting on a wrong step, fully-correct share."""
+                        max_tokens: int = 64, *, temperature: float = 0.0, n: int = 1,
+                        seed: int = 0) -> dict:
+    """accuracy, the share of correct answers resting on a wrong step, fully-correct share.
+    Greedy by default; `temperature > 0` draws `n` samples per problem (seeded per dp rank, so
+    the result does not depend on the order of evaluations) and counts every sample."""
     from megaprm.tasks.arithmetic import check_steps
 
     per = len(problems) // groups.dp_size
     local = problems[groups.dp_rank * per:(groups.dp_rank + 1) * per]
+    params = SamplingParams(n=n if temperature > 0 else 1, temperature=temperature,
+                            max_tokens=max_tokens, stop_token_ids=(tokenizer.eos_token_id,),
+                            seed=(seed + 1_000_003 * groups.dp_rank) % 2**31)
     batch = engine.generate([tokenizer.encode(p.prompt, add_special_tokens=False) for p in local],
-                            SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens,
-                                           stop_token_ids=(tokenizer.eos_token_id,)))
+                            params)
     texts = batch.decode_responses(tokenizer)
-    checks = [check_steps(p, t, ends_with_eos=r == "stop")
-              for p, t, r in zip(local, texts, batch.finish_reason)]
+    checks = [check_steps(local[g], t, ends_with_eos=r == "stop")
+              for g, t, r in zip(batch.group_index.tolist(), texts, batch.finish_reason)]
     counts = dp_reduce({"total": len(checks), "correct": sum(c.final_correct for c in checks),
                         "wrong_step": sum(c.correct_with_wrong_step for c in checks),
                         "clean": sum(c.all_steps_correct and c.final_correct for c in checks)},

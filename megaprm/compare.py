@@ -1,0 +1,554 @@
+"""`megaprm compare`: the methods side by side on the arithmetic task, where every step of every
+solution is checked exactly, so "right for the right reasons" is measured, not estimated.
+
+One warm-up policy and one PRM are trained once (cached by their settings, shared with nothing
+else), then every (method, process reward, seed) runs RL from that same start with the same
+actor settings (configs/demo.yaml; only the rewards and the estimator differ, each method's own
+knobs in `demo.METHOD_OVERRIDES`), and is evaluated on the same held-out problems, greedy and
+sampled at the rollout temperature. Process rewards: `learned` (the PRM trained here),
+`oracle` (the task's exact step labels, `prm.kind=oracle`: the best any PRM could do) and
+`implicit` (PRIME's own PRM). A reward-hacking run trains PURE on the PRM alone
+(`advantage.pure.reward_mode=PRM`, no outcome reward) and keeps its monitors.
+
+Output in RUN_DIR: compare.json (every run, per seed and aggregated: mean and a 95% t-interval
+over seeds), compare.md (the table), plots/*.png (bars per method, curves over RL steps, the
+reward-hacking monitors). Resumable: a finished run (its result.json, same settings) is not
+re-run; an interrupted one restarts from step 0.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the parser imports this module: torch and the packages load in the ranks
+    from megaprm.parallel.groups import Groups
+
+ALL_METHODS = ("grpo", "rloo", "prof_grpo", "papo", "pure", "prime", "blend")
+# methods whose advantages read the discriminative/oracle step scores (the others ignore them:
+# their oracle row would be the same run, so it is not re-run)
+READS_STEP_SCORES = ("prof_grpo", "papo", "pure", "blend")
+# monitors kept per RL step for the curves (metrics.jsonl keys)
+CURVE_KEYS = ("reward/outcome_mean", "exact/correct_with_wrong_step_frac",
+              "prm/outcome_agreement", "prm/correct_with_low_prm_frac", "response/steps_mean",
+              "response/tokens_per_step", "response/length_mean", "actor/entropy")
+SAMPLED_SEED = 424_242
+
+
+@dataclass
+class CompareConfig:
+    run_dir: str = "runs/compare"
+    methods: tuple = ALL_METHODS
+    seeds: int = 3
+    oracle: tuple = ("grpo", "prof_grpo", "papo")
+    rl_steps: int = 40
+    hack_steps: int = 40          # the reward-hacking run (PURE on the PRM alone); 0 = none
+    eval_problems: int = 200
+    sampled_n: int = 4            # samples per held-out problem at the rollout temperature
+    warmup_steps: int = 400       # the demo's warm-up
+    # the PRM recipe of docs/prm.md that reached held-out step AUROC 0.942 on this task in
+    # 5.6 CPU minutes: random-init hidden-64 trunk, 20 head-only + N whole-model steps of 64
+    # solutions, lr 2e-3 cosine, auxiliary LM loss on correct solutions
+    prm_steps: int = 3000
+    prm_examples: int = 16000
+    prm_hidden: int = 64
+    prm_layers: int = 4
+    wandb: str = "offline"
+    extra: list = field(default_factory=list)  # dotted overrides applied to every RL run
+
+    def __post_init__(self):
+        from megaprm.algorithms.registry import METHODS
+
+        self.methods = tuple(self.methods)
+        self.oracle = tuple(self.oracle)
+        for name, chosen in (("--methods", self.methods), ("--oracle", self.oracle)):
+            bad = [m for m in chosen if m not in METHODS]
+            if bad:
+                raise ValueError(f"{name}: unknown method(s) {bad}; choose from {list(METHODS)}")
+        if not self.methods:
+            raise ValueError("--methods: give at least one method, e.g. --methods grpo,prof_grpo")
+        missing = [m for m in self.oracle if m not in self.methods]
+        if missing:
+            raise ValueError(f"--oracle {','.join(missing)}: an oracle row is compared with the "
+                             f"method's learned row; add it to --methods as well")
+        if self.seeds < 1 or self.rl_steps < 1 or self.eval_problems < 2:
+            raise ValueError("--seeds and --rl-steps must be >= 1 and --eval-problems >= 2")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    method: str
+    prm: str       # learned | oracle | implicit
+    seed: int
+    hack: bool = False
+
+    @property
+    def name(self) -> str:
+        return (f"hack-{self.method}-prm-only-s{self.seed}" if self.hack
+                else f"{self.method}-{self.prm}-s{self.seed}")
+
+
+def plan(ccfg: CompareConfig) -> list[RunSpec]:
+    """Every run to make, in order: learned rows, oracle rows, then the reward-hacking run."""
+    runs = []
+    for m in ccfg.methods:
+        for s in range(ccfg.seeds):
+            runs.append(RunSpec(m, "implicit" if m == "prime" else "learned", s))
+    for m in ccfg.oracle:
+        if m in READS_STEP_SCORES:
+            runs += [RunSpec(m, "oracle", s) for s in range(ccfg.seeds)]
+    if ccfg.hack_steps:
+        runs.append(RunSpec("pure", "learned", 0, hack=True))
+    return runs
+
+
+def run_overrides(spec: RunSpec, ccfg: CompareConfig, sft_dir: str, prm_dir: str) -> list[str]:
+    from megaprm import demo
+
+    ov = [f"model.path={sft_dir}", f"prm.path={prm_dir}", "prm.kind=discriminative",
+          f"trainer.steps={ccfg.hack_steps if spec.hack else ccfg.rl_steps}",
+          f"trainer.seed={spec.seed}", f"advantage.method={spec.method}",
+          f"trainer.wandb={ccfg.wandb}"]
+    if spec.prm == "oracle":
+        ov += ["prm.kind=oracle", "prm.path=null"]
+    ov += demo.METHOD_OVERRIDES.get(spec.method, [])
+    if spec.hack:  # PURE's "PRM" reward mode: the process reward alone, no verifiable reward
+        ov += ["advantage.pure.reward_mode=PRM"]
+    return ov + list(ccfg.extra)
+
+
+# ------------------------------------------------------------------------------ stages
+
+def _digest(blob) -> str:
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _read_json(path: str):
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _write_json(path: str, obj, groups: Groups) -> None:
+    if groups.rank == 0:
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, default=float)
+        os.replace(tmp, path)
+    _barrier(groups)
+
+
+def _barrier(groups: Groups) -> None:
+    if groups.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _say(groups: Groups, msg: str) -> None:
+    if groups.rank == 0:
+        print(f"[compare] {msg}", flush=True)
+
+
+def warmup_stage(ccfg: CompareConfig, groups: Groups, tok) -> tuple[str, dict]:
+    from megaprm import demo
+
+    """The demo's supervised warm-up (same code, own directory), cached by its settings."""
+    dcfg = demo.DemoConfig(run_dir=ccfg.run_dir, warmup_steps=ccfg.warmup_steps)
+    sft_dir = os.path.join(ccfg.run_dir, "sft")
+    digest = demo._stage_digest(dcfg, "sft")
+    rec = demo._cached(sft_dir, digest)
+    if rec is None:
+        t = time.perf_counter()
+        init_dir = demo.init_policy(dcfg, tok, os.path.join(ccfg.run_dir, "init"), groups.rank)
+        rec = {"final_loss": demo.warmup(dcfg, groups, tok, init_dir, sft_dir),
+               "seconds": time.perf_counter() - t}
+        demo._mark_done(sft_dir, digest, groups, **rec)
+    else:
+        _say(groups, f"warm-up: reusing {sft_dir} (same settings)")
+    return sft_dir, {**rec, "digest": digest}
+
+
+def prm_recipe(ccfg: CompareConfig) -> dict:
+    from megaprm import demo
+
+    return dict(arithmetic=demo.TASK, num_train=ccfg.prm_examples, num_eval=512,
+                stage1_steps=20, stage1_lr=1e-3, stage2_steps=ccfg.prm_steps, stage2_lr=2e-3,
+                warmup_steps=min(50, ccfg.prm_steps), lr_decay="cosine", lm_loss_weight=1.0,
+                global_batch_size=64, micro_batch_size=32, log_every=250, seed=0)
+
+
+def prm_stage(ccfg: CompareConfig, groups: Groups, tok) -> tuple[str, dict]:
+    from megaprm import demo
+
+    """The comparison's PRM: docs/prm.md's recipe from a random-init trunk, cached."""
+    from megaprm.models.tiny import save_tiny_model
+    from megaprm.trainer.prm_training import PRMTrainConfig, train_prm
+
+    prm_dir = os.path.join(ccfg.run_dir, "prm")
+    recipe = prm_recipe(ccfg)
+    # the logging interval does not change the PRM (normalised so a cache survives it)
+    digest = _digest({"recipe": {**recipe, "log_every": 0}, "hidden": ccfg.prm_hidden,
+                      "layers": ccfg.prm_layers})
+    rec = demo._cached(prm_dir, digest)
+    if rec is not None:
+        _say(groups, f"PRM: reusing {prm_dir} (same settings, held-out step AUROC "
+                     f"{rec['auroc']:.3f})")
+        return prm_dir, rec
+    init_dir = os.path.join(ccfg.run_dir, "prm_init")
+    if groups.rank == 0:
+        save_tiny_model("qwen2", init_dir, seed=0, tokenizer=tok, vocab_size=len(tok),
+                        hidden_size=ccfg.prm_hidden, num_layers=ccfg.prm_layers, num_heads=4,
+                        num_kv_heads=2, intermediate_size=3 * ccfg.prm_hidden,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    _barrier(groups)
+    _say(groups, f"PRM: training ({ccfg.prm_steps} steps x 64 solutions; docs/prm.md's recipe)")
+    res = train_prm(PRMTrainConfig(model_dir=init_dir, output_dir=prm_dir, **recipe), groups)
+    rec = {"auroc": res.eval.auroc, "f1": res.eval.f1, "train_s": res.train_seconds,
+           "per_kind": res.eval.per_kind,
+           "recipe": {k: (v if k != "arithmetic" else repr(v)) for k, v in recipe.items()},
+           "trunk": f"qwen2 hidden {ccfg.prm_hidden}, {ccfg.prm_layers} layers, random init"}
+    demo._mark_done(prm_dir, digest, groups, **rec)
+    return prm_dir, {**rec, "digest": digest}
+
+
+def eval_problems(ccfg: CompareConfig) -> list:
+    from megaprm import demo
+
+    from megaprm.tasks.arithmetic import generate_problems
+    from megaprm.trainer.loop import HELD_OUT_SEED
+
+    return generate_problems(demo.TASK, ccfg.eval_problems, seed=HELD_OUT_SEED)
+
+
+def evaluate_policy(engine, tok, groups: Groups, ccfg: CompareConfig, temperature: float) -> dict:
+    from megaprm.trainer.evaluate import evaluate_arithmetic
+
+    probs = eval_problems(ccfg)
+    greedy = evaluate_arithmetic(engine, tok, groups, probs)
+    sampled = evaluate_arithmetic(engine, tok, groups, probs, temperature=temperature,
+                                  n=ccfg.sampled_n, seed=SAMPLED_SEED)
+    return {"greedy": greedy, "sampled": sampled}
+
+
+def baseline_stage(ccfg: CompareConfig, groups: Groups, tok, sft_dir: str, sft_digest: str,
+                   temperature: float) -> dict:
+    """The warm-up policy's evaluation: the common 'before RL' row."""
+    from megaprm.config import RolloutConfig
+    from megaprm.parallel.device import rank_device
+    from megaprm.rollout.factory import build_engine
+
+    path = os.path.join(ccfg.run_dir, "baseline.json")
+    digest = _digest([sft_digest, ccfg.eval_problems, ccfg.sampled_n, temperature])
+    rec = _read_json(path)
+    if rec is not None and rec.get("digest") == digest:
+        return rec
+    engine = build_engine(RolloutConfig(engine="hf"), sft_dir, tok, world_size=groups.world_size,
+                          tp_size=1, seed=0, device=rank_device())
+    rec = {"digest": digest, **evaluate_policy(engine, tok, groups, ccfg, temperature)}
+    del engine
+    _write_json(path, rec, groups)
+    return rec
+
+
+def _curves(history: list) -> dict:
+    return {k: [h.get(k) for h in history] for k in CURVE_KEYS if any(k in h for h in history)}
+
+
+def _tail_mean(xs: list, n: int = 5) -> float | None:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs[-n:]) / len(xs[-n:]) if xs else None
+
+
+def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: str, prm_dir: str,
+            base_digest: str) -> dict:
+    from megaprm.config import load_config
+    from megaprm.trainer.loop import RLTrainer
+
+    d = os.path.join(ccfg.run_dir, "rl", spec.name)
+    overrides = run_overrides(spec, ccfg, sft_dir, prm_dir)
+    digest = _digest([base_digest, overrides, ccfg.eval_problems, ccfg.sampled_n])
+    res_path = os.path.join(d, "result.json")
+    rec = _read_json(res_path)
+    if rec is not None and rec.get("digest") == digest:
+        return rec
+    if groups.rank == 0 and os.path.isdir(d):  # interrupted or other settings: start over
+        shutil.rmtree(d)
+    _barrier(groups)
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "configs", "demo.yaml"),
+                      [f"trainer.run_dir={d}", *overrides])
+    t = time.perf_counter()
+    trainer = RLTrainer(cfg, groups, tok)
+    history = trainer.fit()
+    rl_s = time.perf_counter() - t
+    trainer._engine_awake()
+    ev = evaluate_policy(trainer.engine, tok, groups, ccfg, cfg.rollout.temperature)
+    curves = _curves(history)
+    rec = {"digest": digest, **asdict(spec), "name": spec.name, "overrides": overrides, **ev,
+           "train_end": {k: _tail_mean(v) for k, v in curves.items()},
+           "curves": curves, "rl_s": rl_s, "eval_s": time.perf_counter() - t - rl_s}
+    del trainer, history
+    gc.collect()
+    _write_json(res_path, rec, groups)
+    return rec
+
+
+# ------------------------------------------------------------------------------ statistics
+
+# two-sided 95% Student-t quantiles t_{0.975, df} (standard tables), df = seeds - 1
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t975(df: int) -> float:
+    if df in _T975:
+        return _T975[df]
+    below = max(k for k in _T975 if k <= df) if df < 30 else None
+    return _T975[below] if below else 1.96 + 2.4 / df  # conservative between table rows
+
+
+def mean_ci(xs: list) -> dict:
+    """Mean and the half-width of a 95% t-interval over seeds (None with one seed)."""
+    xs = [float(x) for x in xs if x is not None]
+    if not xs:
+        return {"mean": None, "ci95": None, "n": 0}
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return {"mean": m, "ci95": None, "n": len(xs)}
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return {"mean": m, "ci95": t975(len(xs) - 1) * sd / math.sqrt(len(xs)), "n": len(xs)}
+
+
+# (label, path into a result) of every column of the table
+COLUMNS = (("greedy accuracy", ("greedy", "accuracy")),
+           ("greedy fully correct", ("greedy", "all_steps_correct")),
+           ("greedy correct with a wrong step", ("greedy", "correct_with_wrong_step")),
+           ("sampled accuracy", ("sampled", "accuracy")),
+           ("sampled correct with a wrong step", ("sampled", "correct_with_wrong_step")),
+           ("train reward (last 5 steps)", ("train_end", "reward/outcome_mean")),
+           ("PRM/outcome agreement (last 5)", ("train_end", "prm/outcome_agreement")))
+
+
+def _get(rec: dict, path: tuple):
+    for k in path:
+        rec = rec.get(k) if isinstance(rec, dict) else None
+    return rec
+
+
+def aggregate(results: list, ccfg: CompareConfig) -> list:
+    """One row per (method, process reward): per-seed values, mean and 95% interval per column.
+    An oracle row of a method that reads no step scores is its learned row (same run)."""
+    rows, by_key = [], {}
+    for r in results:
+        if not r.get("hack"):
+            by_key.setdefault((r["method"], r["prm"]), []).append(r)
+    keys = list(by_key)
+    for m in ccfg.oracle:
+        if m not in READS_STEP_SCORES and (m, "oracle") not in by_key:
+            src = (m, "implicit" if m == "prime" else "learned")
+            if src in by_key:
+                by_key[(m, "oracle")] = by_key[src]
+                keys.append((m, "oracle"))
+    for key in keys:
+        recs = sorted(by_key[key], key=lambda r: r["seed"])
+        row = {"method": key[0], "prm": key[1], "seeds": [r["seed"] for r in recs],
+               "same_run_as_learned": key[1] == "oracle" and key[0] not in READS_STEP_SCORES}
+        for label, path in COLUMNS:
+            vals = [_get(r, path) for r in recs]
+            row[label] = {"per_seed": vals, **mean_ci(vals)}
+        rows.append(row)
+    return rows
+
+
+def _fmt(cell: dict) -> str:
+    if cell.get("mean") is None:
+        return "-"
+    return (f"{cell['mean']:.3f}" if cell.get("ci95") is None
+            else f"{cell['mean']:.3f} ± {cell['ci95']:.3f}")
+
+
+def markdown(report: dict) -> str:
+    cols = [c for c, _ in COLUMNS]
+    b = report["baseline"]
+    lines = [f"# megaprm compare: {report['rl_steps']} RL steps, {report['seeds']} seed(s), "
+             f"{report['eval_problems']} held-out problems",
+             "",
+             f"PRM (learned): held-out step AUROC {report['prm'].get('auroc', float('nan')):.3f}"
+             f" ({report['prm'].get('trunk', '')}). Cells: mean ± half-width of the 95% "
+             f"t-interval over seeds. 'correct with a wrong step' is a share of the correct "
+             f"answers; sampled: {report['sampled_n']} samples per problem at the rollout "
+             f"temperature. Total time {report['total_s'] / 60:.1f} min on "
+             f"{report['device']} (load {report['load']}).",
+             "",
+             "| method | process reward | " + " | ".join(cols) + " |",
+             "|---|---|" + "---|" * len(cols),
+             "| (warm-up, before RL) | - | " + " | ".join(
+                 _fmt({"mean": _get(b, p)}) for _, p in COLUMNS) + " |"]
+    for r in report["rows"]:
+        prm = r["prm"] + (" (= learned run: reads no step scores)" if r["same_run_as_learned"]
+                          else "")
+        lines.append(f"| {r['method']} | {prm} | " + " | ".join(_fmt(r[c]) for c in cols) + " |")
+    h = report.get("hack")
+    if h:
+        te = h["train_end"]
+        first = {k: (v[0] if v else None) for k, v in h["curves"].items()}
+        lines += ["", "## Reward hacking: PURE on the PRM alone (no outcome reward), seed 0", "",
+                  "| monitor | first step | last 5 steps |", "|---|---|---|"]
+        for k in CURVE_KEYS:
+            if k in te:
+                lines.append(f"| {k} | {_fmt({'mean': first.get(k)})} | "
+                             f"{_fmt({'mean': te.get(k)})} |")
+        lines += ["", f"after RL (greedy): accuracy {h['greedy']['accuracy']:.3f}, correct with a "
+                      f"wrong step {h['greedy']['correct_with_wrong_step']:.3f}"]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------ plots
+
+def plot(report: dict, results: list, out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    rows = report["rows"]
+    labels = [f"{r['method']}\n{r['prm']}" for r in rows]
+    panels = [c for c, p in COLUMNS if p[0] in ("greedy", "sampled")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels) + 2, 4.2), squeeze=False)
+    base = report["baseline"]
+    for ax, col in zip(axes.flat, panels):
+        means = [r[col]["mean"] or 0.0 for r in rows]
+        errs = [r[col]["ci95"] or 0.0 for r in rows]
+        colors = ["tab:orange" if r["prm"] == "oracle" else "tab:blue" for r in rows]
+        ax.bar(range(len(rows)), means, yerr=errs, color=colors, capsize=3)
+        ref = _get(base, dict(COLUMNS)[col])
+        if ref is not None:
+            ax.axhline(ref, color="gray", ls="--", lw=1, label="warm-up")
+        ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
+        ax.set_title(col, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("after RL: mean and 95% interval over seeds (orange: oracle process reward)",
+                 fontsize=10)
+    fig.tight_layout()
+    p = os.path.join(out_dir, "compare_bars.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    written.append(p)
+
+    keys = ("reward/outcome_mean", "exact/correct_with_wrong_step_frac", "prm/outcome_agreement")
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.8), squeeze=False)
+    groups: dict = {}
+    for r in results:
+        if not r.get("hack"):
+            groups.setdefault(f"{r['method']} ({r['prm']})", []).append(r["curves"])
+    for ax, k in zip(axes.flat, keys):
+        for label, cs in sorted(groups.items()):
+            series = [c[k] for c in cs if k in c]
+            if not series:
+                continue
+            steps = min(map(len, series))
+            mean = [sum((s[i] or 0.0) for s in series) / len(series) for i in range(steps)]
+            ax.plot(range(steps), mean, label=label, ls="--" if "oracle" in label else "-")
+        ax.set_title(k + " (mean over seeds)", fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    p = os.path.join(out_dir, "compare_curves.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    written.append(p)
+
+    hack = report.get("hack")
+    if hack:
+        refs = {r["name"]: r for r in results
+                if not r.get("hack") and r["seed"] == hack["seed"]
+                and r["method"] in ("pure", "grpo") and r["prm"] == "learned"}
+        keys = [k for k in CURVE_KEYS if k in hack["curves"] and k != "actor/entropy"]
+        cols = 3
+        fig, axes = plt.subplots(math.ceil(len(keys) / cols), cols,
+                                 figsize=(4.6 * cols, 3.2 * math.ceil(len(keys) / cols)),
+                                 squeeze=False)
+        for ax, k in zip(axes.flat, keys):
+            ax.plot(hack["curves"][k], color="tab:red", lw=2, label="PURE, PRM reward only")
+            for name, r in sorted(refs.items()):
+                if k in r["curves"]:
+                    ax.plot(r["curves"][k], lw=1, label=f"{r['method']} (outcome reward)")
+            ax.set_title(k, fontsize=9)
+            ax.set_xlabel("RL step")
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(keys):]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=7)
+        fig.suptitle("reward-hacking monitors (metrics.jsonl)", fontsize=10)
+        fig.tight_layout()
+        p = os.path.join(out_dir, "reward_hacking.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    return written
+
+
+# ------------------------------------------------------------------------------ driver
+
+def run(ccfg: CompareConfig, groups: Groups) -> dict:
+    from megaprm import demo
+
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+
+    t0 = time.perf_counter()
+    os.makedirs(ccfg.run_dir, exist_ok=True)
+    tok = build_char_tokenizer()
+    sft_dir, sft = warmup_stage(ccfg, groups, tok)
+    t_warm = time.perf_counter() - t0
+    prm_dir, prm = prm_stage(ccfg, groups, tok)
+    t_prm = time.perf_counter() - t0 - t_warm
+    temperature = 1.0  # configs/demo.yaml's rollout temperature (checked per run below)
+    baseline = baseline_stage(ccfg, groups, tok, sft_dir, sft["digest"], temperature)
+    base_digest = _digest([sft["digest"], prm["digest"]])
+    runs = plan(ccfg)
+    results = []
+    for i, spec in enumerate(runs):
+        t = time.perf_counter()
+        _say(groups, f"({i + 1}/{len(runs)}) {spec.name} ...")
+        rec = run_one(spec, ccfg, groups, tok, sft_dir, prm_dir, base_digest)
+        results.append(rec)
+        _say(groups, f"({i + 1}/{len(runs)}) {spec.name}: greedy accuracy "
+                     f"{rec['greedy']['accuracy']:.3f}, correct with a wrong step "
+                     f"{rec['greedy']['correct_with_wrong_step']:.3f} "
+                     f"({time.perf_counter() - t:.0f} s; {(time.perf_counter() - t0) / 60:.1f} "
+                     f"min so far)")
+    hack = next((r for r in results if r.get("hack")), None)
+    report = {"methods": list(ccfg.methods), "seeds": ccfg.seeds, "rl_steps": ccfg.rl_steps,
+              "eval_problems": ccfg.eval_problems, "sampled_n": ccfg.sampled_n,
+              "config": asdict(ccfg), "task": repr(demo.TASK),
+              "warmup": {k: v for k, v in sft.items() if k != "digest"},
+              "prm": {k: v for k, v in prm.items() if k != "digest"},
+              "baseline": {k: v for k, v in baseline.items() if k != "digest"},
+              "rows": aggregate(results, ccfg),
+              "hack": ({k: hack[k] for k in ("seed", "greedy", "sampled", "train_end", "curves")}
+                       if hack else None),
+              "times_s": {"warmup": t_warm, "prm": t_prm,
+                          "runs": {r["name"]: r["rl_s"] + r["eval_s"] for r in results}},
+              "total_s": time.perf_counter() - t0,
+              "device": f"CPU, {groups.world_size} torchrun rank(s)",
+              "load": [round(x, 2) for x in os.getloadavg()]}
+    if groups.rank == 0:
+        with open(os.path.join(ccfg.run_dir, "compare.json"), "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2, default=float)
+        with open(os.path.join(ccfg.run_dir, "compare.md"), "w", encoding="utf-8") as f:
+            f.write(markdown(report))
+        report["plots"] = plot(report, results, os.path.join(ccfg.run_dir, "plots"))
+    _barrier(groups)
+    return report
