@@ -249,6 +249,70 @@ def _listing(names: list, limit: int = 12) -> str:
                                        else "")
 
 
+class FileReads:
+    """name -> tensor from HF safetensors files by plain reads (`readinto` a fresh tensor),
+    the `get_hf` that `mapping.load_stage` calls. safetensors' `safe_open` maps the file: every
+    page it touches stays in this process's RSS until the handle closes, so an import held the
+    whole input file on top of the stage. Here only the tensor being converted is resident (the
+    file's pages sit in the page cache, shared and reclaimable). Same bytes, same dtype."""
+
+    _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+               "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+               "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+    def __init__(self, hf_dir: str):
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = ["model.safetensors"]
+        self._where: dict[str, tuple] = {}
+        for fname in files:
+            path = os.path.join(hf_dir, fname)
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    lo, hi = info["data_offsets"]
+                    self._where[name] = (path, 8 + n + lo, hi - lo, info["dtype"],
+                                         tuple(info["shape"]))
+        self._files: dict[str, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __call__(self, name: str) -> torch.Tensor:
+        path, offset, nbytes, dtype, shape = self._where[name]
+        if dtype not in self._DTYPES:
+            raise ConversionError(f"{name} in {path!r}: safetensors dtype {dtype} not supported")
+        out = torch.empty(shape, dtype=self._DTYPES[dtype])
+        if nbytes != out.numel() * out.element_size():
+            raise ConversionError(f"{name} in {path!r}: {nbytes} bytes for shape {list(shape)} "
+                                  f"{dtype}; the file is corrupt: re-download or re-save it")
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = open(path, "rb", buffering=0)  # noqa: SIM115
+        f.seek(offset)
+        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if nbytes else b""
+        got = f.readinto(view) if nbytes else 0
+        while 0 < got < nbytes:  # readinto may return short on large reads
+            more = f.readinto(view[got:])
+            if not more:
+                break
+            got += more
+        if got != nbytes:
+            raise ConversionError(f"{name} in {path!r}: the file ends early (truncated); "
+                                  "re-download or re-save it")
+        return out
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
 # ---------------------------------------------------------------------- Megatron checkpoints
 
 def _model_dir(ckpt_dir: str) -> str:
@@ -382,12 +446,14 @@ def _import_rank(hf_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: in
         spec = spec_from_hf(hf_dir)
         model = stages.build(spec, g, DTYPES[dtype], init=False)  # every weight is loaded
         check_hf_weights(hf_dir, model, spec, g)
-        weights = mapping.HFWeights(hf_dir)
+        weights = FileReads(hf_dir)
         t0 = time.perf_counter()
-        _agree("HF weights", functools.partial(
-            mapping.load_stage, model, weights, spec, tp_rank=g.tp_rank, tp_size=g.tp_size,
-            pp=g.pp_size, pp_rank=g.pp_rank))
-        del weights
+        try:
+            _agree("HF weights", functools.partial(
+                mapping.load_stage, model, weights, spec, tp_rank=g.tp_rank, tp_size=g.tp_size,
+                pp=g.pp_size, pp_rank=g.pp_rank))
+        finally:
+            weights.close()
         t_read = time.perf_counter() - t0
         save_checkpoint(model, _model_dir(tmp))
         t_save = time.perf_counter() - t0 - t_read

@@ -11,6 +11,9 @@ collectives, the RSS growth over the pre-sync baseline (peak sampled every 2 ms)
 a plain memcpy (`Tensor.copy_` between two preallocated buffers of the same number of bytes,
 one more mode of the same round-robin, in the same process). The
 unbucketed `iter_hf_weights` (one collective per tensor) is the baseline row "per-tensor".
+At tp > 1 two more rows time the backend's bare all-gather of the same bytes (4 MiB slices as the
+sync issues them on gloo, and one call): `ratio_to_raw_allgather` is the share of what the
+collective itself can move that the whole sync (pack, gather, reorder, engine copy) delivers.
 """
 from __future__ import annotations
 
@@ -90,6 +93,28 @@ def _memcpy(nbytes: int):
     return run
 
 
+def _raw_gather(nbytes: int, groups, *, sliced: bool):
+    """A bare tp all-gather delivering `nbytes` to every rank (each rank sends nbytes / tp) into
+    a preallocated [tp, n] buffer: in 4 MiB slices as the sync issues it on gloo
+    (`weight_sync._gather`), or as one `all_gather_into_tensor` call. The sync's ceiling."""
+    from megaprm.parallel import weight_sync
+
+    tp = groups.tp_size
+    n = nbytes // 4 // tp
+    local = torch.ones(n, dtype=torch.float32)
+    gathered = torch.empty(tp, n, dtype=torch.float32)
+
+    def run():
+        if sliced:
+            weight_sync._gather(gathered, local, groups.tp)
+        else:
+            weight_sync._all_gather_flat(gathered.view(-1), local, group=groups.tp)
+        return {"bytes": tp * n * 4, "collectives": -(-n * 4 // weight_sync.GLOO_SLICE_BYTES)
+                if sliced else 1}
+
+    return run
+
+
 def _rank(tp: int, pp: int, before_rev: str | None = None, repeats: int = REPEATS) -> dict:
     import torch.distributed as dist
     import transformers as tf
@@ -130,6 +155,9 @@ def _rank(tp: int, pp: int, before_rev: str | None = None, repeats: int = REPEAT
 
         modes += [(f"before {mb} MiB", lambda mb=mb: before(mb)) for mb in (BUCKET_MB[0], BUCKET_MB[-1])]
     nbytes_hf = bucketed(BUCKET_MB[-1])["bytes"]
+    if tp > 1:  # what the backend itself moves: the same bytes, no packing, no reorder, no engine
+        modes += [("raw all-gather sliced", _raw_gather(nbytes_hf, g, sliced=True)),
+                  ("raw all-gather one call", _raw_gather(nbytes_hf, g, sliced=False))]
     modes.append(("memcpy", _memcpy(nbytes_hf)))
     samples = {label: [] for label, _ in modes}
     info = {}
@@ -154,7 +182,11 @@ def _rank(tp: int, pp: int, before_rev: str | None = None, repeats: int = REPEAT
                          rss_growth_mb=max(m for _, _, m in samples[label])))
 
     memcpy, memcpy_cpu = rows[-1]["gbytes_per_s"], rows[-1]["cpu_seconds_median"]
+    raw = [r["gbytes_per_s"] for r in rows if r["mode"].startswith("raw all-gather")]
     for r in rows:
+        if raw:  # the best the backend's all-gather moved in this run
+            r["raw_allgather_gbytes_per_s"] = max(raw)
+            r["ratio_to_raw_allgather"] = r["gbytes_per_s"] / max(raw)
         r["memcpy_gbytes_per_s"] = memcpy
         r["ratio_to_memcpy"] = r["gbytes_per_s"] / memcpy
         # CPU-time ratio: what the sync costs in memcpys, insensitive to other processes' load
@@ -194,7 +226,9 @@ def main():
                   f"{row['seconds_median']:.3f}, cpu {row['cpu_seconds_median']:.3f})  "
                   f"{row['gbytes_per_s']:.2f} GB/s  "
                   f"x{row['ratio_to_memcpy']:.2f} memcpy ({row['memcpy_gbytes_per_s']:.2f} GB/s)  "
-                  f"buckets {row.get('num_buckets', '-')}  collectives {row['collectives']}  "
+                  + (f"x{row['ratio_to_raw_allgather']:.2f} raw all-gather  "
+                     if "ratio_to_raw_allgather" in row else "")
+                  + f"buckets {row.get('num_buckets', '-')}  collectives {row['collectives']}  "
                   f"RSS +{row['rss_growth_mb']:.0f} MiB")
     out = {
         "model": HF_CONFIG, "hf_bytes": results[0]["rows"][0]["bytes"], "world_size": 2,

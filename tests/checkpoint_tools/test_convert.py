@@ -271,3 +271,39 @@ def test_cli_exports_a_trainer_run_dir(hf_dirs, tmp_path):
     r = _cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", out + "2", "--model", "prm")
     assert r.returncode == 2 and "pass --model actor" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_file_reads_match_safetensors(tmp_path):
+    """import-hf's plain-read tensor source returns exactly what safetensors' own loader
+    returns (every dtype it maps, 0-d and empty tensors, a sharded dir with an index), and a
+    file cut short is one clear error."""
+    from checkpoint_tools.convert import FileReads
+
+    g = torch.Generator().manual_seed(0)
+    shard1 = {"a": torch.randn(3, 5, generator=g), "b": torch.randn(7, generator=g).bfloat16(),
+              "c": torch.randn(2, 2, generator=g).half(), "d": torch.arange(6).view(2, 3),
+              "e": torch.tensor(3.5), "f": torch.empty(0, 4)}
+    shard2 = {"g": torch.randint(0, 255, (9,), dtype=torch.uint8, generator=g),
+              "h": torch.tensor([True, False])}
+    save_file(shard1, str(tmp_path / "m-1.safetensors"))
+    save_file(shard2, str(tmp_path / "m-2.safetensors"))
+    index = {"weight_map": {**{k: "m-1.safetensors" for k in shard1},
+                            **{k: "m-2.safetensors" for k in shard2}}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    reads = FileReads(str(tmp_path))
+    try:
+        for fname, shard in (("m-1.safetensors", shard1), ("m-2.safetensors", shard2)):
+            want = load_file(str(tmp_path / fname))
+            assert set(want) == set(shard)
+            for k, t in want.items():
+                got = reads(k)
+                assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), k
+    finally:
+        reads.close()
+    one = tmp_path / "single"
+    one.mkdir()
+    save_file({"w": torch.randn(64, 64, generator=g)}, str(one / "model.safetensors"))
+    data = (one / "model.safetensors").read_bytes()
+    (one / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ConversionError, match="truncated"):
+        FileReads(str(one))("w")
