@@ -17,6 +17,7 @@ import yaml
 
 from megaprm.algorithms.registry import AdvantageConfig
 from megaprm.parallel.pipeline import OptimConfig
+from megaprm.rewards.judge import JudgeConfig
 from megaprm.tasks.arithmetic import ArithmeticConfig
 
 
@@ -85,8 +86,18 @@ class DataConfig:
                    "data.task=math needs data.path (a .jsonl or verl-style .parquet file)")
 
 
+REFILL_FILTERS = ("none", "accuracy", "std")
+
+
 @dataclass
 class RolloutConfig:
+    """Sampling, the engine, and dynamic sampling. `refill` (DAPO's dynamic sampling, verl's
+    `algorithm.filter_groups`; PRIME's released loop): keep generating fresh prompt groups until
+    `data.prompts_per_step` groups pass a filter, at most `max_refill_rounds` extra rounds; the
+    filtered-out groups leave the batch. `accuracy`: mean outcome in [advantage.prime.acc_low,
+    acc_high] (PRIME's filter); `std`: outcomes not all equal (verl's filter_groups, std > 0);
+    `none`: one round, the batch as generated."""
+
     engine: str = "hf"
     n: int = 8
     temperature: float = 1.0
@@ -94,9 +105,18 @@ class RolloutConfig:
     max_tokens: int = 64
     gpu_memory_utilization: float = 0.5  # vLLM: share of the GPU for weights + KV cache
     sleep_level: int = 1                 # vLLM sleep: 1 offloads weights to host, 2 drops them
+    refill: str = "none"                 # none | accuracy | std (class docstring)
+    max_refill_rounds: int = 4           # extra generation rounds per step at most (then train
+                                         # on what passed; rollout/refill_capped says so)
 
     def __post_init__(self):
         _check(self.engine in ("hf", "vllm"), "rollout.engine", self.engine, "hf or vllm")
+        _check(self.refill in REFILL_FILTERS, "rollout.refill", self.refill,
+               "none, accuracy (mean outcome in advantage.prime.acc_low..acc_high) or std "
+               "(groups whose outcomes are not all equal)")
+        _check(isinstance(self.max_refill_rounds, int) and self.max_refill_rounds >= 0,
+               "rollout.max_refill_rounds", self.max_refill_rounds,
+               "an integer >= 0 (extra generation rounds per step)")
         _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
                self.gpu_memory_utilization, "in (0, 1]")
         _check(self.sleep_level in (1, 2), "rollout.sleep_level", self.sleep_level, "1 or 2")
@@ -149,7 +169,9 @@ class ActorConfig:
 class PRMConfig:
     """`kind`: discriminative (a PRM directory, scores per step), implicit (PRIME: a causal LM
     initialised from the policy, updated online with outcome labels), oracle (the arithmetic
-    task's exact step labels as scores 1/0: the best any PRM could do), or none."""
+    task's exact step labels as scores 1/0: the best any PRM could do), judge (PAPO: a
+    generative grader LLM at `path` grades correct responses against a reference solution,
+    rewards/judge.py; its sampling in `judge`), or none."""
 
     kind: str = "discriminative"
     path: Optional[str] = None
@@ -164,11 +186,14 @@ class PRMConfig:
     # (after: each mini-batch scored inside the update, as released; none: never trained)
     mini_batches: int = 1
     update: str = "after"
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # prm.kind=judge: the grader's sampling
 
     def __post_init__(self):
-        _check(self.kind in ("discriminative", "implicit", "oracle", "none"), "prm.kind",
-               self.kind, "discriminative, implicit, oracle (exact step labels, arithmetic task) "
-               "or none")
+        _check(self.kind in ("discriminative", "implicit", "oracle", "judge", "none"), "prm.kind",
+               self.kind, "discriminative, implicit, oracle (exact step labels, arithmetic task), "
+               "judge (a generative grader LLM at prm.path) or none")
+        _check(self.kind != "judge" or bool(self.path), "prm.path", self.path,
+               "prm.kind=judge needs prm.path: the grader model's HF directory")
         _check(isinstance(self.mini_batches, int) and self.mini_batches >= 1, "prm.mini_batches",
                self.mini_batches, "an integer >= 1")
         _check(self.update in ("after", "none"), "prm.update", self.update,
@@ -225,9 +250,13 @@ class Config:
 
     def __post_init__(self):
         needs_steps = self.advantage.method in ("pure", "prof_grpo", "papo", "blend")
-        if needs_steps and self.prm.kind not in ("discriminative", "oracle"):
+        if needs_steps and self.prm.kind not in ("discriminative", "oracle", "judge"):
             raise ConfigError(f"advantage.method={self.advantage.method!r} needs per-step scores: "
-                              f"set prm.kind=discriminative or oracle (got {self.prm.kind!r})")
+                              f"set prm.kind=discriminative, oracle or judge (got "
+                              f"{self.prm.kind!r})")
+        if self.prm.kind == "judge" and self.advantage.method == "pure":
+            raise ConfigError("advantage.method=pure places step rewards on tokens; prm.kind=judge "
+                              "gives one grade per response. Use prm.kind=discriminative")
         if self.prm.kind == "oracle" and self.data.task != "arithmetic":
             raise ConfigError("prm.kind=oracle scores steps with the exact checker of the "
                               f"arithmetic task; data.task={self.data.task!r} has none")

@@ -70,10 +70,10 @@ _HARMONY_ENDS = ("<|return|>", "<|end|>")
 
 @dataclass
 class JudgeConfig:
-    """The grader (`prm.kind: judge`). `path`: an HF model directory (PAPO: GPT-OSS-20B);
-    `engine`: hf | vllm; sampling as released (temperature 0.1, up to 16384 new tokens)."""
+    """The grader's engine and sampling (`prm.judge`; the grader model is `prm.path`, PAPO:
+    GPT-OSS-20B). `engine`: hf | vllm; sampling as released (temperature 0.1, up to 16384 new
+    tokens); the trainer varies `seed` per step and dp rank."""
 
-    path: Optional[str] = None
     engine: str = "hf"
     temperature: float = 0.1
     top_p: float = 1.0

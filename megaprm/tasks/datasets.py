@@ -11,6 +11,12 @@ Accepted row layouts (the first that matches wins):
   the answer is in `answer` (AMC: a float, written "27" for 27.0), `final_answer` (a list,
   joined with ", "), or the last `\\boxed{...}` of `solution` (Minerva).
 
+A reference solution (`PromptRecord.reference`, for a generative judge: PAPO's grader) is read,
+as PAPO's released grader does (llm_proof_grading.py:171-173), from
+`extra_info.reference_solution`, else a `reference_solution` or `solution` column; and the
+problem statement it is shown (`PromptRecord.question`) from `extra_info.question` /
+`extra_info.problem`, else the prompt.
+
 A row that cannot be read is skipped, counted by reason and reported (`LoadReport`: file,
 1-based line or row number, reason; `LoadReport.text()` is the printable report with the first
 examples), or with `on_bad_row="error"` stops the load with a DataError naming the row.
@@ -23,6 +29,7 @@ FileNotFoundError naming the path.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -47,6 +54,18 @@ class PromptRecord:
     data_source: str
     index: int
     meta: dict = field(default_factory=dict, compare=False)
+    reference: Optional[str] = None  # reference solution text (module docstring), or None
+    question: Optional[str] = None   # problem statement for a judge; None: the prompt
+
+
+def _reference_of(row: dict, extra: dict) -> tuple[Optional[str], Optional[str]]:
+    """(reference solution, problem statement) for a generative judge, None where absent."""
+    def text(v):
+        return v if isinstance(v, str) and v.strip() else None
+    ref = (text(extra.get("reference_solution")) or text(row.get("reference_solution"))
+           or text(row.get("solution")))
+    question = text(extra.get("question")) or text(extra.get("problem"))
+    return ref, question
 
 
 class DataError(ValueError):
@@ -197,12 +216,15 @@ def _record(row: Any, default_source: str, position: int,
     used = {"prompt", "problem", "question", "context", "reward_model", answer_field}
     meta.update({k: v for k, v in row.items() if k not in used})
     source = row.get("data_source")
+    reference, question = _reference_of(row, extra)
     return PromptRecord(
         prompt=prompt,
         answer=answer,
         data_source=source if isinstance(source, str) and source else default_source,
         index=index,
         meta=meta,
+        reference=reference,
+        question=question,
     )
 
 
@@ -310,7 +332,7 @@ def load_prompts(
                     if long_prompt == "drop":
                         raise _BadRow(f"prompt has {many} > max_prompt_tokens="
                                       f"{max_prompt_tokens}", "too long")
-                    rec = PromptRecord(prompt, rec.answer, rec.data_source, rec.index, rec.meta)
+                    rec = dataclasses.replace(rec, prompt=prompt)
                     report.truncated += 1
         except _BadRow as exc:
             if on_bad_row == "error":

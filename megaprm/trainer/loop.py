@@ -69,6 +69,25 @@ class ScoredBatch:
     correct_with_wrong_step: Optional[torch.Tensor] = None
     step_mask: Optional[torch.Tensor] = None   # [B, S] bool: the PRM's steps (step_scores')
     prof_steps: Optional[torch.Tensor] = None  # [B] PROF's H_i as released (text steps)
+    problems: Optional[list] = None    # B problem statements (a generative judge reads them)
+    references: Optional[list] = None  # B reference solutions or None (ditto)
+    passed: Optional[torch.Tensor] = None  # [B] bool: passed rollout.refill's filter (None: off)
+
+
+@dataclass
+class Prompts:
+    """One block of `data.prompts_per_step` prompts (global, before the dp split): the prompt
+    texts, the verifier's truths (arithmetic: `Problem`s; math: answer strings), and what a
+    generative judge is shown (problem statement, reference solution or None)."""
+
+    texts: list
+    truths: list
+    problems: list
+    references: list
+
+    def shard(self, lo: int, hi: int) -> "Prompts":
+        return Prompts(self.texts[lo:hi], self.truths[lo:hi], self.problems[lo:hi],
+                       self.references[lo:hi])
 
 
 # ----------------------------------------------------------------------------- config digest
@@ -239,6 +258,13 @@ class RLTrainer:
             self.implicit_ref = (self.ref if self.temperature == 1.0 else
                                  Policy(self.spec, groups, self.src, trainable=False, **kw))
         self.engine = self._build_engine()
+        self.grader = self.grader_tok = None
+        if cfg.prm.kind == "judge":
+            self._build_grader()
+        # data position: block b = the b-th batch of prompts_per_step prompts. Without refill a
+        # step uses block `step`; with refill a step uses one block per generation round and the
+        # next unused block is trainer state (saved in checkpoints, so resume draws the same).
+        self.next_block = 0
         self.sep_ids = separator_token_ids(tokenizer)
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -278,6 +304,32 @@ class RLTrainer:
                               f"prm.input_format={self.prm_fmt.name} scores text steps. Use a "
                               "token-classification PRM (prm.input_format=pure)")
 
+    def _build_grader(self):
+        """prm.kind=judge: the grader LLM at prm.path on its own engine (the rollout factory;
+        transformers on CPU, vLLM on GPU), with its own tokenizer and chat template."""
+        from transformers import AutoTokenizer
+
+        from megaprm.config import RolloutConfig
+        from megaprm.parallel.device import rank_device
+        from megaprm.rollout.factory import build_engine
+
+        from checkpoint_tools.layout import has_weights
+
+        src = model_source.resolve(self.cfg.prm.path, "prm.path")
+        if not has_weights(src.hf_dir):
+            raise ConfigError(f"prm.path={self.cfg.prm.path!r}: prm.kind=judge needs the grader's "
+                              "HF weights (config.json + safetensors); export a checkpoint with "
+                              "checkpoint_tools export-hf first")
+        jc, g = self.cfg.prm.judge, self.groups
+        self.grader_tok = AutoTokenizer.from_pretrained(src.hf_dir)
+        rc = RolloutConfig(engine=jc.engine, temperature=max(jc.temperature, 1e-6),
+                           top_p=jc.top_p, max_tokens=jc.max_tokens,
+                           gpu_memory_utilization=self.cfg.rollout.gpu_memory_utilization,
+                           sleep_level=1)  # woken (not reloaded) before each grading
+        self.grader = build_engine(rc, src.hf_dir, self.grader_tok, world_size=g.world_size,
+                                   tp_size=g.tp_size, seed=self.cfg.trainer.seed,
+                                   device=rank_device())
+
     def _build_engine(self):
         """The colocated rollout engine on this rank's device (vLLM: external_launcher when
         world > 1, the trainer's tp, one seed per tp group); it starts from the policy's HF
@@ -298,25 +350,117 @@ class RLTrainer:
         self.last_sync = {"weight_sync/seconds": s["seconds"],
                           "weight_sync/gbytes": s["bytes"] / 1e9, "weight_sync/gbps": s["gbps"]}
 
-    def rollout(self, step: int):
-        """Phase: this rank's prompts -> n samples each, then the engine sleeps (frees its
-        memory for training). Same seed on every tp/pp peer."""
+    def rollout(self, block: int):
+        """Phase: this rank's share of prompt block `block` (= the step without refill) -> n
+        samples each, then the engine sleeps (frees its memory for training). Same seed on every
+        tp/pp peer. Returns (batch, this rank's `Prompts`, global group ids [B])."""
         cfg, g = self.cfg, self.groups
-        problems, truths = self.data(step)
-        per = len(problems) // g.dp_size
+        prompts = self.data(block)
+        P = len(prompts.texts)
+        per = P // g.dp_size
         lo = g.dp_rank * per
-        local = problems[lo:lo + per]
-        ids = [self.tok.encode(p, add_special_tokens=False) for p in local]
+        local = prompts.shard(lo, lo + per)
+        ids = [self.tok.encode(p, add_special_tokens=False) for p in local.texts]
         params = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature,
                                 top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_tokens,
                                 stop_token_ids=(self.eos,),
-                                seed=(cfg.trainer.seed * 1_000_003 + step * 7919
+                                seed=(cfg.trainer.seed * 1_000_003 + block * 7919
                                       + g.dp_rank * 104_729) % (2**31))
         self._engine_awake()
         batch = self.engine.generate(ids, params)
         self.engine.sleep()
-        group_ids = (step * len(problems) + lo + batch.group_index).long()
-        return batch, truths[lo:lo + per], group_ids
+        group_ids = (block * P + lo + batch.group_index).long()
+        return batch, local, group_ids
+
+    def refill_rollout(self, t) -> tuple:
+        """Phases rollout + outcome reward with dynamic sampling (`rollout.refill`; PRIME's
+        released loop, ray_trainer.py:467-542: generate, verify, filter, until the filtered
+        batch holds train_batch_size prompts; DAPO / verl's filter_groups likewise).
+
+        Each round generates one fresh prompt block (`self.next_block`) on every rank; each dp
+        rank fills its own share P/dp of the step's P groups with the groups of its rounds that
+        pass the filter, first come first taken (groups never move between ranks, so the batch
+        keeps today's shape [P/dp * n rows] on every rank). Whether another round is needed is
+        agreed over dp (the largest shortfall), so every rank runs the same number of rounds.
+        After `rollout.max_refill_rounds` extra rounds the shares are topped up with filtered-out
+        groups marked `passed = False` (no gradient: the update masks them): the step trains
+        on what passed. Surplus passing groups are dropped (verl's DAPO recipe; PRIME re-queues
+        their prompts). Returns (ScoredBatch with `passed`, metrics)."""
+        cfg, g = self.cfg, self.groups
+        n = cfg.rollout.n
+        share = cfg.data.prompts_per_step // g.dp_size
+        rounds: list = []  # (ScoredBatch, oracle checks, passed per local group [share])
+        taken = 0
+        while True:
+            block = self.next_block
+            self.next_block += 1
+            with t("rollout"):
+                batch, prompts, group_ids = self.rollout(block)
+            fault = None
+            with t("outcome_reward"):
+                try:
+                    sb = self.outcome_reward(batch, prompts, group_ids)
+                except FloatingPointError as e:
+                    fault = str(e)
+                fault = agree(fault, g)  # before the filter's collective: all skip, or none
+                if fault is not None:
+                    raise StepSkipped(fault)
+                ok = self._refill_filter(sb).view(-1, n)[:, 0]  # groups are n contiguous rows
+            rounds.append((sb, getattr(self, "_checks", None), ok))
+            taken = min(share, taken + int(ok.sum()))
+            short = dp_reduce({"short": share - taken}, g, op="max")["short"]
+            if short == 0 or len(rounds) > cfg.rollout.max_refill_rounds:
+                break
+        picks = _pick_groups([ok for _, _, ok in rounds], share)
+        sb = self._take_groups(rounds, picks)
+        metrics = {"rollout/refill_rounds": float(len(rounds) - 1),
+                   "rollout/groups_generated": float(len(rounds) * cfg.data.prompts_per_step),
+                   "rollout/groups_kept": dp_sum(float(sb.passed.sum()) / n, g),
+                   "rollout/refill_capped": float(short > 0)}
+        return sb, metrics
+
+    def _refill_filter(self, sb: ScoredBatch) -> torch.Tensor:
+        """[B] bool: the sample's group passes `rollout.refill` (accuracy: mean outcome in
+        [advantage.prime.acc_low, acc_high], filters.accuracy as PRIME's ray_trainer.filter;
+        std: the outcomes of the group are not all equal, verl's filter_groups std > 0)."""
+        from megaprm.algorithms import filters
+        from megaprm.parallel.reductions import group_index, group_sums
+
+        grp = pipeline.optional_group(self.groups.host_dp)
+        o = sb.outcome.to(torch.float64)
+        if self.cfg.rollout.refill == "accuracy":
+            pc = self.cfg.advantage.prime
+            return filters.accuracy(o, sb.group_ids, low=pc.acc_low, high=pc.acc_high, group=grp)
+        index = group_index(sb.group_ids, grp, o.shape[0])
+        s = index.per_sample(group_sums(torch.stack([torch.ones_like(o), o, o * o], 1), index))
+        mean = s[:, 1] / s[:, 0]
+        return (s[:, 2] / s[:, 0] - mean * mean) > 1e-12
+
+    def _take_groups(self, rounds: list, picks: list) -> ScoredBatch:
+        """The picked groups of every round as one ScoredBatch (rows regrouped in pick order;
+        steps re-segmented on the joined padding; oracle checks kept row by row)."""
+        from megaprm.rewards.steps import segment_steps
+
+        n = self.cfg.rollout.n
+        rows = [torch.cat([torch.arange(gi * n, gi * n + n) for gi in gs]) if gs else
+                torch.zeros(0, dtype=torch.long) for gs in picks]
+        parts = [(sb, checks, r) for (sb, checks, _), r in zip(rounds, rows)]
+        batch = _join_rollouts([(sb.rollout, r) for sb, _, r in parts], n)
+        passed = torch.cat([ok.repeat_interleave(n)[r] for (_, _, ok), r in zip(rounds, rows)])
+
+        def cat(f):
+            return torch.cat([getattr(sb, f)[r] for sb, _, r in parts])
+
+        def pick(f):
+            return [getattr(sb, f)[i] for sb, _, r in parts for i in r.tolist()]
+        wrong = (cat("correct_with_wrong_step") if parts[0][0].correct_with_wrong_step
+                 is not None else None)
+        if parts[0][1] is not None:
+            self._checks = [c[i] for _, c, r in parts for i in r.tolist()]
+        seg = segment_steps(batch.response_ids, batch.response_mask, self.sep_ids)
+        return ScoredBatch(batch, cat("outcome"), cat("group_ids"), seg,
+                           correct_with_wrong_step=wrong, problems=pick("problems"),
+                           references=pick("references"), passed=passed)
 
     def _engine_awake(self) -> None:
         """After a skipped step (or an evaluation) the engine sleeps: reload the actor's
@@ -324,13 +468,14 @@ class RLTrainer:
         if self.engine.asleep:
             self.sync_weights()
 
-    def outcome_reward(self, batch: RolloutBatch, truths: list, group_ids):
+    def outcome_reward(self, batch: RolloutBatch, prompts: Prompts, group_ids):
         """Phase: verifier. Arithmetic: exact per-step check; math: math-verify."""
         from megaprm.rewards.steps import segment_steps
 
         texts = batch.decode_responses(self.tok)
         seg = segment_steps(batch.response_ids, batch.response_mask, self.sep_ids)
-        truths_b = [truths[int(i)] for i in batch.group_index]
+        rows = [int(i) for i in batch.group_index]
+        truths_b = [prompts.truths[i] for i in rows]
         wrong_step = None
         if self.cfg.data.task == "arithmetic":
             from megaprm.tasks.arithmetic import check_steps
@@ -347,7 +492,9 @@ class RLTrainer:
         outcome = self._fault_hook("outcome", outcome)
         if not torch.isfinite(outcome).all():
             raise FloatingPointError("verifier returned non-finite rewards")
-        return ScoredBatch(batch, outcome, group_ids, seg, correct_with_wrong_step=wrong_step)
+        return ScoredBatch(batch, outcome, group_ids, seg, correct_with_wrong_step=wrong_step,
+                           problems=[prompts.problems[i] for i in rows],
+                           references=[prompts.references[i] for i in rows])
 
     def _fault_hook(self, where: str, t: torch.Tensor) -> torch.Tensor:
         """Fault injection for the reliability tests: MEGAPRM_FAULT=where:rank:step puts a NaN
@@ -368,6 +515,9 @@ class RLTrainer:
         from megaprm.rewards.steps import prof_num_steps
 
         b, mbs = sb.rollout, self.cfg.actor.micro_batch_size
+        if self.cfg.prm.kind == "judge":
+            self._judge_scores(sb)
+            return
         if self.cfg.prm.kind == "oracle":
             sb.step_scores, sb.step_mask = oracle_step_scores(self._checks, sb.seg.step_mask)
             sb.prof_steps = prof_num_steps(b.decode_responses(self.tok))
@@ -385,6 +535,38 @@ class RLTrainer:
             # step count, which is the same split after the PRM's truncation
             sb.prof_steps = (sb.step_mask.sum(1) if isinstance(self.prm_fmt, ChatStepFormat)
                              else prof_num_steps(b.decode_responses(self.tok)))
+
+    def _judge_scores(self, sb: ScoredBatch) -> None:
+        """prm.kind=judge (PAPO's released process score, reward_score/__init__.py:150-163):
+        the grader grades the correct responses against their reference solutions; the grade
+        is one [B, 1] "step" score, so PAPO's (and Blend's, PROF's) sequence process score is
+        it. Incorrect responses, missing references and unparseable grades score 0 (counted;
+        the counts are summed over dp ranks)."""
+        import dataclasses
+
+        from megaprm.rewards.judge import judge_process_scores
+        from megaprm.rewards.steps import prof_num_steps
+
+        b, g = sb.rollout, self.groups
+        texts = b.decode_responses(self.tok)
+        jc = self.cfg.prm.judge
+        jc = dataclasses.replace(jc, seed=(jc.seed + 7919 * self._step + 104_729 * g.dp_rank)
+                                 % (2**31))
+        if self.grader.asleep:  # the grader sleeps (level 1, weights kept) between steps
+            self.grader.wake()
+        res = judge_process_scores(self.grader, self.grader_tok, sb.problems, sb.references,
+                                   texts, sb.outcome, jc)
+        self.grader.sleep()
+        sb.step_scores, sb.step_mask = res.as_step_scores()
+        sb.prof_steps = prof_num_steps(texts)
+        # global counts (the same on every rank, so step_or_skip's dp mean keeps them)
+        m = res.metrics
+        counts = dp_reduce({**{k: v for k, v in m.items() if k != "judge/grade_mean"},
+                            "graded": m["judge/grade_mean"] * m["judge/judged"]}, g)
+        graded = counts.pop("graded")
+        counts["judge/grade_mean"] = graded / counts["judge/judged"] if counts["judge/judged"] \
+            else 0.0
+        self._judge_metrics = counts
 
     def advantages(self, sb: ScoredBatch, logp_old_resp, logp_ref_resp) -> AdvantageOutputs:
         """Phase: estimator from the registry; group statistics reduced over dp (host group)."""
@@ -600,11 +782,18 @@ class RLTrainer:
         t = PhaseTimer()
         t0 = time.perf_counter()
         fault = None
+        refill_metrics: dict = {}
+        self._judge_metrics = {}
         try:
-            with t("rollout"):
-                batch, truths, group_ids = self.rollout(step)
-            with t("outcome_reward"):
-                sb = self.outcome_reward(batch, truths, group_ids)
+            if cfg.rollout.refill == "none":
+                self.next_block = step + 1
+                with t("rollout"):
+                    batch, prompts, group_ids = self.rollout(step)
+                with t("outcome_reward"):
+                    sb = self.outcome_reward(batch, prompts, group_ids)
+            else:
+                sb, refill_metrics = self.refill_rollout(t)
+                batch = sb.rollout
             with t("process_reward"):
                 self.process_reward(sb)
         except FloatingPointError as e:
@@ -630,11 +819,14 @@ class RLTrainer:
         with t("advantages"):
             adv = self.advantages(sb, logp_old, logp_ref)
         adv_t = response_to_targets(adv.advantages, rp)
-        metrics = {**self._rollout_metrics(sb, adv, logp_old), **prm_metrics}
+        metrics = {**self._rollout_metrics(sb, adv, logp_old), **prm_metrics,
+                   **refill_metrics, **self._judge_metrics}
+        # refill's top-up groups (the cap was hit) did not pass: no gradient from them
+        keep = adv.keep if sb.passed is None else adv.keep & sb.passed
         with t("update"):
             metrics.update(self.update_actor(rp, adv_t, logp_old_t,
                                              logp_ref_t if cfg.actor.kl_coef else None,
-                                             adv.keep))
+                                             keep))
         with t("weight_sync"):
             self.sync_weights()
         metrics.update(self.last_sync)
@@ -743,7 +935,8 @@ class RLTrainer:
         return checkpoint.save(
             self.ckpt_root, step, self.groups, models=models, optimizers=optims,
             sources={k: checkpoint.ModelSource(src.hf_dir, dtype) for k, src in sources.items()},
-            trainer_state={"next_step": step + 1, "skipped_steps": self.skipped_steps},
+            trainer_state={"next_step": step + 1, "skipped_steps": self.skipped_steps,
+                           "next_block": self.next_block},
             config=self.digest_fields, keep_last=self.cfg.trainer.keep_last,
             crash_after_models=crash_after_models)
 
@@ -761,6 +954,7 @@ class RLTrainer:
         if state is None:
             return 0
         self.skipped_steps = state.get("skipped_steps", 0)
+        self.next_block = state.get("next_block", state["next_step"])
         self.logger.truncate_after(state["step"])
         self.sync_weights()
         if self.groups.rank == 0:
@@ -836,6 +1030,43 @@ class RLTrainer:
                   f"{d:.3g} > {LOGPROB_DIFF_WARN} (see docs/rollout.md)", flush=True)
 
 
+def _pick_groups(passed: List[torch.Tensor], share: int) -> List[List[int]]:
+    """Which local groups of each round make the step's `share` groups: passing groups first
+    come first taken, then (when the cap left a shortfall) failing ones in the same order.
+    passed: per round, [groups] bool. Returns per round the sorted local group indices."""
+    order = [(r, gi) for r, ok in enumerate(passed) for gi in range(ok.numel()) if ok[gi]]
+    order += [(r, gi) for r, ok in enumerate(passed) for gi in range(ok.numel()) if not ok[gi]]
+    picks: List[List[int]] = [[] for _ in passed]
+    for r, gi in order[:share]:
+        picks[r].append(gi)
+    return [sorted(p) for p in picks]
+
+
+def _join_rollouts(parts: list, n: int) -> RolloutBatch:
+    """Rows `r` of each RolloutBatch as one batch: prompts re-left-padded and responses
+    re-right-padded to the widest part; group_index renumbered 0.. in row order (n per group)."""
+    parts = [(b, r) for b, r in parts if r.numel()]
+    pad = parts[0][0].pad_token_id
+    P = max(b.prompt_ids.shape[1] for b, _ in parts)
+    R = max(b.response_ids.shape[1] for b, _ in parts)
+
+    def left(x, w, v):
+        return torch.nn.functional.pad(x, (w - x.shape[1], 0), value=v)
+
+    def right(x, w, v):
+        return torch.nn.functional.pad(x, (0, w - x.shape[1]), value=v)
+    cat = torch.cat
+    B = sum(r.numel() for _, r in parts)
+    return RolloutBatch(
+        prompt_ids=cat([left(b.prompt_ids[r], P, pad) for b, r in parts]),
+        prompt_mask=cat([left(b.prompt_mask[r], P, 0) for b, r in parts]),
+        response_ids=cat([right(b.response_ids[r], R, pad) for b, r in parts]),
+        response_mask=cat([right(b.response_mask[r], R, 0) for b, r in parts]),
+        sampler_logprobs=cat([right(b.sampler_logprobs[r], R, 0.0) for b, r in parts]),
+        finish_reason=[b.finish_reason[i] for b, r in parts for i in r.tolist()],
+        group_index=torch.arange(B // n).repeat_interleave(n), pad_token_id=pad)
+
+
 def oracle_step_scores(checks: list, step_mask: torch.Tensor) -> tuple:
     """The oracle process reward: step k of response i scores 1.0 if the exact checker marks it
     correct, else 0.0 ([B, S], on the token segmentation's steps, which `split_steps` matches;
@@ -873,17 +1104,19 @@ LOGPROB_DIFF_WARN = 1e-2     # fp32 engines agree to ~1e-6; bf16 vLLM vs Megatro
 
 
 def _make_data(cfg: Config, tokenizer=None, log=None):
-    """step -> (prompt texts, ground truths) of the global prompt batch, deterministic in step
-    (the data position is the step number, so resume needs nothing else). A prompt file is read
-    once, with its load report printed (`log`) and `data.*` row rules applied."""
+    """block -> `Prompts`: the global prompt batch number `block`, deterministic in it (a step
+    without refill uses block = step, so resume needs nothing else; with refill the next block
+    is saved trainer state). A prompt file is read once, with its load report printed (`log`)
+    and `data.*` row rules applied; it is walked in order, block after block."""
     P = cfg.data.prompts_per_step
     if cfg.data.task == "arithmetic":
-        from megaprm.tasks.arithmetic import generate_problems
+        from megaprm.tasks.arithmetic import generate_problems, reference_solution
 
-        def arithmetic(step):
+        def arithmetic(block):
             probs = generate_problems(cfg.data.arithmetic, P,
-                                      seed=cfg.trainer.seed * 100_003 + step)
-            return [p.prompt for p in probs], probs
+                                      seed=cfg.trainer.seed * 100_003 + block)
+            texts = [p.prompt for p in probs]
+            return Prompts(texts, probs, texts, [reference_solution(p) for p in probs])
         return arithmetic
     from megaprm.tasks.datasets import load_prompts
 
@@ -896,8 +1129,9 @@ def _make_data(cfg: Config, tokenizer=None, log=None):
     if not records:
         raise ConfigError(f"data.path={d.path!r}: no usable rows ({report.summary()})")
 
-    def math(step):
-        rows = [records[(step * P + i) % len(records)] for i in range(P)]
-        return [r.prompt for r in rows], [r.answer for r in rows]
+    def math(block):
+        rows = [records[(block * P + i) % len(records)] for i in range(P)]
+        return Prompts([r.prompt for r in rows], [r.answer for r in rows],
+                       [r.question or r.prompt for r in rows], [r.reference for r in rows])
     math.report = report
     return math
