@@ -180,3 +180,24 @@ def test_judge_config_and_recipe():
         load_config(None, ["prm.kind=judge", "prm.path=x", "advantage.method=pure"])
     with pytest.raises(ConfigError, match=r"prm.judge.*temperature"):
         load_config(None, ["prm.kind=judge", "prm.path=x", "prm.judge.temperature=-1"])
+
+
+def test_prompt_files_carry_the_reference_solution(tmp_path):
+    """What PAPO's grader reads (llm_proof_grading.py:171-173): extra_info.reference_solution,
+    else a reference_solution / solution column; extra_info.question as the problem."""
+    import json
+
+    from megaprm.config import load_config
+    from megaprm.trainer.loop import _make_data
+
+    rows = [{"prompt": "p0", "answer": "1",
+             "extra_info": {"reference_solution": "r0", "question": "q0"}},
+            {"problem": "p1", "answer": "2", "solution": "so \\boxed{2}"},
+            {"prompt": "p2", "answer": "3"}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, ["data.task=math", f"data.path={path}", "data.prompts_per_step=3"])
+    block = _make_data(cfg)(0)
+    assert block.texts == ["p0", "p1", "p2"] and block.truths == ["1", "2", "3"]
+    assert block.problems == ["q0", "p1", "p2"]
+    assert block.references == ["r0", "so \\boxed{2}", None]
