@@ -36,8 +36,9 @@ ALL_METHODS = ("grpo", "rloo", "prof_grpo", "papo", "pure", "prime", "blend")
 READS_STEP_SCORES = ("prof_grpo", "papo", "pure", "blend")
 # monitors kept per RL step for the curves (metrics.jsonl keys)
 CURVE_KEYS = ("reward/outcome_mean", "exact/correct_with_wrong_step_frac",
-              "prm/outcome_agreement", "prm/correct_with_low_prm_frac", "response/steps_mean",
-              "response/tokens_per_step", "response/length_mean", "actor/entropy")
+              "prm/outcome_agreement", "prm/score_mean", "prm/correct_with_low_prm_frac",
+              "response/steps_mean", "response/tokens_per_step", "response/length_mean",
+              "actor/entropy")
 SAMPLED_SEED = 424_242
 
 
@@ -259,8 +260,13 @@ def baseline_stage(ccfg: CompareConfig, groups: Groups, tok, sft_dir: str, sft_d
     return rec
 
 
-def _curves(history: list) -> dict:
-    return {k: [h.get(k) for h in history] for k in CURVE_KEYS if any(k in h for h in history)}
+def _curves(run_dir: str) -> dict:
+    """The monitors per RL step, read back from the run's metrics.jsonl (so a finished run's
+    curves are the file's, whichever keys the report asks for)."""
+    from megaprm.trainer.metrics import read_metrics
+
+    rows = read_metrics(run_dir)
+    return {k: [r.get(k) for r in rows] for k in CURVE_KEYS if any(k in r for r in rows)}
 
 
 def _tail_mean(xs: list, n: int = 5) -> float | None:
@@ -279,6 +285,8 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
     res_path = os.path.join(d, "result.json")
     rec = _read_json(res_path)
     if rec is not None and rec.get("digest") == digest:
+        rec["curves"] = _curves(d)
+        rec["train_end"] = {k: _tail_mean(v) for k, v in rec["curves"].items()}
         return rec
     if groups.rank == 0 and os.path.isdir(d):  # interrupted or other settings: start over
         shutil.rmtree(d)
@@ -291,7 +299,8 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
     rl_s = time.perf_counter() - t
     trainer._engine_awake()
     ev = evaluate_policy(trainer.engine, tok, groups, ccfg, cfg.rollout.temperature)
-    curves = _curves(history)
+    _barrier(groups)  # rank 0 has written every step's metrics
+    curves = _curves(d)
     rec = {"digest": digest, **asdict(spec), "name": spec.name, "overrides": overrides, **ev,
            "train_end": {k: _tail_mean(v) for k, v in curves.items()},
            "curves": curves, "rl_s": rl_s, "eval_s": time.perf_counter() - t - rl_s}
@@ -375,9 +384,13 @@ def _fmt(cell: dict) -> str:
             else f"{cell['mean']:.3f} ± {cell['ci95']:.3f}")
 
 
+def _min(seconds) -> str:
+    return "-" if seconds is None else f"{seconds / 60:.1f} min"
+
+
 def markdown(report: dict) -> str:
     cols = [c for c, _ in COLUMNS]
-    b = report["baseline"]
+    b, c = report["baseline"], report["compute_s"]
     lines = [f"# megaprm compare: {report['rl_steps']} RL steps, {report['seeds']} seed(s), "
              f"{report['eval_problems']} held-out problems",
              "",
@@ -385,8 +398,9 @@ def markdown(report: dict) -> str:
              f" ({report['prm'].get('trunk', '')}). Cells: mean ± half-width of the 95% "
              f"t-interval over seeds. 'correct with a wrong step' is a share of the correct "
              f"answers; sampled: {report['sampled_n']} samples per problem at the rollout "
-             f"temperature. Total time {report['total_s'] / 60:.1f} min on "
-             f"{report['device']} (load {report['load']}).",
+             f"temperature. Built on {report['device']} (load {report['load']}): warm-up "
+             f"{_min(c['warmup'])}, PRM training {_min(c['prm_train'])}, RL and evaluation of "
+             f"the runs {_min(c['runs'])}; this call {_min(report['total_s'])}.",
              "",
              "| method | process reward | " + " | ".join(cols) + " |",
              "|---|---|" + "---|" * len(cols),
@@ -413,6 +427,15 @@ def markdown(report: dict) -> str:
 
 # ------------------------------------------------------------------------------ plots
 
+SMOOTH = 5  # steps in the trailing moving average of the curves (one step is 128 samples)
+
+
+def _smooth(xs: list) -> list:
+    xs = [x if x is not None else float("nan") for x in xs]
+    return [sum(xs[max(0, i - SMOOTH + 1):i + 1]) / len(xs[max(0, i - SMOOTH + 1):i + 1])
+            for i in range(len(xs))]
+
+
 def plot(report: dict, results: list, out_dir: str) -> list[str]:
     import matplotlib
 
@@ -422,7 +445,8 @@ def plot(report: dict, results: list, out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     written = []
     rows = report["rows"]
-    labels = [f"{r['method']}\n{r['prm']}" for r in rows]
+    labels = [f"{r['method']}\n{r['prm']}" + (" (same run)" if r["same_run_as_learned"] else "")
+              for r in rows]
     panels = [c for c, p in COLUMNS if p[0] in ("greedy", "sampled")]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels) + 2, 4.2), squeeze=False)
     base = report["baseline"]
@@ -459,8 +483,9 @@ def plot(report: dict, results: list, out_dir: str) -> list[str]:
                 continue
             steps = min(map(len, series))
             mean = [sum((s[i] or 0.0) for s in series) / len(series) for i in range(steps)]
-            ax.plot(range(steps), mean, label=label, ls="--" if "oracle" in label else "-")
-        ax.set_title(k + " (mean over seeds)", fontsize=9)
+            ax.plot(range(steps), _smooth(mean), label=label,
+                    ls="--" if "oracle" in label else "-")
+        ax.set_title(f"{k}\n(mean over seeds, moving average of {SMOOTH} steps)", fontsize=9)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=6, ncol=2)
@@ -481,11 +506,15 @@ def plot(report: dict, results: list, out_dir: str) -> list[str]:
                                  figsize=(4.6 * cols, 3.2 * math.ceil(len(keys) / cols)),
                                  squeeze=False)
         for ax, k in zip(axes.flat, keys):
-            ax.plot(hack["curves"][k], color="tab:red", lw=2, label="PURE, PRM reward only")
+            ax.plot(hack["curves"][k], color="tab:red", lw=0.6, alpha=0.35)
+            ax.plot(_smooth(hack["curves"][k]), color="tab:red", lw=2,
+                    label="PURE, PRM reward only")
             for name, r in sorted(refs.items()):
                 if k in r["curves"]:
-                    ax.plot(r["curves"][k], lw=1, label=f"{r['method']} (outcome reward)")
-            ax.set_title(k, fontsize=9)
+                    ax.plot(_smooth(r["curves"][k]), lw=1,
+                            label=f"{r['method']} (outcome + PRM)" if r["method"] == "pure"
+                            else f"{r['method']} (outcome reward)")
+            ax.set_title(f"{k} (moving average of {SMOOTH})", fontsize=9)
             ax.set_xlabel("RL step")
             ax.grid(alpha=0.3)
         for ax in list(axes.flat)[len(keys):]:
@@ -542,6 +571,9 @@ def run(ccfg: CompareConfig, groups: Groups) -> dict:
               "times_s": {"warmup": t_warm, "prm": t_prm,
                           "runs": {r["name"]: r["rl_s"] + r["eval_s"] for r in results}},
               "total_s": time.perf_counter() - t0,
+              # what the table cost when each part was built (cached parts keep their time)
+              "compute_s": {"warmup": sft.get("seconds"), "prm_train": prm.get("train_s"),
+                            "runs": sum(r["rl_s"] + r["eval_s"] for r in results)},
               "device": f"CPU, {groups.world_size} torchrun rank(s)",
               "load": [round(x, 2) for x in os.getloadavg()]}
     if groups.rank == 0:

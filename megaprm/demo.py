@@ -55,10 +55,12 @@ TASK = ArithmeticConfig(num_ops=(2, 4), operand_max=20, ops="+-", seed=0)
 # Each method's own knobs on the demo task; the actor, batch and schedule (configs/demo.yaml)
 # are shared, so methods differ only in their rewards and estimator. PRIME: the implicit PRM
 # starts from the policy with twice the actor's lr (released: PRM 1e-6 / actor 5e-7,
-# configs/prime.yaml). PURE: the released PRM's step reward is 2p - 1 (token-classification
+# configs/prime.yaml), refilling the accuracy-filtered batch (ray_trainer.py, cap 4 as
+# configs/prime_tiny.yaml). PURE: the released PRM's step reward is 2p - 1 (token-classification
 # head), the megaprm PRM gives p.
 METHOD_OVERRIDES = {
-    "prime": ["prm.kind=implicit", "prm.path=null", "prm.optim.lr=1e-4"],
+    "prime": ["prm.kind=implicit", "prm.path=null", "prm.optim.lr=1e-4",
+              "rollout.refill=accuracy", "rollout.max_refill_rounds=4"],
     "pure": ["advantage.pure.step_scores_are_probs=true"],
 }
 

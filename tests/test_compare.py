@@ -65,7 +65,7 @@ def test_compare_tiny_end_to_end_resumable(tmp_path):
         assert [m["step"] for m in metrics] == [0, 1]
         assert res["curves"]["reward/outcome_mean"] == [m["reward/outcome_mean"]
                                                         for m in metrics]
-        assert res["sampled"]["problems"] == 16
+        assert res["sampled"]["problems"] == 16 and res["sampled"]["samples"] == 32
     hack = json.load(open(rd / "rl" / "hack-pure-prm-only-s0" / "result.json"))
     assert "advantage.pure.reward_mode=PRM" in hack["overrides"]
     assert rep["hack"]["curves"]["prm/outcome_agreement"]

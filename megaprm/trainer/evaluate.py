@@ -35,7 +35,8 @@ def evaluate_arithmetic(engine, tokenizer, groups: Groups, problems: list,
                                                              "clean"))
     return {"accuracy": correct / max(total, 1),
             "correct_with_wrong_step": wrong_step / max(correct, 1),
-            "all_steps_correct": clean / max(total, 1), "problems": int(total)}
+            "all_steps_correct": clean / max(total, 1), "problems": int(total) // params.n,
+            "samples": int(total)}
 
 
 def evaluate_math(engine, tokenizer, groups: Groups, prompts: list, answers: list,

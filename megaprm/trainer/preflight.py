@@ -20,6 +20,8 @@ def check_rl_launch(cfg: Config, world_size: int) -> None:
     if cfg.prm.kind == "discriminative":
         prm = model_source.resolve(cfg.prm.path, "prm.path")
         spec_from_hf(prm.hf_dir).check_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    if cfg.prm.kind == "judge":  # the grader runs in its own engine: any layout, weights needed
+        model_source.resolve(cfg.prm.path, "prm.path")
     if cfg.data.task == "math" and not os.path.isfile(cfg.data.path):
         raise ConfigError(f"data.path={cfg.data.path!r} does not exist; pass a .jsonl or "
                           "verl-style .parquet prompt file")
