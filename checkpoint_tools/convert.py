@@ -182,16 +182,20 @@ def _finish(fn: Callable[[], dict]) -> dict:
 
 # --------------------------------------------------------------------------- checks on weights
 
+def shard_files(hf_dir: str) -> list:
+    """The safetensors files of an HF directory (its index's shards, or model.safetensors)."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    return ["model.safetensors"]
+
+
 def _hf_shapes(hf_dir: str) -> dict:
     """name -> shape from the safetensors headers (no tensor data read)."""
     from safetensors import safe_open
 
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
+    files = shard_files(hf_dir)
     shapes = {}
     for fname in files:
         with safe_open(os.path.join(hf_dir, fname), framework="pt") as h:
@@ -261,12 +265,7 @@ class FileReads:
                "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
     def __init__(self, hf_dir: str):
-        index = os.path.join(hf_dir, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index, encoding="utf-8") as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = ["model.safetensors"]
+        files = shard_files(hf_dir)
         self._where: dict[str, tuple] = {}
         for fname in files:
             path = os.path.join(hf_dir, fname)

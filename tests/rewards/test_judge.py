@@ -63,21 +63,26 @@ class _CannedEngine:
         self.tok, self.answers, self.prompts = tokenizer, list(answers), []
 
     def generate(self, prompts, params):
-        from megaprm.rollout.engine import RolloutBatch, left_pad
-
         self.prompts += prompts
         self.params = params
-        ids, mask = left_pad(prompts, self.tok.pad_token_id, 1)
-        rows = [self.tok(a, add_special_tokens=False).input_ids for a in self.answers[:len(prompts)]]
-        self.answers = self.answers[len(prompts):]
-        R = max(map(len, rows))
-        resp = torch.full((len(rows), R), self.tok.pad_token_id)
-        rmask = torch.zeros(len(rows), R, dtype=torch.long)
-        for i, r in enumerate(rows):
-            resp[i, :len(r)] = torch.tensor(r)
-            rmask[i, :len(r)] = 1
-        return RolloutBatch(ids, mask, resp, rmask, torch.zeros(len(rows), R),
-                            ["stop"] * len(rows), torch.arange(len(rows)), self.tok.pad_token_id)
+        answers, self.answers = self.answers[:len(prompts)], self.answers[len(prompts):]
+        return canned_batch(self.tok, prompts, answers)
+
+
+def canned_batch(tok, prompts, answers):
+    """A RolloutBatch whose responses are the given answer texts (one per prompt)."""
+    from megaprm.rollout.engine import RolloutBatch, left_pad
+
+    ids, mask = left_pad(prompts, tok.pad_token_id, 1)
+    rows = [tok(a, add_special_tokens=False).input_ids for a in answers]
+    R = max(map(len, rows))
+    resp = torch.full((len(rows), R), tok.pad_token_id)
+    rmask = torch.zeros(len(rows), R, dtype=torch.long)
+    for i, r in enumerate(rows):
+        resp[i, :len(r)] = torch.tensor(r)
+        rmask[i, :len(r)] = 1
+    return RolloutBatch(ids, mask, resp, rmask, torch.zeros(len(rows), R),
+                        ["stop"] * len(rows), torch.arange(len(rows)), tok.pad_token_id)
 
 
 def _printable_tokenizer():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megaprm.parallel import launch
+from tests.rewards.test_judge import canned_batch
 from tests.rl_setup import rl_config, tiny_policy_and_prm
 
 JUDGE = ["prm.kind=judge", "prm.judge.max_tokens=6", "prm.judge.temperature=1.0",
@@ -41,22 +42,11 @@ class _Canned:
         self.asleep = True
 
     def generate(self, prompts, params):
-        from megaprm.rollout.engine import RolloutBatch, left_pad
-
         assert not self.asleep
         start = len(self.prompts)
         self.prompts += prompts
-        ids, mask = left_pad(prompts, self.tok.pad_token_id, 1)
-        rows = [self.tok(self.answers[(start + i) % len(self.answers)],
-                         add_special_tokens=False).input_ids for i in range(len(prompts))]
-        R = max(map(len, rows))
-        resp = torch.full((len(rows), R), self.tok.pad_token_id)
-        rmask = torch.zeros(len(rows), R, dtype=torch.long)
-        for i, r in enumerate(rows):
-            resp[i, :len(r)] = torch.tensor(r)
-            rmask[i, :len(r)] = 1
-        return RolloutBatch(ids, mask, resp, rmask, torch.zeros(len(rows), R),
-                            ["stop"] * len(rows), torch.arange(len(rows)), self.tok.pad_token_id)
+        return canned_batch(self.tok, prompts, [self.answers[(start + i) % len(self.answers)]
+                                                for i in range(len(prompts))])
 
 
 def _work(run_dir, policy, prm, grader, canned):
