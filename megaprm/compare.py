@@ -543,7 +543,11 @@ def run(ccfg: CompareConfig, groups: Groups) -> dict:
     t_warm = time.perf_counter() - t0
     prm_dir, prm = prm_stage(ccfg, groups, tok)
     t_prm = time.perf_counter() - t0 - t_warm
-    temperature = 1.0  # configs/demo.yaml's rollout temperature (checked per run below)
+    from megaprm.config import load_config
+
+    # the runs' rollout temperature (demo.yaml's, or an override): the baseline samples at it too
+    temperature = load_config(os.path.join(os.path.dirname(__file__), "configs", "demo.yaml"),
+                              list(ccfg.extra)).rollout.temperature
     baseline = baseline_stage(ccfg, groups, tok, sft_dir, sft["digest"], temperature)
     base_digest = _digest([sft["digest"], prm["digest"]])
     runs = plan(ccfg)
