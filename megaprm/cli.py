@@ -98,12 +98,12 @@ def cmd_compare(args) -> int:
 
     def preflight():
         from megaprm.config import load_config
+        from megaprm.demo import RL_YAML
         from megaprm.parallel.launch import world_size_of
         from megaprm.trainer.preflight import check_batch
 
         world = world_size_of(args)
-        demo_yaml = os.path.join(os.path.dirname(compare.__file__), "configs", "demo.yaml")
-        cfg = load_config(demo_yaml, ccfg.extra)  # the overrides every run gets are valid
+        cfg = load_config(RL_YAML, ccfg.extra)  # the overrides every run gets are valid
         check_batch(cfg, world)
 
     def body():

@@ -276,6 +276,7 @@ def _tail_mean(xs: list, n: int = 5) -> float | None:
 
 def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: str, prm_dir: str,
             base_digest: str) -> dict:
+    from megaprm import demo
     from megaprm.config import load_config
     from megaprm.trainer.loop import RLTrainer
 
@@ -291,8 +292,7 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
     if groups.rank == 0 and os.path.isdir(d):  # interrupted or other settings: start over
         shutil.rmtree(d)
     _barrier(groups)
-    cfg = load_config(os.path.join(os.path.dirname(__file__), "configs", "demo.yaml"),
-                      [f"trainer.run_dir={d}", *overrides])
+    cfg = load_config(demo.RL_YAML, [f"trainer.run_dir={d}", *overrides])
     t = time.perf_counter()
     trainer = RLTrainer(cfg, groups, tok)
     history = trainer.fit()
@@ -533,7 +533,7 @@ def plot(report: dict, results: list, out_dir: str) -> list[str]:
 
 def run(ccfg: CompareConfig, groups: Groups) -> dict:
     from megaprm import demo
-
+    from megaprm.config import load_config
     from megaprm.tasks.tokenizer import build_char_tokenizer
 
     t0 = time.perf_counter()
@@ -543,11 +543,8 @@ def run(ccfg: CompareConfig, groups: Groups) -> dict:
     t_warm = time.perf_counter() - t0
     prm_dir, prm = prm_stage(ccfg, groups, tok)
     t_prm = time.perf_counter() - t0 - t_warm
-    from megaprm.config import load_config
-
     # the runs' rollout temperature (demo.yaml's, or an override): the baseline samples at it too
-    temperature = load_config(os.path.join(os.path.dirname(__file__), "configs", "demo.yaml"),
-                              list(ccfg.extra)).rollout.temperature
+    temperature = load_config(demo.RL_YAML, list(ccfg.extra)).rollout.temperature
     baseline = baseline_stage(ccfg, groups, tok, sft_dir, sft["digest"], temperature)
     base_digest = _digest([sft["digest"], prm["digest"]])
     runs = plan(ccfg)

@@ -51,6 +51,8 @@ class DemoConfig:
 
 
 TASK = ArithmeticConfig(num_ops=(2, 4), operand_max=20, ops="+-", seed=0)
+# the RL settings every demo / compare run starts from (model, PRM, run dir come as overrides)
+RL_YAML = os.path.join(os.path.dirname(__file__), "configs", "demo.yaml")
 
 # Each method's own knobs on the demo task; the actor, batch and schedule (configs/demo.yaml)
 # are shared, so methods differ only in their rewards and estimator. PRIME: the implicit PRM
@@ -211,7 +213,7 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
                  f"prm.path={prm_dir}", f"trainer.steps={dcfg.rl_steps}",
                  f"trainer.seed={dcfg.seed}", f"advantage.method={dcfg.method}"]
     overrides += METHOD_OVERRIDES.get(dcfg.method, [])
-    cfg = load_config(os.path.join(os.path.dirname(__file__), "configs", "demo.yaml"), overrides)
+    cfg = load_config(RL_YAML, overrides)
     trainer = RLTrainer(cfg, groups, tok)
     before = evaluate(trainer.engine, tok, groups, dcfg.eval_problems)
     t = time.perf_counter()

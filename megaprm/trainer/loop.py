@@ -424,7 +424,7 @@ class RLTrainer:
         [advantage.prime.acc_low, acc_high], filters.accuracy as PRIME's ray_trainer.filter;
         std: the outcomes of the group are not all equal, verl's filter_groups std > 0)."""
         from megaprm.algorithms import filters
-        from megaprm.parallel.reductions import group_index, group_sums
+        from megaprm.parallel.reductions import group_index, group_moments
 
         grp = pipeline.optional_group(self.groups.host_dp)
         o = sb.outcome.to(torch.float64)
@@ -432,9 +432,8 @@ class RLTrainer:
             pc = self.cfg.advantage.prime
             return filters.accuracy(o, sb.group_ids, low=pc.acc_low, high=pc.acc_high, group=grp)
         index = group_index(sb.group_ids, grp, o.shape[0])
-        s = index.per_sample(group_sums(torch.stack([torch.ones_like(o), o, o * o], 1), index))
-        mean = s[:, 1] / s[:, 0]
-        return (s[:, 2] / s[:, 0] - mean * mean) > 1e-12
+        # two-pass moments: a group of equal outcomes has exactly zero spread
+        return index.per_sample(group_moments(o[:, None], index).m2)[:, 0] > 0
 
     def _take_groups(self, rounds: list, picks: list) -> ScoredBatch:
         """The picked groups of every round as one ScoredBatch (rows regrouped in pick order;
