@@ -11,7 +11,10 @@ collectives, the RSS growth over the pre-sync baseline (peak sampled every 2 ms)
 a plain memcpy (`Tensor.copy_` between two preallocated buffers of the same number of bytes,
 one more mode of the same round-robin, in the same process). The
 unbucketed `iter_hf_weights` (one collective per tensor) is the baseline row "per-tensor".
-At tp > 1 two more rows time the backend's bare all-gather of the same bytes (4 MiB slices as the
+The "bucket" rows use the transport `sync_weights` picks ("auto": at tp > 1 on one host, the
+shared-memory buffer); at tp > 1 the "gloo bucket" rows force the all-gather path
+(`transport="collective"`) at the same bucket sizes. At tp > 1 two more rows time the backend's
+bare all-gather of the same bytes (4 MiB slices as the
 sync issues them on gloo, and one call): `ratio_to_raw_allgather` is the share of what the
 collective itself can move that the whole sync (pack, gather, reorder, engine copy) delivers.
 """
@@ -130,17 +133,24 @@ def _rank(tp: int, pp: int, before_rev: str | None = None, repeats: int = REPEAT
     engine = HFEngine.from_config(tf.Qwen2Config(**HF_CONFIG), seed=g.rank)
     n_split = sum(1 for r, _ in weight_sync._own_params(model, spec, g) if r.tp_dim is not None)
 
-    def bucketed(mb):
-        s = weight_sync.sync_weights(model, g, engine, bucket_bytes=mb << 20)
+    auto = weight_sync._transport("auto", g, torch.device("cpu")) if tp * pp > 1 else "none"
+
+    def bucketed(mb, transport="auto"):
+        s = weight_sync.sync_weights(model, g, engine, bucket_bytes=mb << 20, transport=transport)
+        shm = tp * pp > 1 and (transport == "shm" or transport == "auto" and auto == "shm")
         return {"bytes": s.bytes, "num_buckets": s.num_buckets,
-                "peak_bucket_bytes": s.peak_bucket_bytes,
-                "collectives": s.num_buckets if tp > 1 else 0}  # one all-gather per bucket
+                "peak_bucket_bytes": s.peak_bucket_bytes, "transport": transport,
+                # one all-gather per bucket; shared memory: two barriers, no bytes on the wire
+                "collectives": 0 if tp == 1 else 2 * s.num_buckets if shm else s.num_buckets}
 
     def per_tensor():  # one all-gather per tp-split parameter
         return {"bytes": _per_tensor_sync(model, g, engine),
                 "collectives": n_split if tp > 1 else 0}
 
     modes = [(f"bucket {mb} MiB", lambda mb=mb: bucketed(mb)) for mb in BUCKET_MB]
+    if auto == "shm":  # the gloo all-gather path at the same bucket sizes, same run
+        modes += [(f"gloo bucket {mb} MiB", lambda mb=mb: bucketed(mb, "collective"))
+                  for mb in BUCKET_MB]
     modes.append(("per-tensor", per_tensor))
     if before_rev:  # the bucketed sync as it was at that revision, same run, same engine
         from megaprm.bench import load_module_at
@@ -194,6 +204,7 @@ def _rank(tp: int, pp: int, before_rev: str | None = None, repeats: int = REPEAT
     import psutil
 
     return {"rank": g.rank, "tp": tp, "pp": pp, "dp": g.dp_size, "rows": rows,
+            "transport_auto": auto,
             "rss_mb": psutil.Process().memory_info().rss / 2**20,
             "megatron_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 

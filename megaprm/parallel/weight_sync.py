@@ -10,6 +10,14 @@ Two streams with the same contents (same names, order and values, bit for bit):
   buffer plus the replicated parameters, flattened), then every rank rebuilds the full tensors
   and converts them to HF names/layouts with `models.mapping` (the one mapping).
 
+On CPU (gloo), when every rank of the model-parallel group runs on one host, no collective
+carries the bytes (`transport="shm"`, chosen by `"auto"`): the group maps one shared-memory
+buffer (a file in /dev/shm, unlinked once mapped), the owning stage's tp ranks copy their shards
+straight into the HF layout in it, and two barriers per bucket order the writes and the reads;
+every rank's HF tensors are views of that buffer. This is the CPU counterpart of the CUDA-IPC
+handoff colocated GPU frameworks use between trainer and engine; gloo's TCP all-gather moved
+0.20x memcpy on one host (BENCHMARKS.md). On GPU the NCCL collectives are used.
+
 With tp = pp = 1 there is nothing to communicate and the buckets are views of the parameters.
 Buckets never span two pp stages or two dtypes (one source rank and one flat dtype per
 collective). A parameter larger than `bucket_bytes` is a bucket of its own. The buffers (packed
@@ -23,6 +31,9 @@ last stage carries a `score.*` head (the mapping exports it as is).
 """
 from __future__ import annotations
 
+import os
+import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,9 +46,11 @@ from megaprm.parallel.groups import Groups
 
 
 def default_bucket_bytes() -> int:
-    """256 MiB on GPU (NCCL, caching allocator); 16 MiB on CPU, where larger buckets were slower
-    in scripts/bench_weight_sync.py (fresh multi-100-MB buffers per bucket, gloo on huge buffers)."""
-    return (256 if torch.cuda.is_available() else 16) << 20
+    """256 MiB. scripts/bench_weight_sync.py (CPU, tp2, one host): the shared-memory transport
+    gains with bucket size (two barriers per bucket: 0.52x memcpy at 16 MiB, 0.73x at 256 MiB),
+    the gloo all-gather is flat in it (the buffers are kept between syncs, gloo's gather is
+    issued in 4 MiB slices)."""
+    return 256 << 20
 
 
 # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single
@@ -141,8 +154,10 @@ _CPU_BUFFERS: dict = {}
 
 
 def release_buffers() -> None:
-    """Free the CPU staging buffers kept by `iter_hf_buckets` (they are reallocated on demand)."""
+    """Free the CPU staging and shared buffers kept by `iter_hf_buckets` (reallocated on demand;
+    call it on every rank of the model-parallel group)."""
     _CPU_BUFFERS.clear()
+    _SHM.clear()
 
 
 class _Buffers:
@@ -311,8 +326,136 @@ def _run_plan(plan: _Plan, groups: Groups) -> list[tuple]:
     return list(plan.hf)
 
 
+# ------------------------------------------------------------------ same-host shared memory
+
+SHM_DIR = "/dev/shm"
+TRANSPORTS = ("auto", "collective", "shm")
+_SAME_HOST: dict = {}   # mp group's global ranks -> all on one host
+_SHM: dict = {}         # (mp group's global ranks, dtype) -> shared flat buffer
+
+
+def _host_id() -> tuple:
+    """(hostname, boot id): equal for processes that share one kernel and its /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return socket.gethostname(), boot
+
+
+def _mp_ranks(groups: Groups) -> tuple:
+    return tuple(dist.get_process_group_ranks(groups.mp))
+
+
+def _transport(requested: str, groups: Groups, device) -> str:
+    """"shm" or "collective" for this sync; the same answer on every rank of the mp group."""
+    if requested == "collective" or groups.mp is None:
+        return "collective"
+    usable = device.type == "cpu" and dist.get_backend(groups.mp) == "gloo"
+    if usable:
+        ranks = _mp_ranks(groups)
+        if ranks not in _SAME_HOST:
+            ids = [None] * len(ranks)
+            dist.all_gather_object(ids, _host_id(), group=groups.mp)
+            _SAME_HOST[ranks] = len(set(ids)) == 1
+        usable = _SAME_HOST[ranks]
+    if requested == "shm" and not usable:
+        raise ValueError("transport='shm' needs CPU parameters, a gloo model-parallel group and "
+                         "all of its ranks on one host; use transport='auto' or 'collective'")
+    return "shm" if usable else "collective"
+
+
+def _shared_buffer(groups: Groups, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
+    """A flat `dtype` buffer of >= numel elements mapped by every rank of the mp group (kept
+    between syncs); None on every rank if any rank could not map it (then the collectives run)."""
+    ranks = _mp_ranks(groups)
+    buf = _SHM.get((ranks, dtype))
+    if buf is not None and buf.numel() >= numel:
+        return buf
+    _SHM.pop((ranks, dtype), None)
+    first = dist.get_rank(groups.mp) == 0
+    name = [""]
+    if first:
+        path = None
+        try:
+            fd, path = tempfile.mkstemp(prefix="megaprm-weight-sync-", dir=SHM_DIR)
+            try:
+                os.posix_fallocate(fd, 0, numel * dtype.itemsize)  # ENOSPC now, not SIGBUS later
+            finally:
+                os.close(fd)
+            name[0] = path
+        except OSError:
+            if path:
+                os.unlink(path)
+    dist.broadcast_object_list(name, src=ranks[0], group=groups.mp)
+    buf = None
+    if name[0]:
+        try:
+            buf = torch.from_file(name[0], shared=True, size=numel, dtype=dtype)
+        except (RuntimeError, OSError):
+            buf = None
+    ok = [None] * len(ranks)
+    dist.all_gather_object(ok, buf is not None, group=groups.mp)
+    if first and name[0]:
+        os.unlink(name[0])  # every rank has mapped it (or failed): the mappings keep it alive
+    if not all(ok):
+        return None
+    _SHM[(ranks, dtype)] = buf
+    return buf
+
+
+# the tp axis of each (destination, source) pair `_kind_copies` returns, by kind
+_PAIR_TP_AXIS = {"row": 1}
+
+
+def _shm_plan(bucket: _Bucket, meta: list, own: list, groups: Groups, spec,
+              buf: torch.Tensor) -> _Plan:
+    """The bucket's HF tensors as views of the shared buffer (split parameters in their HF
+    layout, then the replicated ones), and this rank's writes: its own shard of every split
+    parameter copied straight into its place in that layout (the owning stage's ranks), the
+    replicated parameters (tp rank 0 of the owning stage only)."""
+    tp, r = groups.tp_size, groups.tp_rank
+    mine = bucket.stage == groups.pp_rank
+    dsts, srcs, hf = [], [], {}
+    off = 0
+    for i in bucket.split:
+        rule, shape, _ = meta[i]
+        n = _numel(shape)
+        out = buf[off: off + tp * n]
+        off += tp * n
+        # every rank's shard slot reads this rank's shard (stride 0), of which row r is copied
+        slab = own[i][1].detach().reshape(1, n).expand(tp, n) if mine else out.view(tp, n)
+        hf[i], copies = _kind_copies(rule, spec, tp, slab, shape, out)
+        if mine:
+            axis = _PAIR_TP_AXIS.get(rule.kind, 0)
+            dsts.extend(d.select(axis, r) for d, _ in copies)
+            srcs.extend(s.select(axis, r) for _, s in copies)
+    for i in bucket.repl:
+        n = _numel(meta[i][1])
+        view = buf[off: off + n]
+        off += n
+        hf[i] = mapping.to_hf(meta[i][0], view.view(meta[i][1]), spec, tp)
+        if mine and r == 0:
+            dsts.append(view)
+            srcs.append(own[i][1].detach().reshape(-1))
+    return _Plan(bucket, None, [], buf[:off], None, dsts, srcs,
+                 [x for i in sorted(hf) for x in hf[i]])
+
+
+@torch.no_grad()
+def _run_shm_plan(plan: _Plan, groups: Groups) -> list[tuple]:
+    """Barrier (every rank has copied the previous bucket out of the buffer), this rank's writes
+    (one foreach copy), barrier (the bucket is complete) -> the bucket's HF (name, tensor) pairs."""
+    dist.barrier(group=groups.mp)
+    if plan.dsts:
+        torch._foreach_copy_(plan.dsts, plan.srcs)
+    dist.barrier(group=groups.mp)
+    return list(plan.hf)
+
+
 def iter_hf_buckets(model, groups: Groups, bucket_bytes: int | None = None,
-                    spec=None) -> Iterator[list[tuple]]:
+                    spec=None, transport: str = "auto") -> Iterator[list[tuple]]:
     """Yield lists of (hf_name, full tensor), about `bucket_bytes` each, identically on all ranks.
 
     Concatenated, the buckets are exactly `iter_hf_weights`' stream, bit for bit. Every rank of
@@ -325,10 +468,16 @@ def iter_hf_buckets(model, groups: Groups, bucket_bytes: int | None = None,
     (`all_gather_single` / `all_gather_into_tensor`), one pp broadcast, and one
     `torch._foreach_copy_` reorders the gathered shards into HF tensors through strided views
     (the tp concatenation and the qkv / gate-up split in the same copy).
+
+    `transport`: "collective" (the above), "shm" (CPU, one host: the shards are copied into a
+    shared-memory buffer in HF layout, no collective moves bytes; see the module docstring) or
+    "auto" (shm where it applies, else collective). The streams are identical, bit for bit.
     """
     bucket_bytes = default_bucket_bytes() if bucket_bytes is None else bucket_bytes
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes!r}: must be a positive integer (bytes)")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r}: must be one of {', '.join(TRANSPORTS)}")
     spec = spec or mapping_spec(model)
     own = _own_params(model, spec, groups)
     device = own[0][1].device if own else torch.device("cpu")
@@ -342,14 +491,25 @@ def iter_hf_buckets(model, groups: Groups, bucket_bytes: int | None = None,
             yield [x for i in sorted(bucket.split + bucket.repl)
                    for x in mapping.to_hf(meta[i][0], own[i][1].detach(), spec, 1)]
         return
-    bufs = _Buffers(_buffer_sizes(buckets, metas, groups.tp_size), device)
+    sizes = _buffer_sizes(buckets, metas, groups.tp_size)
+    if _transport(transport, groups, device) == "shm":
+        shared = {dt: _shared_buffer(groups, dt, flat) for dt, (_, flat, _) in sizes.items()}
+        if all(b is not None for b in shared.values()):  # agreed over the mp group
+            plans = [_shm_plan(b, metas[b.stage], own, groups, spec, shared[b.dtype])
+                     for b in buckets]
+            for plan in plans:
+                yield _run_shm_plan(plan, groups)
+            return
+        if transport == "shm":
+            raise RuntimeError(f"transport='shm': could not map a shared buffer in {SHM_DIR}")
+    bufs = _Buffers(sizes, device)
     plans = [_plan(b, metas[b.stage], own, groups, spec, bufs) for b in buckets]
     for plan in plans:
         yield _run_plan(plan, groups)
 
 
 def sync_into(load_fn, model, groups: Groups, bucket_bytes: int | None = None,
-              spec=None) -> dict:
+              spec=None, transport: str = "auto") -> dict:
     """Stream the model's HF weights into `load_fn(iterable of (name, tensor))` (e.g.
     `engine.update_weights` or `engine.load_weights`) through `iter_hf_buckets`; call on every
     rank. Returns `{"seconds", "bytes", "gbps", "buckets"}` (bytes of HF tensors delivered,
@@ -357,7 +517,7 @@ def sync_into(load_fn, model, groups: Groups, bucket_bytes: int | None = None,
     counts = {"bytes": 0, "buckets": 0}
 
     def stream():
-        for bucket in iter_hf_buckets(model, groups, bucket_bytes, spec):
+        for bucket in iter_hf_buckets(model, groups, bucket_bytes, spec, transport):
             counts["buckets"] += 1
             for name, t in bucket:
                 counts["bytes"] += t.numel() * t.element_size()
@@ -387,14 +547,14 @@ class SyncStats:
 
 
 def sync_weights(model, groups: Groups, engine, bucket_bytes: int | None = None, *,
-                 strict: bool = True, spec=None) -> SyncStats:
+                 strict: bool = True, spec=None, transport: str = "auto") -> SyncStats:
     """Stream the model into `engine.load_weights` bucket by bucket (one call, so a strict engine
     can report what it never received). Call on every rank; each rank's engine gets the whole
     model. The engine must be awake (its weights resident) while this runs."""
     counts = {"bytes": 0, "buckets": 0, "peak": 0}
 
     def stream():
-        for bucket in iter_hf_buckets(model, groups, bucket_bytes, spec):
+        for bucket in iter_hf_buckets(model, groups, bucket_bytes, spec, transport):
             size = sum(t.numel() * t.element_size() for _, t in bucket)
             counts["bytes"] += size
             counts["buckets"] += 1

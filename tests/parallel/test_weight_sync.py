@@ -5,6 +5,8 @@ Megatron model's own logits, a greedy loop over `pipeline.run` with full recompu
 trainer's `vocab_parallel_logprobs` for the engine's sampler log-probs. One spawned world per
 layout runs every check (process start-up dominates the runtime).
 """
+import os
+
 import pytest
 import torch
 
@@ -84,21 +86,30 @@ def _rank_work(model_dir, prm_dir, tp, pp):
                     pp_rank=g.pp_rank)
     res = {}
 
-    # 1. the bucketed stream is the unbucketed one, bit for bit, at every bucket size
+    # 1. the bucketed stream is the unbucketed one, bit for bit, at every bucket size, through
+    # the gloo collectives and through same-host shared memory (what "auto" picks here)
     ref = list(weight_sync.iter_hf_weights(model, g))
     res["names"] = [n for n, _ in ref]
     res["num_buckets"] = []
-    for bb in BUCKETS:
-        # a bucket's tensors live in buffers the next bucket reuses: keep copies
-        buckets = [[(n, t.clone()) for n, t in b] for b in weight_sync.iter_hf_buckets(model, g, bb)]
-        flat = [x for b in buckets for x in b]
-        assert [n for n, _ in flat] == res["names"], bb
-        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(flat, ref)), bb
-        res["num_buckets"].append(len(buckets))
+    res["auto"] = weight_sync._transport("auto", g, torch.device("cpu"))
+    for transport in ("collective", "shm"):
+        for bb in BUCKETS:
+            # a bucket's tensors live in buffers the next bucket reuses: keep copies
+            buckets = [[(n, t.clone()) for n, t in b]
+                       for b in weight_sync.iter_hf_buckets(model, g, bb, transport=transport)]
+            flat = [x for b in buckets for x in b]
+            assert [n for n, _ in flat] == res["names"], (transport, bb)
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(flat, ref)), (transport, bb)
+            if transport == "shm":
+                res["num_buckets"].append(len(buckets))
+    res["shm_files"] = [f for f in os.listdir(weight_sync.SHM_DIR)
+                        if f.startswith("megaprm-weight-sync-")]
     # gloo gathers a bucket in slices of the flat buffer: force many small, uneven slices
     slice_bytes, weight_sync.GLOO_SLICE_BYTES = weight_sync.GLOO_SLICE_BYTES, 1000
     try:
-        flat = [(n, t.clone()) for b in weight_sync.iter_hf_buckets(model, g, 1 << 30) for n, t in b]
+        flat = [(n, t.clone()) for b in weight_sync.iter_hf_buckets(model, g, 1 << 30,
+                                                                    transport="collective")
+                for n, t in b]
     finally:
         weight_sync.GLOO_SLICE_BYTES = slice_bytes
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(flat, ref)) and len(flat) == len(ref)
@@ -181,6 +192,8 @@ def test_sync_into_hf_engine(model_dirs, layout):
     assert all(torch.equal(weights[k], hf[k]) for k in weights)
     for r in results:
         assert r["names"] == results[0]["names"]
+        assert r["auto"] == "shm"  # one host, CPU, gloo
+        assert r["shm_files"] == []  # the shared buffer's file is unlinked once mapped
         nb = r["num_buckets"]
         assert nb[0] > nb[1] > nb[2] == pp  # one bucket per stage when everything fits
 
@@ -233,6 +246,8 @@ def test_plan_buckets_respects_size_stage_and_dtype():
         from megaprm.parallel.weight_sync import iter_hf_buckets
 
         next(iter_hf_buckets(None, None, 0))
+    with pytest.raises(ValueError, match="transport='ipc': must be one of auto, collective, shm"):
+        next(iter_hf_buckets(None, None, 1, transport="ipc"))
 
 
 def _single_rank(model_dir):

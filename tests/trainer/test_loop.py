@@ -60,7 +60,11 @@ def test_every_method_runs_on_two_ranks(models, tmp_path, tp):
                 for r in results]
         assert same[0] == pytest.approx(same[1])
         jsonl = os.path.join(tmp_path, f"{method}-tp{tp}", "metrics.jsonl")
-        assert len(open(jsonl).read().splitlines()) == 2
+        rows = [json.loads(x) for x in open(jsonl).read().splitlines()]
+        assert len(rows) == 2
+        # every step logs the weight sync that followed its update: the same bytes each time
+        assert rows[0]["weight_sync/gbytes"] == rows[1]["weight_sync/gbytes"] > 0
+        assert all(r["weight_sync/seconds"] > 0 and r["weight_sync/gbps"] > 0 for r in rows)
         if method in ("pure", "prof_grpo", "papo", "blend"):
             assert "prm/outcome_agreement" in results[0][method][0]
         if method == "prime":
