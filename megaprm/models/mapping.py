@@ -130,6 +130,37 @@ def to_megatron_shard(rule: Rule, get_hf: Callable[[str], torch.Tensor], spec: M
     raise AssertionError(rule.kind)
 
 
+def row_blocks(rule: Rule, spec: ModelSpec, local_rows: int, tp_rank: int,
+               tp_size: int) -> Optional[list]:
+    """`to_megatron_shard` as copies of dim-0 row ranges: [(hf_name, src_row, dst_row, n)] with
+    shard[dst_row:dst_row + n] = hf[src_row:src_row + n]; shard rows no block covers are zero
+    (vocab padding). `local_rows` = the shard's dim 0. None where the shard is not whole rows
+    of the HF tensors (a row-parallel weight split over tp > 1): use `to_megatron_shard`.
+    Lets a loader read HF bytes straight into a parameter, with no temporary."""
+    if rule.kind in ("replicated", "head"):
+        return [(rule.hf_names[0], 0, 0, local_rows)]
+    if rule.kind == "row":
+        return [(rule.hf_names[0], 0, 0, local_rows)] if tp_size == 1 else None
+    if rule.kind == "gate_up":
+        n = local_rows // 2
+        return [(rule.hf_names[0], tp_rank * n, 0, n), (rule.hf_names[1], tp_rank * n, n, n)]
+    if rule.kind == "vocab":
+        start = tp_rank * local_rows
+        n = max(0, min(local_rows, spec.vocab_size - start))
+        return [(rule.hf_names[0], start, 0, n)] if n else []
+    if rule.kind == "qkv":
+        ng, d = spec.num_kv_heads, spec.head_dim
+        per = spec.num_heads // ng
+        blocks = []
+        for j in range(ng // tp_size):  # this rank's query groups: [q heads | k | v] each
+            g, base = tp_rank * (ng // tp_size) + j, j * (per + 2) * d
+            q, k, v = rule.hf_names
+            blocks += [(q, g * per * d, base, per * d), (k, g * d, base + per * d, d),
+                       (v, g * d, base + (per + 1) * d, d)]
+        return blocks
+    raise AssertionError(rule.kind)
+
+
 def to_hf(rule: Rule, full: torch.Tensor, spec: ModelSpec, tp_size: int) -> list:
     """HF (name, tensor) pairs from a full Megatron tensor (tp shards concatenated on tp_dim)."""
     if rule.kind in ("replicated", "head", "row"):
@@ -172,19 +203,26 @@ def load_stage(model, get_hf: Callable[[str], torch.Tensor], spec: ModelSpec, *,
                tp_rank: int, tp_size: int, pp: int, pp_rank: int) -> None:
     """Copy HF tensors into this rank's stage; shape mismatches and NaN/inf name the tensor."""
     for rule, param in stage_rules(model, spec, pp, pp_rank):
-        shard = to_megatron_shard(rule, get_hf, spec, tp_rank, tp_size)
-        # a sum is finite iff every term is (or it overflowed: then the exact test decides);
-        # isfinite(...).all() is a bool pass ~8x slower, most of a conversion's read time
-        if not math.isfinite(float(shard.sum())) and not torch.isfinite(shard).all():
-            bad = [n for n in rule.hf_names if not torch.isfinite(get_hf(n)).all()]
-            raise ValueError(f"HF tensor {', '.join(bad or rule.hf_names)} holds NaN/inf: the "
-                             "checkpoint is corrupt; re-download or re-save it")
-        if shard.shape != param.shape:
-            raise ValueError(
-                f"shape mismatch for {rule.megatron_name} (from {', '.join(rule.hf_names)}): "
-                f"model expects {tuple(param.shape)}, checkpoint gives {tuple(shard.shape)} "
-                f"at tp={tp_size}; does config.json match the weights?")
-        param.copy_(shard.to(param.dtype))
+        load_param(rule, param, get_hf, spec, tp_rank=tp_rank, tp_size=tp_size)
+
+
+@torch.no_grad()
+def load_param(rule: Rule, param: torch.Tensor, get_hf: Callable[[str], torch.Tensor],
+               spec: ModelSpec, *, tp_rank: int, tp_size: int) -> None:
+    """`load_stage` for one parameter."""
+    shard = to_megatron_shard(rule, get_hf, spec, tp_rank, tp_size)
+    # a sum is finite iff every term is (or it overflowed: then the exact test decides);
+    # isfinite(...).all() is a bool pass ~8x slower, most of a conversion's read time
+    if not math.isfinite(float(shard.sum())) and not torch.isfinite(shard).all():
+        bad = [n for n in rule.hf_names if not torch.isfinite(get_hf(n)).all()]
+        raise ValueError(f"HF tensor {', '.join(bad or rule.hf_names)} holds NaN/inf: the "
+                         "checkpoint is corrupt; re-download or re-save it")
+    if shard.shape != param.shape:
+        raise ValueError(
+            f"shape mismatch for {rule.megatron_name} (from {', '.join(rule.hf_names)}): "
+            f"model expects {tuple(param.shape)}, checkpoint gives {tuple(shard.shape)} "
+            f"at tp={tp_size}; does config.json match the weights?")
+    param.copy_(shard.to(param.dtype))
 
 
 class HFWeights:

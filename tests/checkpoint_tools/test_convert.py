@@ -307,3 +307,59 @@ def test_file_reads_match_safetensors(tmp_path):
     (one / "model.safetensors").write_bytes(data[:-100])
     with pytest.raises(ConversionError, match="truncated"):
         FileReads(str(one))("w")
+
+
+@pytest.mark.parametrize("family,tp", [("qwen2", 1), ("qwen2", 2), ("llama", 2), ("qwen3", 1)])
+def test_row_blocks_build_the_same_shards(tmp_path, family, tp):
+    """import-hf reads HF rows straight into parameters (`mapping.row_blocks`); the shards so
+    assembled equal `mapping.to_megatron_shard`'s (the reference) on every tp rank, for every
+    kind of parameter (qkv with GQA, gate/up, padded vocab, row-parallel at tp 1, norms)."""
+    from megaprm.models import mapping
+
+    d = save_tiny_model(family, str(tmp_path / family), seed=7, tie=False, vocab_size=200)
+    spec, w = spec_from_hf(d), HFWeights(d)
+    suffixes = [s for s, (_, hf) in mapping._LAYER_RULES.items()
+                if f"model.layers.1.{hf[0]}" in w]
+    names = [f"decoder.layers.1.{s}" for s in suffixes] + [
+        "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"]
+    kinds = set()
+    for name in names:
+        rule = mapping.rule_for(name, spec)
+        for rank in range(tp):
+            want = mapping.to_megatron_shard(rule, w, spec, rank, tp)
+            blocks = mapping.row_blocks(rule, spec, want.shape[0], rank, tp)
+            if blocks is None:
+                assert rule.kind == "row" and tp > 1
+                continue
+            kinds.add(rule.kind)
+            got = torch.zeros_like(want)
+            for hf_name, src, dst, n in blocks:
+                got[dst:dst + n] = w(hf_name)[src:src + n]
+            assert torch.equal(got, want), (name, rank)
+    assert kinds >= {"qkv", "gate_up", "vocab", "replicated"}
+
+
+def test_write_safetensors_matches_safetensors(tmp_path):
+    """Export's shard writer produces files safetensors reads back exactly (dtypes, views that
+    are not contiguous or share a storage, 0-d and empty tensors, metadata)."""
+    from safetensors import safe_open
+
+    from checkpoint_tools.shards import write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 4, generator=g)
+    tensors = {"t": base.t(), "top": base[:3], "bottom": base[3:],
+               "h": torch.randn(5, generator=g).half(), "b": torch.randn(3, generator=g).bfloat16(),
+               "i": torch.arange(7), "u": torch.arange(3, dtype=torch.uint8),
+               "flag": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5),
+               "empty": torch.empty(0, 3)}
+    path = str(tmp_path / "x.safetensors")
+    write_safetensors(path, tensors, metadata={"format": "pt"})
+    got = load_file(path)
+    assert set(got) == set(tensors)
+    for k, t in tensors.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    with open(path, "rb") as f:  # the data starts 8-byte aligned, as safetensors writes it
+        assert (8 + int.from_bytes(f.read(8), "little")) % 8 == 0
