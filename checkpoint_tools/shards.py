@@ -24,9 +24,11 @@ _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF1
                 torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def write_safetensors(path: str, tensors: dict, metadata: dict | None = None) -> None:
+def write_safetensors(path: str, tensors: dict, metadata: dict | None = None,
+                      direct: bool = True) -> None:
     """One safetensors file from name -> CPU tensor (non-contiguous ones are made contiguous
-    one at a time)."""
+    one at a time). `direct`: write with O_DIRECT where the file system allows it (see
+    `_DirectFile`), else through the page cache."""
     header, offset = {}, 0
     if metadata:
         header["__metadata__"] = metadata
@@ -37,13 +39,84 @@ def write_safetensors(path: str, tensors: dict, metadata: dict | None = None) ->
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-    with open(path, "wb", buffering=0) as f:
-        f.write(len(raw).to_bytes(8, "little") + raw)
+    f = _DirectFile(path) if direct else _BufferedFile(path)
+    try:
+        f.write(memoryview(len(raw).to_bytes(8, "little") + raw))
         for t in tensors.values():
             if t.numel():
-                data = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-                while data:
-                    data = data[f.write(data):]
+                f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    finally:
+        f.close()
+
+
+class _BufferedFile:
+    def __init__(self, path: str):
+        self._f = open(path, "wb", buffering=0)  # noqa: SIM115
+
+    def write(self, data: memoryview) -> None:
+        while data:
+            data = data[self._f.write(data):]
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class _DirectFile:
+    """Sequential writes with O_DIRECT through an aligned bounce buffer: the bytes go to the
+    device without first growing the page cache. On this VM, growing the page cache into
+    memory that has been free for a while costs ~2.5 s/GB (host-side faults), O_DIRECT
+    ~0.55 s/GB (measured with dd); the file's last partial block is written padded and the
+    file cut to size. Falls back to plain writes where O_DIRECT is refused (tmpfs)."""
+
+    BLOCK = 8 << 20  # bounce buffer: a multiple of any logical block size
+
+    def __init__(self, path: str):
+        import mmap
+
+        self._fd = None
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        except (OSError, AttributeError):
+            self._plain = _BufferedFile(path)
+            return
+        self._plain = None
+        self._buf = mmap.mmap(-1, self.BLOCK)  # page-aligned
+        self._view = memoryview(self._buf)
+        self._fill = self._pos = self._size = 0
+
+    def write(self, data: memoryview) -> None:
+        if self._plain is not None:
+            self._plain.write(data)
+            return
+        data = data.cast("B")
+        while data:
+            n = min(len(data), self.BLOCK - self._fill)
+            self._view[self._fill:self._fill + n] = data[:n]
+            self._fill, data, self._size = self._fill + n, data[n:], self._size + n
+            if self._fill == self.BLOCK:
+                self._flush(self.BLOCK)
+
+    def _flush(self, nbytes: int) -> None:
+        view = self._view[:nbytes]
+        while view:
+            done = os.pwrite(self._fd, view, self._pos)
+            view, self._pos = view[done:], self._pos + done
+        self._fill = 0
+
+    def close(self) -> None:
+        if self._plain is not None:
+            self._plain.close()
+            return
+        try:
+            if self._fill:
+                end = self._fill + (-self._fill % 4096)
+                self._view[self._fill:end] = bytes(end - self._fill)
+                self._flush(end)
+            os.ftruncate(self._fd, self._size)
+        finally:
+            os.close(self._fd)
+            self._view.release()
+            self._buf.close()
 
 
 class ShardWriter:

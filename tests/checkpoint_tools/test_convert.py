@@ -339,9 +339,11 @@ def test_row_blocks_build_the_same_shards(tmp_path, family, tp):
     assert kinds >= {"qkv", "gate_up", "vocab", "replicated"}
 
 
-def test_write_safetensors_matches_safetensors(tmp_path):
+@pytest.mark.parametrize("direct", [True, False])
+def test_write_safetensors_matches_safetensors(tmp_path, direct):
     """Export's shard writer produces files safetensors reads back exactly (dtypes, views that
-    are not contiguous or share a storage, 0-d and empty tensors, metadata)."""
+    are not contiguous or share a storage, 0-d and empty tensors, metadata; O_DIRECT with a
+    tensor that spans bounce-buffer blocks and a last partial block, and plain writes)."""
     from safetensors import safe_open
 
     from checkpoint_tools.shards import write_safetensors
@@ -352,9 +354,9 @@ def test_write_safetensors_matches_safetensors(tmp_path):
                "h": torch.randn(5, generator=g).half(), "b": torch.randn(3, generator=g).bfloat16(),
                "i": torch.arange(7), "u": torch.arange(3, dtype=torch.uint8),
                "flag": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5),
-               "empty": torch.empty(0, 3)}
+               "empty": torch.empty(0, 3), "big": torch.randn(2_500_001, generator=g)}
     path = str(tmp_path / "x.safetensors")
-    write_safetensors(path, tensors, metadata={"format": "pt"})
+    write_safetensors(path, tensors, metadata={"format": "pt"}, direct=direct)
     got = load_file(path)
     assert set(got) == set(tensors)
     for k, t in tensors.items():
