@@ -82,7 +82,7 @@ def lean_imports() -> None:
     sys.modules.setdefault("wandb", None)
     torch.compile = deferred
     try:
-        import megatron.core.dist_checkpointing  # noqa: F401
+        import megatron.core.dist_checkpointing
         import megatron.core.models.gpt  # noqa: F401
     finally:
         torch.compile = real

@@ -98,12 +98,11 @@ def _phase_baseline() -> dict:
     t0 = time.perf_counter()
     from checkpoint_tools.__main__ import lean_imports
 
-    lean_imports()  # as the CLI imports
-    import checkpoint_tools.convert  # noqa: F401
-    import megatron.core.dist_checkpointing  # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megaprm.parallel.pipeline  # noqa: F401
+    lean_imports()  # as the CLI imports (megatron.core's dist_checkpointing and models.gpt)
     import safetensors.torch  # noqa: F401
+
+    import checkpoint_tools.convert  # noqa: F401
+    import megaprm.parallel.pipeline  # noqa: F401
     return {"import_s": time.perf_counter() - t0,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
 
