@@ -22,8 +22,10 @@ complete result: it goes to bench_advantages.partial.json, see `megaprm.bench.wr
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -118,24 +120,48 @@ def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 2) -> dict[str, floa
     return time_interleaved({"f": fn}, reps, warmup)["f"]
 
 
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int,
                      warmup: int = 2) -> dict[str, dict[str, float]]:
     """Median wall / CPU ms per call of several functions timed in alternation, so load from
-    other processes hits all of them alike (fair ratios)."""
+    other processes hits all of them alike (fair ratios); also the mean minor page faults per
+    call (fresh pages touched: memory the allocator had handed back to the OS), which on this
+    box cost ~2 us each and are the main source of run-to-run noise."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     wall: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
+    faults: dict[str, int] = dict.fromkeys(fns, 0)
     for _ in range(reps):
         for name, fn in fns.items():
+            f0 = _minor_faults()
             w0, c0 = _clock()
             fn()
             w1, c1 = _clock()
+            faults[name] += _minor_faults() - f0
             wall[name].append((w1 - w0) * 1e3)
             cpu[name].append((c1 - c0) * 1e3)
-    return {k: {"wall_ms": statistics.median(wall[k]), "cpu_ms": statistics.median(cpu[k])}
-            for k in fns}
+    return {k: {"wall_ms": statistics.median(wall[k]), "cpu_ms": statistics.median(cpu[k]),
+                "minor_faults_per_call": faults[k] / max(reps, 1)} for k in fns}
+
+
+def keep_freed_memory() -> dict[str, Any]:
+    """Ask glibc malloc to keep freed memory (no trimming of the heap top, no mmap for blocks
+    up to 32 MiB), as a caching allocator (PyTorch's on GPU) does: every call then reuses
+    pages instead of faulting fresh ones in. Applies to all timed functions alike."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = bool(libc.mallopt(m_trim_threshold, 1 << 30)) and \
+            bool(libc.mallopt(m_mmap_threshold, 32 << 20))
+    except OSError as e:
+        return {"keep_freed_memory": False, "error": str(e)}
+    return {"keep_freed_memory": ok, "mallopt": {"M_TRIM_THRESHOLD": 1 << 30,
+                                                  "M_MMAP_THRESHOLD": 32 << 20}}
 
 
 def max_diff(got: Any, want: Any) -> float:
@@ -290,7 +316,8 @@ def token_level_vs_grpo(d: dict[str, torch.Tensor], reps: int, before_rev: str |
     base = ms["grpo_token"]["cpu_ms"]
     for name, t in ms.items():
         out[name] = {"cpu_ms": round(t["cpu_ms"], 3), "wall_ms": round(t["wall_ms"], 3),
-                     "ratio_to_grpo_token_cpu": round(t["cpu_ms"] / base, 2)}
+                     "ratio_to_grpo_token_cpu": round(t["cpu_ms"] / base, 2),
+                     "minor_faults_per_call": round(t["minor_faults_per_call"], 1)}
     for name in ("prime", "pure"):
         if f"{name}_before" in ms:
             out[name]["speedup_vs_before_cpu"] = round(
@@ -321,7 +348,11 @@ def main() -> None:
     ap.add_argument("--before-rev", default=None,
                     help="git revision whose PRIME/PURE are timed next to the current ones")
     ap.add_argument("--skip-dp2", action="store_true", help="no DP=2 rows (recorded as missing)")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="glibc malloc keeps freed memory (mallopt), so timed calls do not pay "
+                         "page faults for memory handed back to the OS; recorded in the JSON")
     args = ap.parse_args()
+    allocator = keep_freed_memory() if args.keep_freed_memory else {"keep_freed_memory": False}
     from megaprm.bench import load_average, write_result
 
     torch.set_num_threads(1)  # thread CPU time == work done; see time_ms
@@ -346,6 +377,7 @@ def main() -> None:
                    "torch_threads": 1, "load_average_at_end": list(os.getloadavg())},
         "load": load_average(),
         "torch": torch.__version__, "python": platform.python_version(),
+        "allocator": allocator,
         "batch": {"groups": args.groups, "samples_per_group": args.n,
                   "samples": int(d["outcome"].shape[0]), "response_tokens": args.tokens,
                   "reps": args.reps},

@@ -158,6 +158,14 @@ def blend(outcome: torch.Tensor, process: torch.Tensor, group_ids: torch.Tensor,
     return grpo(reward, group_ids, group=group).to(outcome.dtype)
 
 
+def _group_sums_per_sample(index: GroupIndex, *columns: torch.Tensor) -> list[torch.Tensor]:
+    """Group sums of several `[B]` columns (one collective), each mapped back to its samples
+    as a `[B]` float64 vector: a 1-D `index_select` per column costs far less on CPU than one
+    on the strided `[G, K]` table."""
+    table = group_sums(torch.stack(columns, dim=1), index)
+    return [index.per_sample(table[:, k]) for k in range(len(columns))]
+
+
 # --------------------------------------------------------------------------- token helpers
 
 def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
@@ -317,13 +325,24 @@ def prime(outcome: torch.Tensor, logp_prm: torch.Tensor, logp_ref: torch.Tensor,
 
     With gamma = 1 (the released setting) every step is a per-row affine map of one forward
     cumsum: with C the cumsum of r and V_t the valid tokens at or after t,
-    `G^p_t = a_i (C_T - C_{t-1}) - c_i V_t` and `G^o_t = o_i` on valid tokens, so the whole
-    estimator costs ~10 passes over `[B, T]` (see `_prime_returns_gamma1`).
+    `G^p_t = a_i (C_T - C_{t-1}) - c_i V_t` and `G^o_t = o_i` on valid tokens (see
+    `_prime_returns_gamma1`). At token granularity with a right-padded mask this runs as three
+    sweeps over blocks of rows that stay in cache (`_prime_cumsum_sweep`,
+    `_prime_finish_sweeps`): inputs read once, outputs written about twice.
     """
     check_choice(norm, "norm", ("batch_norm", "none"))
     check_choice(rloo_form, "rloo_form", ("code", "paper"))
     check_vector(outcome, "outcome")
     b = outcome.shape[0]
+    if granularity == "token" and gamma_outcome == 1.0 and gamma_process == 1.0:
+        check_tensor(logp_prm, "logp_prm", (b, None), finite=False, dims="[B, T]")
+        sweep = _prime_cumsum_sweep(logp_prm, logp_ref, response_mask, norm)
+        if sweep is not None:
+            index = group_index(group_ids, group, b)
+            return _prime_finish_sweeps(outcome, sweep, response_mask, index, norm=norm,
+                                        norm_scope=norm_scope, rloo_form=rloo_form,
+                                        outcome_coef=outcome_coef, process_coef=process_coef,
+                                        group=group)
     check_tensor(logp_prm, "logp_prm", (b, None), dims="[B, T]")
     q = implicit_process_reward(logp_prm, logp_ref, response_mask)
     mask = response_mask.to(q.dtype)
@@ -360,8 +379,7 @@ def _prime_rloo_coefficients(outcome: torch.Tensor, mu: torch.Tensor, index: Gro
     process reward `a_i r_t - c_i` on valid tokens, outcome term `out_i` at the last token;
     all three 0 for a group of one."""
     o = outcome.to(torch.float64)
-    s = index.per_sample(group_sums(torch.stack([torch.ones_like(o), o, mu], dim=1), index))
-    k, sum_o, sum_mu = s[:, 0], s[:, 1], s[:, 2]
+    k, sum_o, sum_mu = _group_sums_per_sample(index, torch.ones_like(o), o, mu)
     loo = (k >= 2).to(torch.float64)
     km1 = (k - 1).clamp(min=1)
     out_last = (k * o - sum_o) / km1 * loo
@@ -437,6 +455,172 @@ def _row_counts(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return n.to(torch.float64), prefix
 
 
+# --------------------------------------------------------------------------- row sweeps
+
+# The token-level fast paths (PRIME at gamma = 1, PURE's per-step path) make their passes over
+# `[B, T]` one block of rows at a time, the block about this many bytes: the several passes over
+# a block then find it in cache, and each input and output crosses the memory bus about once.
+SWEEP_BLOCK_BYTES = 1 << 21
+
+
+def _row_blocks(b: int, t: int, itemsize: int, device: torch.device) -> list[slice]:
+    """Row slices of `[B, T]` covering it in blocks (one block off CPU: kernels there are
+    launched per block and the caches are not the point)."""
+    if device.type != "cpu":
+        return [slice(0, b)]
+    rows = max(1, SWEEP_BLOCK_BYTES // max(1, t * itemsize))
+    return [slice(i, min(i + rows, b)) for i in range(0, b, rows)]
+
+
+def _float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float mask as given (checked in its own dtype), a bool / integer one as `dtype`."""
+    return mask if mask.dtype.is_floating_point else mask.to(dtype)
+
+
+def _prefix_count(mask: torch.Tensor, scratch: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor | None:
+    """Valid tokens per row of `mask[R, T]` when it is exactly right-padded {0, 1} (row i = n_i
+    ones, then zeros); None otherwise, the caller then takes its general path, whose checks
+    reject non-binary and non-finite masks.
+
+    Exact: n_i is the row sum and `mask - (positions < n_i)`, built in `scratch` (float, the
+    mask's dtype, >= R rows), must be 0 everywhere (a NaN/inf or fractional entry never gives
+    0). Four cheap passes over a cached block; `torch.equal` and bool temporaries cost several
+    times more on CPU.
+    """
+    n = mask.sum(1)
+    diff = scratch[: mask.shape[0]]
+    torch.lt(positions, n[:, None], out=diff)
+    lo, hi = torch.sub(mask, diff, out=diff).aminmax()
+    return n if float(lo) == 0.0 and float(hi) == 0.0 else None
+
+
+def _prefix_counts(mask: torch.Tensor) -> torch.Tensor | None:
+    """`_prefix_count` over all rows of `mask[B, T]` in blocks -> float64 `[B]`, or None."""
+    b, t = mask.shape
+    if b == 0 or t == 0:
+        return None
+    dt = mask.dtype if mask.dtype.is_floating_point else torch.float32
+    blocks = _row_blocks(b, t, dt.itemsize, mask.device)
+    scratch = torch.empty((blocks[0].stop, t), dtype=dt, device=mask.device)
+    positions = torch.arange(t, device=mask.device)
+    counts = []
+    for rows in blocks:
+        n = _prefix_count(_float_mask(mask[rows], dt), scratch, positions)
+        if n is None:
+            return None
+        counts.append(n)
+    return torch.cat(counts).to(torch.float64)
+
+
+def _prime_cumsum_sweep(logp_prm: torch.Tensor, logp_ref: torch.Tensor,
+                        response_mask: torch.Tensor,
+                        norm: str) -> tuple[torch.Tensor, ...] | None:
+    """First sweep of PRIME's fast path (token granularity, gamma = 1, right-padded mask):
+    per row block, check the mask (`_prefix_count`), `C = cumsum_t (logp_prm - logp_ref) m`
+    in a fresh `[B, T]` buffer, and the row min / max of C for batch_norm.
+
+    Returns `(C, row_min, row_max, n_tokens float64 [B])`, or None, before any collective, when
+    the inputs are off that layout (other shapes or dtypes, a mask that is not right-padded
+    {0,1}) or not finite: the general path then runs, and its checks raise on bad values.
+    Finiteness rides on the cumsum: NaN/inf anywhere in a row (padding included) makes the
+    row's last C non-finite; so does an overflow of finite inputs, which the general path
+    then computes as before.
+    """
+    b, t = logp_prm.shape
+    dt = logp_prm.dtype
+    if (not dt.is_floating_point or b == 0 or t == 0
+            or not isinstance(logp_ref, torch.Tensor) or logp_ref.dtype != dt
+            or tuple(logp_ref.shape) != (b, t) or not isinstance(response_mask, torch.Tensor)
+            or tuple(response_mask.shape) != (b, t) or logp_ref.device != logp_prm.device
+            or response_mask.device != logp_prm.device):
+        return None
+    blocks = _row_blocks(b, t, dt.itemsize, logp_prm.device)
+    positions = torch.arange(t, device=logp_prm.device)
+    mask_dt = response_mask.dtype if response_mask.dtype.is_floating_point else dt
+    scratch = torch.empty((blocks[0].stop, t), dtype=mask_dt, device=logp_prm.device)
+    csum = torch.empty((b, t), dtype=dt, device=logp_prm.device)
+    row_min, row_max = torch.empty(b, dtype=dt, device=csum.device), torch.empty_like(csum[:, 0])
+    counts = []
+    for rows in blocks:
+        m = _float_mask(response_mask[rows], dt)
+        n = _prefix_count(m, scratch, positions)
+        if n is None:
+            return None
+        counts.append(n)
+        c = torch.sub(logp_prm[rows], logp_ref[rows], out=csum[rows])
+        c.mul_(m if m.dtype == dt else m.to(dt)).cumsum_(1)
+        if norm == "batch_norm":
+            torch.amin(c, 1, out=row_min[rows])
+            torch.amax(c, 1, out=row_max[rows])
+    if not bool(torch.isfinite(csum[:, -1]).all()):
+        return None
+    return csum, row_min, row_max, torch.cat(counts).to(torch.float64)
+
+
+def _prime_finish_sweeps(outcome: torch.Tensor, sweep: tuple[torch.Tensor, ...],
+                         response_mask: torch.Tensor, index: GroupIndex, *, norm: str,
+                         norm_scope: str, rloo_form: str, outcome_coef: float,
+                         process_coef: float,
+                         group: Any | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PRIME's fast path after `_prime_cumsum_sweep`: the maths of `_prime_returns_gamma1`
+    and `_whiten_masked` (same collectives, same float operations) in two more sweeps over row
+    blocks: returns and their row sums / norms, then the whitened advantages into C's buffer.
+
+    batch_norm takes the row min / max over all of C rather than C_{t-1}: the extra value is
+    C_T itself, which moves neither `C_T - min` nor `max - C_T` above the clamped peak.
+    """
+    csum, row_min, row_max, n_tok = sweep
+    b, t = csum.shape
+    dt = csum.dtype
+    total = csum[:, -1].to(torch.float64)
+    scale = torch.ones((), dtype=torch.float64, device=csum.device)
+    if norm == "batch_norm":
+        lo = row_min.to(torch.float64).clamp_(max=0)
+        hi = row_max.to(torch.float64).clamp_(min=0)
+        peak = torch.maximum(total - lo, hi - total).amax().reshape(1)
+        if norm_scope == "global":
+            peak = all_reduce(peak, "max", group)
+        scale = 1.0 / (peak[0] + 1e-6)
+    mu = total * scale / n_tok.clamp(min=1)                           # per-token mean of r / peak
+    a, c, out_last = _prime_rloo_coefficients(outcome, mu, index, rloo_form)
+    alpha = process_coef * a * scale
+    gamma = process_coef * c
+    kappa = outcome_coef * out_last + alpha * total - gamma * n_tok
+    alpha, gamma, kappa = (x.to(dt)[:, None] for x in (alpha, gamma, kappa))
+    counts_before = torch.arange(t, dtype=dt, device=csum.device)[None, :]   # W_{t-1} = t
+    ret = torch.empty_like(csum)
+    row_sum, row_norm = torch.empty_like(csum[:, 0]), torch.empty_like(csum[:, 0])
+    blocks = _row_blocks(b, t, dt.itemsize, csum.device)
+    # the mask, known to be `positions < n`, is rebuilt per block in cache instead of being
+    # read from memory again
+    positions, n_dt = counts_before[0], n_tok.to(dt)[:, None]
+    scratch = torch.empty((blocks[0].stop, t), dtype=dt, device=csum.device)
+
+    def mask_block(rows: slice) -> torch.Tensor:
+        return torch.lt(positions, n_dt[rows], out=scratch[: rows.stop - rows.start])
+
+    for rows in blocks:
+        r = torch.addcmul(kappa[rows], gamma[rows], counts_before, out=ret[rows])
+        r[:, 1:].addcmul_(csum[rows, :-1], alpha[rows], value=-1.0)
+        r.mul_(mask_block(rows))
+        torch.sum(r, 1, out=row_sum[rows])
+        torch.linalg.vector_norm(r, dim=1, out=row_norm[rows])
+    # _whiten_masked's statistics from the row sums and norms
+    n_local, s_local = n_tok.sum(), row_sum.to(torch.float64).sum()
+    s = all_reduce(torch.stack([n_local, s_local]), "sum", group)
+    n, mean = s[0], s[1] / s[0].clamp(min=1)
+    sq = row_norm.to(torch.float64).square().sum()
+    local = sq - 2 * mean * s_local + mean * mean * n_local
+    ss = all_reduce(local.clamp(min=0).reshape(1), "sum", group)[0]
+    var = ss / (n - 1).clamp(min=1)
+    rstd = float(torch.rsqrt(var + 1e-8))
+    mean_f = float(mean)
+    for rows in blocks:
+        torch.sub(ret[rows], mask_block(rows), alpha=mean_f, out=csum[rows]).mul_(rstd)
+    return csum, ret
+
+
 # --------------------------------------------------------------------------- PURE (§2)
 
 def step_end_index_from_token_to_step(token_to_step: torch.Tensor, response_mask: torch.Tensor,
@@ -470,9 +654,13 @@ def pure_step_weights(step_scores: torch.Tensor, step_mask: torch.Tensor, *, cre
         return m.to(step_scores.dtype)
     if credit == "uniform":
         return m.to(step_scores.dtype) / m.sum(1, keepdim=True).clamp(min=1).to(step_scores.dtype)
-    logits = torch.where(m, -step_scores / temperature, torch.full_like(step_scores, float("-inf")))
-    w = torch.softmax(logits, dim=1)
-    return torch.where(m, w, torch.zeros_like(w))
+    # softmax over the valid steps, spelt out: torch.softmax over a short last dim and where()
+    # with a bool mask cost ~10x these float ops on CPU.
+    off = torch.reciprocal(m.to(step_scores.dtype)).neg_().add_(1.0)   # 0 valid, -inf not
+    logits = torch.div(step_scores, -temperature).add_(off)
+    top = logits.amax(1, keepdim=True).nan_to_num_(neginf=0.0)   # a row without steps: 0
+    e = logits.sub_(top).exp_()
+    return e.div_(e.sum(1, keepdim=True).clamp_(min=1.0))        # valid rows sum to >= 1
 
 
 def pure_whiten(adv: torch.Tensor, response_mask: torch.Tensor, *, var_includes_zeros: bool = True,
@@ -529,8 +717,8 @@ def pure(outcome: torch.Tensor, step_scores: torch.Tensor, step_mask: torch.Tens
 
     Without the KL term the rewards sit only at step ends, so G is constant on each step's
     tokens: inputs that follow the documented layout (right-padded mask, steps tiling the
-    response) are computed per step `[B, S]` and expanded to tokens with one
-    `repeat_interleave` per output; other inputs take the dense `[B, T]` path.
+    response) are computed per step `[B, S]` and run-length decoded to tokens
+    (`_expand_runs`); other inputs take the dense `[B, T]` path.
     """
     check_choice(baseline, "baseline", ("token", "step", "none"))
     check_choice(reward_mode, "reward_mode", ("PRM", "VR", "PRMVR"))
@@ -539,12 +727,18 @@ def pure(outcome: torch.Tensor, step_scores: torch.Tensor, step_mask: torch.Tens
     b = outcome.shape[0]
     check_tensor(step_scores, "step_scores", (b, None), dims="[B, S]")
     n_steps = step_scores.shape[1]
-    smask = check_mask(step_mask, "step_mask", (b, n_steps), "[B, S]").bool()
+    smask = check_tensor(step_mask, "step_mask", (b, n_steps), dims="[B, S]") \
+        if isinstance(step_mask, torch.Tensor) and step_mask.dtype == torch.bool else \
+        check_mask(step_mask, "step_mask", (b, n_steps), "[B, S]").bool()
     check_tensor(step_end_index, "step_end_index", (b, n_steps), dims="[B, S]")
-    tmask = check_mask(response_mask, "response_mask", (b, None), "[B, T]")
-    t = tmask.shape[1]
-    ends = step_end_index.long()
-    if bool(((ends < 0) | (ends >= t))[smask].any()):
+    check_tensor(response_mask, "response_mask", (b, None), finite=False, dims="[B, T]")
+    y_len = _prefix_counts(response_mask)   # float64 [B], None unless right-padded {0, 1}
+    tmask = None if y_len is not None else \
+        check_mask(response_mask, "response_mask", (b, None), "[B, T]")   # raises if bad
+    t = response_mask.shape[1]
+    ends = step_end_index.long() * smask                     # 0 at masked-out steps
+    if ends.numel() and (int(ends.amin()) < 0 or int(ends.amax()) >= max(t, 1)
+                         or (t == 0 and bool(smask.any()))):
         raise ValueError(f"step_end_index has valid steps outside [0, T={t}); it must hold the "
                          f"token position of each step's closing token within the response")
     if kl_coef and kl is None:
@@ -552,126 +746,176 @@ def pure(outcome: torch.Tensor, step_scores: torch.Tensor, step_mask: torch.Tens
                          "pass it or set kl_coef=0")
     if kl is not None:
         check_tensor(kl, "kl", (b, t), dims="[B, T]")
-    ends = torch.where(smask, ends, torch.zeros_like(ends))
     index = group_index(group_ids, group, b)
     exclude_zeros = mask_separator or whiten_zeros == "exclude"
-    y_len, prefix = _row_counts(tmask)
+    prefix = y_len is not None
+    if tmask is None:
+        tmask = response_mask.float() if response_mask.dtype == torch.bool else response_mask
+    else:
+        y_len, prefix = _row_counts(tmask)
     kl_on = kl is not None and bool(kl_coef)
     tiled = not kl_on and prefix and _steps_tile_rows(ends, smask, y_len)
+    step_reward, vr, seg_len, sm = _pure_step_rewards(
+        outcome, step_scores, smask, ends, y_len, None if tiled else tmask, index,
+        credit=credit, temperature=temperature, baseline=baseline, reward_mode=reward_mode,
+        vr_coef=vr_coef)
+    whiten_args = {"whiten": whiten, "mask_separator": mask_separator,
+                   "exclude_zeros": exclude_zeros, "var_includes_zeros": whiten_var_includes_zeros,
+                   "group": group}
+    if tiled:
+        tables = _pure_step_tables(step_reward, vr, seg_len, smask, sm, y_len, t,
+                                   dtype=step_scores.dtype, **whiten_args)
+        return _expand_runs(*tables, t)
+    return _pure_dense(step_reward, vr, ends, smask, tmask, kl if kl_on else None, kl_coef,
+                       dtype=step_scores.dtype, **whiten_args)
 
+
+def _pure_step_rewards(outcome: torch.Tensor, step_scores: torch.Tensor, smask: torch.Tensor,
+                       ends: torch.Tensor, y_len: torch.Tensor, tmask: torch.Tensor | None,
+                       index: GroupIndex, *, credit: str, temperature: float, baseline: str,
+                       reward_mode: str, vr_coef: float
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                  torch.Tensor]:
+    """PURE's per-step rewards (float64 `[B, S]`, at each step's closing token), the verifiable
+    reward `vr[B]` (at the last token, or None), when the steps tile the rows (`tmask` is
+    None) the tokens per step `seg_len[B, S]` (long; None otherwise), and the float64 step
+    mask. One collective.
+
+    Float64 throughout, with a float64 copy of the step mask: on CPU, elementwise ops with a bool
+    operand (mask multiply, where) cost several times the float ones on `[B, S]`.
+    """
+    b = step_scores.shape[0]
     pr = step_scores.to(torch.float64)
-    w = pure_step_weights(pr, smask, credit=credit, temperature=temperature)
-    rew_step = w * pr * smask                                              # [B, S]
+    sm = smask.to(torch.float64)
+    rew_step = pure_step_weights(pr, smask, credit=credit, temperature=temperature).mul_(pr)
     big_o = rew_step.sum(1)                                                # O_i ~ min PR
-    k_i = smask.sum(1).to(torch.float64)
-    if tiled:   # step k holds the tokens (e_{k-1}, e_k]
-        prev = torch.cat([ends.new_full((b, 1), -1), ends[:, :-1]], dim=1)
-        seg_len = (ends - prev) * smask                                    # [B, S] long
-        l_k = ((seg_len - 1) * smask).to(torch.float64)
+    k_i = sm.sum(1)
+    seg_len = None
+    if tmask is None:   # step k holds the tokens (e_{k-1}, e_k]
+        seg_len = ends.diff(dim=1, prepend=ends.new_full((b, 1), -1)) * smask   # [B, S] long
+        l_k = (seg_len - 1).to(torch.float64).mul_(sm)
     else:
         csum = tmask.to(torch.float64).cumsum(1)
         at_end = torch.gather(csum, 1, ends) * smask                       # tokens up to e_k
         prev_c = torch.cat([torch.zeros_like(at_end[:, :1]), at_end.cummax(1).values[:, :-1]], dim=1)
         l_k = ((at_end - prev_c - 1).clamp(min=0)) * smask                 # L_k, closing token excluded
     o = outcome.to(torch.float64)
-    s = index.per_sample(group_sums(torch.stack([torch.ones_like(o), big_o, y_len,
-                                                 big_o / k_i.clamp(min=1), o], dim=1), index))
-    n = s[:, 0]
+    s = _group_sums_per_sample(index, torch.ones_like(o), big_o, y_len,
+                               big_o / k_i.clamp(min=1), o)
+    n = s[0]
     loo = n >= 2
     zero = torch.zeros_like(o)
-    if baseline == "token":
-        denom = s[:, 2] - y_len
-        b_i = torch.where(loo & (denom > 0), (s[:, 1] - big_o) / denom.clamp(min=1), zero)
-        base = b_i[:, None] * l_k
-    elif baseline == "step":
-        b_i = torch.where(loo, (s[:, 3] - big_o / k_i.clamp(min=1)) / (n - 1).clamp(min=1), zero)
-        base = b_i[:, None] * smask
+    if reward_mode in ("PRM", "PRMVR"):
+        if baseline == "token":
+            denom = s[2] - y_len
+            b_i = torch.where(loo & (denom > 0), (s[1] - big_o) / denom.clamp(min=1), zero)
+            rew_step.sub_(l_k.mul_(b_i[:, None]))
+        elif baseline == "step":
+            b_i = torch.where(loo, (s[3] - big_o / k_i.clamp(min=1)) / (n - 1).clamp(min=1), zero)
+            rew_step.sub_(b_i[:, None] * sm)
+        step_reward = rew_step.mul_(sm)
     else:
-        base = torch.zeros_like(rew_step)
-    step_reward = (rew_step - base) * smask if reward_mode in ("PRM", "PRMVR") else \
-        torch.zeros_like(rew_step)
+        step_reward = torch.zeros_like(rew_step)
     vr = None
     if reward_mode in ("VR", "PRMVR"):
-        vr = vr_coef * torch.where(loo, (n * o - s[:, 4]) / (n - 1).clamp(min=1), zero)  # RLOO(solved - 1)
-    whiten_args = {"whiten": whiten, "mask_separator": mask_separator,
-                   "exclude_zeros": exclude_zeros, "var_includes_zeros": whiten_var_includes_zeros,
-                   "group": group, "dtype": step_scores.dtype}
-    if tiled:
-        return _pure_tiled(step_reward, vr, seg_len, smask, k_i, y_len, t, **whiten_args)
-    return _pure_dense(step_reward, vr, ends, smask, tmask, kl if kl_on else None, kl_coef,
-                       **whiten_args)
+        vr = vr_coef * torch.where(loo, (n * o - s[4]) / (n - 1).clamp(min=1), zero)  # RLOO(solved - 1)
+    return step_reward, vr, seg_len, sm
 
 
 def _steps_tile_rows(ends: torch.Tensor, smask: torch.Tensor, n_tok: torch.Tensor) -> bool:
     """True when the valid steps of every row are a prefix of `[B, S]`, close at strictly
     increasing positions, and the last one closes at the last valid token (rows without tokens
-    have no steps): then step k covers exactly the tokens (e_{k-1}, e_k] of a right-padded row."""
+    have no steps): then step k covers exactly the tokens (e_{k-1}, e_k] of a right-padded row.
+
+    `ends` is 0 at masked-out steps; integer reductions only (bool elementwise ops are slow
+    on CPU): with a valid prefix and increasing ends, the last end is the row max.
+    """
     if not smask.numel():
         return bool((n_tok == 0).all())
-    if bool((smask[:, 1:] & ~smask[:, :-1]).any()):
+    v = smask.to(torch.int8)
+    if int(v.diff(dim=1).amax()) > 0:                       # a valid step after a masked one
         return False
-    if bool(((ends[:, 1:] <= ends[:, :-1]) & smask[:, 1:]).any()):
+    if int(ends.diff(dim=1).sub_(1).mul_(v[:, 1:]).amin()) < 0:    # e_k <= e_{k-1}, k valid
         return False
-    k = smask.sum(1)
-    last_end = ends.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0]
-    has_tokens = n_tok > 0
-    return bool(torch.equal(k > 0, has_tokens)) and \
-        bool(((last_end.to(torch.float64) == n_tok - 1) | ~has_tokens).all())
+    covered = ends.amax(1).add_(v[:, 0])                    # last end + 1, or 0 without steps
+    return bool(torch.equal(covered.to(torch.float64), n_tok))
 
 
-def _pure_tiled(step_reward: torch.Tensor, vr: torch.Tensor | None, seg_len: torch.Tensor,
-                smask: torch.Tensor, k_i: torch.Tensor, y_len: torch.Tensor, t: int, *,
-                whiten: bool, mask_separator: bool, exclude_zeros: bool,
-                var_includes_zeros: bool, group: Any | None,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """PURE returns / advantages from per-step values (no KL term, steps tiling each row).
+def _pure_step_tables(step_reward: torch.Tensor, vr: torch.Tensor | None, seg_len: torch.Tensor,
+                      smask: torch.Tensor, sm: torch.Tensor, y_len: torch.Tensor, t: int, *,
+                      whiten: bool,
+                      mask_separator: bool, exclude_zeros: bool, var_includes_zeros: bool,
+                      group: Any | None, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PURE returns / advantages per step (no KL term, steps tiling each row) as run-length
+    tables for `_expand_runs`: `(adv_values, ret_values, lengths)`, each `[B, 2S + 1]`.
 
     `step_reward[B, S]` float64 sits at each step's closing token, `vr[B]` at the last one. G on
     the tokens of step k is the reverse cumsum over steps, `G_k` (the same float64 additions as
     a token-by-token scan, whose extra terms are exact zeros). The whitening statistics are
-    per-step counts times values; each output is one `repeat_interleave` of `[B, 2S + 1]`
-    (value, length) pairs into `[B * T]`.
+    per-step counts times values. Each row is a run of segments: for each step the tokens
+    before its closing token, then the closing token (0 advantage with `mask_separator`); then
+    the padding (value 0).
     """
     b, n_steps = step_reward.shape
+    k_i = smask.sum(1)
     rew = step_reward
-    last = (k_i.long() - 1).clamp(min=0)[:, None]
     if vr is not None and n_steps:
+        last = (k_i - 1).clamp_(min=0)[:, None]
         rew = rew.scatter_add(1, last, (vr * (k_i > 0))[:, None])
-    g = rew.flip(1).cumsum(1).flip(1) * smask                                  # [B, S] G_k
+    g = rew.flip(1).cumsum(1).flip(1).mul_(sm)                                 # [B, S] G_k
     seg = seg_len.to(torch.float64)
-    sep = smask.to(torch.float64) if mask_separator else torch.zeros_like(seg)
-    cnt = seg - sep                                                            # tokens valued G_k
-    tail = (t - y_len).long()[:, None]                                         # [B, 1] padding
+    cnt = seg.sub_(sm) if mask_separator else seg                              # tokens valued G_k
     adv_val = g
     if whiten:
-        nz = (g != 0).to(torch.float64) if exclude_zeros else torch.ones_like(g)
-        count_local = (cnt * nz).sum()
+        nz = torch.ne(g, 0, out=torch.empty_like(g)) if exclude_zeros else None  # float 0/1
+        cnt_nz = cnt * nz if exclude_zeros else cnt                            # tokens counted
+        count_local = cnt_nz.sum()
         s = all_reduce(torch.stack([(cnt * g).sum(), count_local]), "sum", group)
         count = s[1].clamp(min=1)
         mean = s[0] / count
         # valid tokens not counted (separators, zero G_k) contribute (0 - mean)^2 when the
         # released var_sum includes them
-        var_local = (cnt * nz * (g - mean) ** 2).sum()
+        dev = g - mean
+        var_local = (cnt_nz * (dev * dev)).sum()
         if exclude_zeros and var_includes_zeros:
             var_local = var_local + (y_len.sum() - count_local) * mean * mean
         var_sum = all_reduce(var_local.reshape(1), "sum", group)[0]
         rstd = torch.rsqrt((var_sum / count).clamp(min=1e-8))
-        adv_val = (g - mean) * rstd * nz
-    # one token -> segment index shared by both outputs; segments per row: for each step the
-    # tokens before its closing token, the closing token, then the padding
-    sep_len = smask.int()   # int32 lengths -> an int32 token index (half the bytes of int64)
-    ret_vals = torch.stack([g, g], dim=2)
-    adv_vals = torch.stack([adv_val, adv_val * (1 - sep)], dim=2)    # 0 on separators
-    lengths = torch.stack([seg_len.int() - sep_len, sep_len], dim=2).reshape(b, 2 * n_steps)
-    lengths = torch.cat([lengths, tail.int()], dim=1).reshape(-1)
-    idx = torch.repeat_interleave(lengths, output_size=b * t)           # [B * T]
+        adv_val = dev.mul_(rstd)
+        if exclude_zeros:
+            adv_val.mul_(nz)
+    adv_tab = g.new_zeros((b, 2 * n_steps + 1), dtype=dtype)
+    ret_tab = torch.zeros_like(adv_tab)
+    adv_tab[:, 0:-1:2] = adv_val
+    if not mask_separator:
+        adv_tab[:, 1:-1:2] = adv_val
+    ret_tab[:, 0:-1:2] = g
+    ret_tab[:, 1:-1:2] = g
+    sep_len = smask.long()
+    lengths = torch.empty((b, 2 * n_steps + 1), dtype=torch.long, device=g.device)
+    lengths[:, 0:-1:2] = seg_len
+    lengths[:, 0:-1:2] -= sep_len
+    lengths[:, 1:-1:2] = sep_len
+    lengths[:, -1] = t - y_len
+    return adv_tab, ret_tab, lengths
 
-    def expand(vals: torch.Tensor) -> torch.Tensor:
-        v = torch.cat([vals.reshape(b, 2 * n_steps).to(dtype), vals.new_zeros(b, 1, dtype=dtype)],
-                      dim=1)
-        return v.reshape(-1).index_select(0, idx).reshape(b, t)
 
-    return expand(adv_vals), expand(ret_vals)
+def _expand_runs(adv_tab: torch.Tensor, ret_tab: torch.Tensor, lengths: torch.Tensor,
+                 t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run-length decode two `[B, R]` value tables with shared `lengths[B, R]` (int64, each row
+    summing to T) into two `[B, T]` tensors: per block of rows one `repeat_interleave` builds the
+    token -> run index (int64, which `index_select` reads faster than int32; half a block of
+    bytes so that it stays in cache), one `index_select` per output reads the values."""
+    b = adv_tab.shape[0]
+    adv = torch.empty((b, t), dtype=adv_tab.dtype, device=adv_tab.device)
+    ret = torch.empty_like(adv)
+    for rows in _row_blocks(b, t, 2 * lengths.element_size(), adv.device):
+        n_rows = rows.stop - rows.start
+        idx = torch.repeat_interleave(lengths[rows].reshape(-1), output_size=n_rows * t)
+        torch.index_select(adv_tab[rows].reshape(-1), 0, idx, out=adv[rows].view(-1))
+        torch.index_select(ret_tab[rows].reshape(-1), 0, idx, out=ret[rows].view(-1))
+    return adv, ret
 
 
 def _pure_dense(step_reward: torch.Tensor, vr: torch.Tensor | None, ends: torch.Tensor,

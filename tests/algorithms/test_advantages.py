@@ -239,6 +239,51 @@ def test_pure_step_path_equals_token_path(seed, sep, mode):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("block_bytes", [64, 1 << 21])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_token_fast_paths_in_row_blocks_match_loop(monkeypatch, block_bytes, seed):
+    """PRIME (token, gamma = 1) and PURE (steps tiling the rows) sweep [B, T] in blocks of
+    rows; a tiny block (2 rows of 8 float32) splits the batch into many and changes nothing."""
+    monkeypatch.setattr(A, "SWEEP_BLOCK_BYTES", block_bytes)
+    b = random_batch(seed, n_groups=6, t=8)
+    for mask in (b.response_mask, b.response_mask.bool()):
+        adv, ret = A.prime(b.outcome, b.logp_a, b.logp_b, mask, b.group_ids)
+        want_adv, want_ret = ref_prime(b.outcome, b.logp_a, b.logp_b, b.response_mask,
+                                       b.group_ids)
+        close(ret, want_ret)
+        close(adv, want_adv, atol=1e-4)
+        adv, ret = A.pure(b.outcome, b.step_scores, b.step_mask, b.step_end_index, mask,
+                          b.group_ids, whiten_zeros="exclude")
+        want_adv, want_ret = ref_pure(b.outcome, b.step_scores, b.step_mask, b.step_end_index,
+                                      b.response_mask, b.group_ids)
+        close(ret, want_ret, atol=1e-5)
+        close(adv, want_adv, atol=1e-4)
+
+
+def test_token_fast_paths_still_reject_bad_inputs():
+    """The fast paths check the mask and the log-probs on the fly and fall back to the full
+    checks, which name the bad argument; NaN in the padding counts too."""
+    b = random_batch(4, n_groups=3, t=8)
+    o, g, m = b.outcome, b.group_ids, b.response_mask
+    row = int((m.sum(1) < 8).nonzero()[0])        # a row with padding
+    for name in ("logp_a", "logp_b"):
+        bad = getattr(b, name).clone()
+        bad[row, -1] = float("nan")
+        args = (bad, b.logp_b) if name == "logp_a" else (b.logp_a, bad)
+        with pytest.raises(ValueError, match=("logp_prm" if name == "logp_a" else "logp_ref")
+                           + " contains 1 NaN/inf"):
+            A.prime(o, *args, m, g)
+    pure_args = (b.step_scores, b.step_mask, b.step_end_index)
+    for value, match in ((0.5, "response_mask must hold only 0/1"),
+                         (float("inf"), "response_mask contains 1 NaN/inf")):
+        bad = m.clone()
+        bad[row, -1] = value
+        with pytest.raises(ValueError, match=match):
+            A.prime(o, b.logp_a, b.logp_b, bad, g)
+        with pytest.raises(ValueError, match=match):
+            A.pure(o, *pure_args, bad, g)
+
+
 def released_pure_normalize(adv, mask, mask_separator):
     """CJReinforce/PURE@41f9363 NaiveReplayBuffer.normalize, one token at a time: the count is
     every valid token, minus the exactly-zero ones only with separator masking; mean = sum /
