@@ -736,9 +736,12 @@ def pure(outcome: torch.Tensor, step_scores: torch.Tensor, step_mask: torch.Tens
     tmask = None if y_len is not None else \
         check_mask(response_mask, "response_mask", (b, None), "[B, T]")   # raises if bad
     t = response_mask.shape[1]
-    ends = step_end_index.long() * smask                     # 0 at masked-out steps
-    if ends.numel() and (int(ends.amin()) < 0 or int(ends.amax()) >= max(t, 1)
-                         or (t == 0 and bool(smask.any()))):
+    # [B, S] work in float64 (exact here): on CPU, int64 reductions and elementwise ops with a
+    # bool operand cost several times the float64 ones
+    sm = smask.to(torch.float64)
+    ends_f = step_end_index.long().to(torch.float64).mul_(sm)   # 0 at masked-out steps
+    lo, hi = ends_f.aminmax() if ends_f.numel() else (0, 0)
+    if float(lo) < 0 or float(hi) >= max(t, 1) or (t == 0 and bool(smask.any())):
         raise ValueError(f"step_end_index has valid steps outside [0, T={t}); it must hold the "
                          f"token position of each step's closing token within the response")
     if kl_coef and kl is None:
@@ -754,13 +757,14 @@ def pure(outcome: torch.Tensor, step_scores: torch.Tensor, step_mask: torch.Tens
     else:
         y_len, prefix = _row_counts(tmask)
     kl_on = kl is not None and bool(kl_coef)
-    tiled = not kl_on and prefix and _steps_tile_rows(ends, smask, y_len)
+    tiled = not kl_on and prefix and _steps_tile_rows(ends_f, sm, y_len)
+    ends = ends_f if tiled else step_end_index.long() * smask
     # the [B, T] outputs before the [B, S] temporaries: allocated last they would extend the
     # heap, whose fresh pages fault on first touch (~2 us per 4 KiB on this box)
     out = tuple(torch.empty((b, t), dtype=step_scores.dtype, device=step_scores.device)
                 for _ in range(2)) if tiled else None
-    step_reward, vr, seg_len, sm = _pure_step_rewards(
-        outcome, step_scores, smask, ends, y_len, None if tiled else tmask, index,
+    step_reward, vr, seg_len = _pure_step_rewards(
+        outcome, step_scores, smask, sm, ends, y_len, None if tiled else tmask, index,
         credit=credit, temperature=temperature, baseline=baseline, reward_mode=reward_mode,
         vr_coef=vr_coef)
     whiten_args = {"whiten": whiten, "mask_separator": mask_separator,
@@ -775,29 +779,25 @@ def pure(outcome: torch.Tensor, step_scores: torch.Tensor, step_mask: torch.Tens
 
 
 def _pure_step_rewards(outcome: torch.Tensor, step_scores: torch.Tensor, smask: torch.Tensor,
-                       ends: torch.Tensor, y_len: torch.Tensor, tmask: torch.Tensor | None,
+                       sm: torch.Tensor, ends: torch.Tensor, y_len: torch.Tensor,
+                       tmask: torch.Tensor | None,
                        index: GroupIndex, *, credit: str, temperature: float, baseline: str,
                        reward_mode: str, vr_coef: float
-                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-                                  torch.Tensor]:
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """PURE's per-step rewards (float64 `[B, S]`, at each step's closing token), the verifiable
-    reward `vr[B]` (at the last token, or None), when the steps tile the rows (`tmask` is
-    None) the tokens per step `seg_len[B, S]` (long; None otherwise), and the float64 step
-    mask. One collective.
-
-    Float64 throughout, with a float64 copy of the step mask: on CPU, elementwise ops with a bool
-    operand (mask multiply, where) cost several times the float ones on `[B, S]`.
+    reward `vr[B]` (at the last token, or None) and, when the steps tile the rows (`tmask` is
+    None; then `ends` is float64), the tokens per step `seg_len[B, S]` (float64; None
+    otherwise). `sm` is the step mask as float64. One collective.
     """
     b = step_scores.shape[0]
     pr = step_scores.to(torch.float64)
-    sm = smask.to(torch.float64)
     rew_step = pure_step_weights(pr, smask, credit=credit, temperature=temperature).mul_(pr)
     big_o = rew_step.sum(1)                                                # O_i ~ min PR
     k_i = sm.sum(1)
     seg_len = None
     if tmask is None:   # step k holds the tokens (e_{k-1}, e_k]
-        seg_len = ends.diff(dim=1, prepend=ends.new_full((b, 1), -1)) * smask   # [B, S] long
-        l_k = (seg_len - 1).to(torch.float64).mul_(sm)
+        seg_len = ends.diff(dim=1, prepend=ends.new_full((b, 1), -1.0)).mul_(sm)
+        l_k = (seg_len - 1).mul_(sm)
     else:
         csum = tmask.to(torch.float64).cumsum(1)
         at_end = torch.gather(csum, 1, ends) * smask                       # tokens up to e_k
@@ -823,26 +823,25 @@ def _pure_step_rewards(outcome: torch.Tensor, step_scores: torch.Tensor, smask: 
     vr = None
     if reward_mode in ("VR", "PRMVR"):
         vr = vr_coef * torch.where(loo, (n * o - s[4]) / (n - 1).clamp(min=1), zero)  # RLOO(solved - 1)
-    return step_reward, vr, seg_len, sm
+    return step_reward, vr, seg_len
 
 
-def _steps_tile_rows(ends: torch.Tensor, smask: torch.Tensor, n_tok: torch.Tensor) -> bool:
+def _steps_tile_rows(ends: torch.Tensor, sm: torch.Tensor, n_tok: torch.Tensor) -> bool:
     """True when the valid steps of every row are a prefix of `[B, S]`, close at strictly
     increasing positions, and the last one closes at the last valid token (rows without tokens
     have no steps): then step k covers exactly the tokens (e_{k-1}, e_k] of a right-padded row.
 
-    `ends` is 0 at masked-out steps; integer reductions only (bool elementwise ops are slow
-    on CPU): with a valid prefix and increasing ends, the last end is the row max.
+    `ends` and the step mask `sm` as float64 (exact), `ends` 0 at masked-out steps: with a
+    valid prefix and increasing ends, the last end is the row max.
     """
-    if not smask.numel():
+    if not sm.numel():
         return bool((n_tok == 0).all())
-    v = smask.to(torch.int8)
-    if int(v.diff(dim=1).amax()) > 0:                       # a valid step after a masked one
+    if float(sm.diff(dim=1).amax()) > 0:                    # a valid step after a masked one
         return False
-    if int(ends.diff(dim=1).sub_(1).mul_(v[:, 1:]).amin()) < 0:    # e_k <= e_{k-1}, k valid
+    if float(ends.diff(dim=1).sub_(1).mul_(sm[:, 1:]).amin()) < 0:  # e_k <= e_{k-1}, k valid
         return False
-    covered = ends.amax(1).add_(v[:, 0])                    # last end + 1, or 0 without steps
-    return bool(torch.equal(covered.to(torch.float64), n_tok))
+    covered = ends.amax(1).add_(sm[:, 0])                   # last end + 1, or 0 without steps
+    return bool(torch.equal(covered, n_tok))
 
 
 def _pure_step_tables(step_reward: torch.Tensor, vr: torch.Tensor | None, seg_len: torch.Tensor,
@@ -868,8 +867,8 @@ def _pure_step_tables(step_reward: torch.Tensor, vr: torch.Tensor | None, seg_le
         last = (k_i - 1).clamp_(min=0)[:, None]
         rew = rew.scatter_add(1, last, (vr * (k_i > 0))[:, None])
     g = rew.flip(1).cumsum(1).flip(1).mul_(sm)                                 # [B, S] G_k
-    seg = seg_len.to(torch.float64)
-    cnt = seg.sub_(sm) if mask_separator else seg                              # tokens valued G_k
+    interior = seg_len - sm                          # tokens of step k before its closing token
+    cnt = interior if mask_separator else seg_len    # tokens valued G_k
     adv_val = g
     if whiten:
         nz = torch.ne(g, 0, out=torch.empty_like(g)) if exclude_zeros else None  # float 0/1
@@ -896,11 +895,9 @@ def _pure_step_tables(step_reward: torch.Tensor, vr: torch.Tensor | None, seg_le
         adv_tab[:, 1:-1:2] = adv_val
     ret_tab[:, 0:-1:2] = g
     ret_tab[:, 1:-1:2] = g
-    sep_len = smask.long()
     lengths = torch.empty((b, 2 * n_steps + 1), dtype=torch.long, device=g.device)
-    lengths[:, 0:-1:2] = seg_len
-    lengths[:, 0:-1:2] -= sep_len
-    lengths[:, 1:-1:2] = sep_len
+    lengths[:, 0:-1:2] = interior
+    lengths[:, 1:-1:2] = sm
     lengths[:, -1] = t - y_len
     return adv_tab, ret_tab, lengths
 
