@@ -656,6 +656,8 @@ def pure_step_weights(step_scores: torch.Tensor, step_mask: torch.Tensor, *, cre
         return m.to(step_scores.dtype) / m.sum(1, keepdim=True).clamp(min=1).to(step_scores.dtype)
     # softmax over the valid steps, spelt out: torch.softmax over a short last dim and where()
     # with a bool mask cost ~10x these float ops on CPU.
+    if not step_scores.shape[1]:
+        return torch.zeros_like(step_scores)
     off = torch.reciprocal(m.to(step_scores.dtype)).neg_().add_(1.0)   # 0 valid, -inf not
     logits = torch.div(step_scores, -temperature).add_(off)
     top = logits.amax(1, keepdim=True).nan_to_num_(neginf=0.0)   # a row without steps: 0
@@ -771,7 +773,7 @@ def pure(outcome: torch.Tensor, step_scores: torch.Tensor, step_mask: torch.Tens
                    "exclude_zeros": exclude_zeros, "var_includes_zeros": whiten_var_includes_zeros,
                    "group": group}
     if tiled:
-        tables = _pure_step_tables(step_reward, vr, seg_len, smask, sm, y_len, t,
+        tables = _pure_step_tables(step_reward, vr, seg_len, ends, smask, sm, y_len, t,
                                    dtype=step_scores.dtype, **whiten_args)
         return _expand_runs(*tables, out)
     return _pure_dense(step_reward, vr, ends, smask, tmask, kl if kl_on else None, kl_coef,
@@ -845,20 +847,20 @@ def _steps_tile_rows(ends: torch.Tensor, sm: torch.Tensor, n_tok: torch.Tensor) 
 
 
 def _pure_step_tables(step_reward: torch.Tensor, vr: torch.Tensor | None, seg_len: torch.Tensor,
-                      smask: torch.Tensor, sm: torch.Tensor, y_len: torch.Tensor, t: int, *,
-                      whiten: bool,
-                      mask_separator: bool, exclude_zeros: bool, var_includes_zeros: bool,
-                      group: Any | None, dtype: torch.dtype
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      ends: torch.Tensor, smask: torch.Tensor, sm: torch.Tensor,
+                      y_len: torch.Tensor, t: int, *, whiten: bool, mask_separator: bool,
+                      exclude_zeros: bool, var_includes_zeros: bool, group: Any | None,
+                      dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """PURE returns / advantages per step (no KL term, steps tiling each row) as run-length
-    tables for `_expand_runs`: `(adv_values, ret_values, lengths)`, each `[B, 2S + 1]`.
+    tables for `_expand_runs`: `(adv_values, ret_values, lengths)`, each `[B, S + 1]`, and the
+    step-closing token positions `[B, S]` whose advantage is 0 (`mask_separator`; else None).
 
     `step_reward[B, S]` float64 sits at each step's closing token, `vr[B]` at the last one. G on
     the tokens of step k is the reverse cumsum over steps, `G_k` (the same float64 additions as
     a token-by-token scan, whose extra terms are exact zeros). The whitening statistics are
-    per-step counts times values. Each row is a run of segments: for each step the tokens
-    before its closing token, then the closing token (0 advantage with `mask_separator`); then
-    the padding (value 0).
+    per-step counts times values. Each row is a run of segments: one per step (its tokens), then
+    the padding (value 0). `ends`, `seg_len` and `sm` are float64.
     """
     b, n_steps = step_reward.shape
     k_i = smask.sum(1)
@@ -867,8 +869,7 @@ def _pure_step_tables(step_reward: torch.Tensor, vr: torch.Tensor | None, seg_le
         last = (k_i - 1).clamp_(min=0)[:, None]
         rew = rew.scatter_add(1, last, (vr * (k_i > 0))[:, None])
     g = rew.flip(1).cumsum(1).flip(1).mul_(sm)                                 # [B, S] G_k
-    interior = seg_len - sm                          # tokens of step k before its closing token
-    cnt = interior if mask_separator else seg_len    # tokens valued G_k
+    cnt = seg_len - sm if mask_separator else seg_len     # tokens valued G_k
     adv_val = g
     if whiten:
         nz = torch.ne(g, 0, out=torch.empty_like(g)) if exclude_zeros else None  # float 0/1
@@ -888,33 +889,37 @@ def _pure_step_tables(step_reward: torch.Tensor, vr: torch.Tensor | None, seg_le
         adv_val = dev.mul_(rstd)
         if exclude_zeros:
             adv_val.mul_(nz)
-    adv_tab = g.new_zeros((b, 2 * n_steps + 1), dtype=dtype)
+    adv_tab = g.new_zeros((b, n_steps + 1), dtype=dtype)
     ret_tab = torch.zeros_like(adv_tab)
-    adv_tab[:, 0:-1:2] = adv_val
-    if not mask_separator:
-        adv_tab[:, 1:-1:2] = adv_val
-    ret_tab[:, 0:-1:2] = g
-    ret_tab[:, 1:-1:2] = g
-    lengths = torch.empty((b, 2 * n_steps + 1), dtype=torch.long, device=g.device)
-    lengths[:, 0:-1:2] = interior
-    lengths[:, 1:-1:2] = sm
+    adv_tab[:, :-1] = adv_val
+    ret_tab[:, :-1] = g
+    lengths = torch.empty((b, n_steps + 1), dtype=torch.long, device=g.device)
+    lengths[:, :-1] = seg_len
     lengths[:, -1] = t - y_len
-    return adv_tab, ret_tab, lengths
+    separators = None
+    if mask_separator and n_steps:   # masked-out steps point at the row's last closing token
+        separators = ends.addcmul(1 - sm, ends.amax(1, keepdim=True)).long()
+    return adv_tab, ret_tab, lengths, separators
 
 
 def _expand_runs(adv_tab: torch.Tensor, ret_tab: torch.Tensor, lengths: torch.Tensor,
+                 zero_adv_at: torch.Tensor | None,
                  out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Run-length decode two `[B, R]` value tables with shared `lengths[B, R]` (int64, each row
-    summing to T) into the two `[B, T]` tensors `out`: per block of rows one `repeat_interleave`
-    builds the token -> run index (int64, which `index_select` reads faster than int32; half a
-    block of bytes so that it stays in cache), one `index_select` per output reads the values."""
+    summing to T) into the two `[B, T]` tensors `out`, then zero the advantages at the token
+    positions `zero_adv_at[B, K]`: per block of rows one `repeat_interleave` builds the token ->
+    run index (int64, which `index_select` reads faster than int32; half a block of bytes so
+    that it stays in cache), one `index_select` per output reads the values."""
     adv, ret = out
     b, t = adv.shape
     for rows in _row_blocks(b, t, 2 * lengths.element_size(), adv.device):
         n_rows = rows.stop - rows.start
         idx = torch.repeat_interleave(lengths[rows].reshape(-1), output_size=n_rows * t)
-        torch.index_select(adv_tab[rows].reshape(-1), 0, idx, out=adv[rows].view(-1))
+        a = adv[rows]
+        torch.index_select(adv_tab[rows].reshape(-1), 0, idx, out=a.view(-1))
         torch.index_select(ret_tab[rows].reshape(-1), 0, idx, out=ret[rows].view(-1))
+        if zero_adv_at is not None:
+            a.scatter_(1, zero_adv_at[rows], 0.0)
     return adv, ret
 
 
