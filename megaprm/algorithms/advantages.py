@@ -520,8 +520,8 @@ def _prime_cumsum_sweep(logp_prm: torch.Tensor, logp_ref: torch.Tensor,
     per row block, check the mask (`_prefix_count`), `C = cumsum_t (logp_prm - logp_ref) m`
     in a fresh `[B, T]` buffer, and the row min / max of C for batch_norm.
 
-    Returns `(C, ret buffer, row_min, row_max, n_tokens float64 [B])`, or None, before any collective, when
-    the inputs are off that layout (other shapes or dtypes, a mask that is not right-padded
+    Returns `(C, ret buffer, row_min, row_max, n_tokens float64 [B])`, or None, before any
+    collective, when the inputs are off that layout (other shapes or dtypes, a mask that is not right-padded
     {0,1}) or not finite: the general path then runs, and its checks raise on bad values.
     Finiteness rides on the cumsum: NaN/inf anywhere in a row (padding included) makes the
     row's last C non-finite; so does an overflow of finite inputs, which the general path
@@ -824,7 +824,8 @@ def _pure_step_rewards(outcome: torch.Tensor, step_scores: torch.Tensor, smask: 
         step_reward = torch.zeros_like(rew_step)
     vr = None
     if reward_mode in ("VR", "PRMVR"):
-        vr = vr_coef * torch.where(loo, (n * o - s[4]) / (n - 1).clamp(min=1), zero)  # RLOO(solved - 1)
+        # RLOO(solved - 1)
+        vr = vr_coef * torch.where(loo, (n * o - s[4]) / (n - 1).clamp(min=1), zero)
     return step_reward, vr, seg_len
 
 

@@ -293,7 +293,8 @@ def test_token_fast_paths_still_reject_bad_inputs():
 def test_pure_without_steps_gives_zeros():
     """S = 0 (no step has a score) and empty responses: zero weights, zero advantages."""
     o, g = torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long)
-    assert A.pure_step_weights(torch.zeros(2, 0), torch.zeros(2, 0, dtype=torch.bool)).shape == (2, 0)
+    no_steps = A.pure_step_weights(torch.zeros(2, 0), torch.zeros(2, 0, dtype=torch.bool))
+    assert no_steps.shape == (2, 0)
     adv, ret = A.pure(o, torch.zeros(2, 0), torch.zeros(2, 0, dtype=torch.bool),
                       torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 4), g)
     assert not adv.any() and not ret.any() and adv.shape == (2, 4)
