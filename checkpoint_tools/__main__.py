@@ -59,8 +59,9 @@ def lean_imports() -> None:
     imports torch._dynamo and torch._inductor (~1.6 s here) although a conversion never calls
     them; during the import, `torch.compile` defers to the real one at a function's first call
     (compiled then, exactly as before). And its inference context imports wandb if installed
-    (~0.6 s); a conversion process logs nothing, so wandb is made unimportable in it (callers
-    that check see it as absent). Only the CLI process and its spawned ranks do this."""
+    (~0.6 s); a conversion logs nothing, so wandb is unimportable while megatron-core is
+    imported (it then takes wandb as absent) and importable again afterwards. Only the CLI
+    process and its spawned ranks do this."""
     import torch
 
     real = torch.compile
@@ -79,13 +80,17 @@ def lean_imports() -> None:
 
         return call
 
-    sys.modules.setdefault("wandb", None)
+    hide_wandb = "wandb" not in sys.modules
+    if hide_wandb:
+        sys.modules["wandb"] = None  # `import wandb` raises ImportError while this is set
     torch.compile = deferred
     try:
         import megatron.core.dist_checkpointing
         import megatron.core.models.gpt  # noqa: F401
     finally:
         torch.compile = real
+        if hide_wandb and sys.modules.get("wandb", 0) is None:
+            del sys.modules["wandb"]  # later imports (e.g. in a caller's process) see it again
 
 
 def main(argv=None) -> int:

@@ -365,3 +365,21 @@ def test_write_safetensors_matches_safetensors(tmp_path, direct):
         assert f.metadata() == {"format": "pt"}
     with open(path, "rb") as f:  # the data starts 8-byte aligned, as safetensors writes it
         assert (8 + int.from_bytes(f.read(8), "little")) % 8 == 0
+
+
+def test_lean_imports_leave_torch_compile_and_wandb_as_they_were():
+    """The CLI's lean import defers megatron-core's import-time torch.compile and hides wandb
+    only while megatron-core is imported: afterwards torch.compile is torch's own and wandb
+    imports again (a caller of `megaprm convert` in its own process keeps its wandb)."""
+    code = (
+        "import sys, torch\n"
+        "real = torch.compile\n"
+        "from checkpoint_tools.__main__ import lean_imports\n"
+        "lean_imports()\n"
+        "assert torch.compile is real\n"
+        "assert 'wandb' not in sys.modules or sys.modules['wandb'] is not None\n"
+        "import wandb\n"
+        "assert 'torch._inductor' not in sys.modules\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
