@@ -46,10 +46,10 @@ from megaprm.parallel.groups import Groups
 
 
 def default_bucket_bytes() -> int:
-    """256 MiB. scripts/bench_weight_sync.py (CPU, tp2, one host): the shared-memory transport
-    gains with bucket size (two barriers per bucket: 0.52x memcpy at 16 MiB, 0.73x at 256 MiB),
-    the gloo all-gather is flat in it (the buffers are kept between syncs, gloo's gather is
-    issued in 4 MiB slices)."""
+    """256 MiB. scripts/bench_weight_sync.py (CPU, tp2, one host; the committed quiet-box run):
+    the shared-memory transport gains with bucket size (two barriers per bucket: 0.49x memcpy
+    at 16 MiB, 0.64x at 256 MiB), the gloo all-gather is flat in it (the buffers are kept
+    between syncs, gloo's gather is issued in 4 MiB slices)."""
     return 256 << 20
 
 
