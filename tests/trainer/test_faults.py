@@ -70,7 +70,9 @@ def _victim(mode: str, root: str, hf: str, arg: str) -> None:
     torch.manual_seed(0)
     g = init_distributed()
     ddp, opt = _build(hf, g)
-    say = lambda *a: print(*a, flush=True)
+    def say(*a):  # one write per line (under PYTHONUNBUFFERED print() writes piece by piece)
+        sys.stdout.write(" ".join(map(str, a)) + "\n")
+        sys.stdout.flush()
     if mode == "crash":  # save 1, then die at `arg` while saving 2
         _train_step(ddp, opt)
         _save(root, 1, g, ddp, opt, hf)
@@ -185,7 +187,9 @@ def resume(hf_dir):
 
 
 def _lines(out: str, tag: str) -> dict:
-    return {int(p[1]): p[2] for p in (ln.split() for ln in out.splitlines()) if p and p[0] == tag}
+    """{step: digest} of the complete `tag` lines (a SIGKILL can cut the last line short)."""
+    whole = out.split("\n")[:-1]  # the text after the last newline is an unfinished line
+    return {int(p[1]): p[2] for p in map(str.split, whole) if len(p) >= 3 and p[0] == tag}
 
 
 @pytest.mark.parametrize("crash_at", ["after_rename", "after_models"])
