@@ -303,6 +303,12 @@ class FileReads:
         _, _, _, dtype, shape = self._where[name]
         return self._DTYPES.get(dtype), shape
 
+    def location(self, name: str, first: int = 0) -> tuple:
+        """(file path, byte offset of row `first`, bytes from there to the tensor's end)."""
+        path, offset, nbytes, _, shape = self._where[name]
+        skip = first * (nbytes // shape[0]) if shape else 0
+        return path, offset + skip, nbytes - skip
+
     def read_rows(self, name: str, first: int, dst: memoryview) -> None:
         """Rows first, first+1, ... of `name` (dim 0; as many as fill `dst`) into `dst`."""
         path, offset, nbytes, _, shape = self._where[name]
@@ -341,15 +347,13 @@ READ_PIECE = 8 << 20  # bytes per read job, so that one big tensor spreads over 
 
 
 @torch.no_grad()
-def read_stage(model, reads: FileReads, spec: ModelSpec, g: Groups) -> None:
-    """Fill this rank's stage from HF files: each parameter's rows are read from the files
-    straight into its storage (`mapping.row_blocks`: whole tensors, qkv groups, gate/up halves,
-    vocab rows), no temporary, by READ_THREADS threads; a shard that is not whole rows
-    (row-parallel at tp > 1) or needs a dtype cast goes through `mapping.to_megatron_shard`.
-    NaN/inf name the tensor."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    direct, jobs = [], []  # jobs: (hf name, first row, destination bytes)
+def plan_stage(model, reads: FileReads, spec: ModelSpec, g: Groups) -> tuple[list, list]:
+    """This rank's stage as row copies from the HF files: ([(rule, param)] of the parameters
+    that the copies fill, [(hf name, first row, destination bytes)] in READ_PIECE pieces), by
+    `mapping.row_blocks` (whole tensors, qkv groups, gate/up halves, vocab rows). A parameter
+    that is not whole rows of its HF tensors (row-parallel at tp > 1) or needs a dtype cast is
+    loaded here, through `mapping.to_megatron_shard`; vocab padding rows are zeroed here."""
+    direct, jobs = [], []
     for rule, param in mapping.stage_rules(model, spec, g.pp_size, g.pp_rank):
         blocks = mapping.row_blocks(rule, spec, param.shape[0], g.tp_rank, g.tp_size)
         if blocks is None or param.dim() == 0 or not param.is_contiguous() or not all(
@@ -369,6 +373,17 @@ def read_stage(model, reads: FileReads, spec: ModelSpec, g: Groups) -> None:
         if covered < param.shape[0]:  # vocab padding: the rows after the vocabulary
             param[covered:].zero_()
         direct.append((rule, param))
+    return direct, jobs
+
+
+@torch.no_grad()
+def read_stage(model, reads: FileReads, spec: ModelSpec, g: Groups) -> None:
+    """Fill this rank's stage from HF files: each parameter's rows are read from the files
+    straight into its storage (`plan_stage`), no temporary, by READ_THREADS threads. NaN/inf
+    name the tensor."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    direct, jobs = plan_stage(model, reads, spec, g)
     with ThreadPoolExecutor(READ_THREADS) as pool:
         for f in [pool.submit(reads.read_rows, *job) for job in jobs]:
             f.result()
@@ -378,6 +393,181 @@ def read_stage(model, reads: FileReads, spec: ModelSpec, g: Groups) -> None:
             bad = [n for n in rule.hf_names if not torch.isfinite(reads(n)).all()]
             raise ValueError(f"HF tensor {', '.join(bad or rule.hf_names)} holds NaN/inf: the "
                              "checkpoint is corrupt; re-download or re-save it")
+
+
+def _address(view) -> int:
+    """Address of a buffer's first byte (read-only buffers too), without touching its pages."""
+    import numpy as np
+
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+class FileCopies:
+    """Parameter bytes that a torch_dist save copies file to file from the HF shards instead
+    of from memory (an import that does not verify never needs the weights in memory).
+
+    The stage is built with `torch.empty` and never touched, so its pages are not even
+    resident. torch.save hands a tensor's storage to its stream in one `write`; `stream`
+    wraps the writer's file so that the parts of a write that are registered here leave a
+    hole (a seek) and `fill` then copies the HF bytes into the holes with `copy_file_range`
+    (page cache to page cache in the kernel; plain reads and writes where it is refused).
+    The file holds the same bytes as a save from memory: one read and one write of the
+    weights, no fresh memory to fault in."""
+
+    def __init__(self, pieces: list, tensors: list = ()):
+        """pieces: [(address, nbytes, HF file path, byte offset in it)], not overlapping;
+        tensors: those the save may write (the stage's parameters; see `check_source`)."""
+        import bisect
+
+        self._bisect = bisect.bisect_right
+        self._spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.itemsize)
+                             for t in tensors)
+        self._pieces = sorted(pieces)
+        self._starts = [p[0] for p in self._pieces]
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_jobs(cls, reads: FileReads, jobs: list, model) -> FileCopies:
+        """The pieces of `plan_stage`'s jobs: (hf name, first row, destination bytes)."""
+        pieces = []
+        for name, first, view in jobs:
+            path, offset, _ = reads.location(name, first)
+            pieces.append((_address(view), len(view), path, offset))
+        return cls(pieces, list(model.parameters()))
+
+    def check_source(self, data) -> None:
+        """A tensor the save writes must lie in a parameter: a copy of one (a clone the writer
+        made) would hold the never-written memory, not the weights."""
+        if isinstance(data, torch.Tensor) and data.numel():
+            lo = data.data_ptr()
+            hi = lo + data.numel() * data.itemsize
+            i = self._bisect(self._spans, (lo, float("inf"))) - 1
+            if i < 0 or not self._spans[i][0] <= lo < hi <= self._spans[i][1]:
+                raise RuntimeError(
+                    "torch_dist save wrote a tensor that is not a parameter of the stage "
+                    f"({tuple(data.shape)} {data.dtype}): the file copies cannot fill it; "
+                    "import with verification on (it loads the weights into memory)")
+
+    def split(self, addr: int, n: int) -> list:
+        """[(lo, hi, (path, offset) or None)] covering [addr, addr + n) in order: None = from
+        memory, else the HF bytes at `offset` of `path` fill [lo, hi) of the write."""
+        out, pos = [], addr
+        i = max(0, self._bisect(self._starts, addr) - 1)
+        while pos < addr + n and i < len(self._pieces):
+            start, size, path, offset = self._pieces[i]
+            if start + size <= pos:
+                i += 1
+                continue
+            if start >= addr + n:
+                break
+            if start > pos:
+                out.append((pos - addr, start - addr, None))
+                pos = start
+            end = min(start + size, addr + n)
+            out.append((pos - addr, end - addr, (path, offset + pos - start)))
+            pos = end
+            i += 1
+        if pos < addr + n:
+            out.append((pos - addr, n, None))
+        return out
+
+    def stream(self, raw):
+        return _HoleStream(raw, self)
+
+    def fill(self, raw, holes: list) -> None:
+        if not holes:
+            return
+        raw.flush()
+        dst = raw.fileno()
+        for pos, n, (path, offset) in holes:
+            with self._lock:
+                src = self._fds.get(path)
+                if src is None:
+                    src = self._fds[path] = os.open(path, os.O_RDONLY)
+            _copy_range(src, dst, n, offset, pos)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _copy_range(src: int, dst: int, n: int, src_off: int, dst_off: int) -> None:
+    """n bytes from src_off of fd src to dst_off of fd dst (copy_file_range, else pread/pwrite)."""
+    done = 0
+    try:
+        while done < n:
+            k = os.copy_file_range(src, dst, n - done, src_off + done, dst_off + done)
+            if k == 0:
+                raise ConversionError("an HF shard ended early while it was copied (truncated "
+                                      "or changed during the import); re-download or re-save it")
+            done += k
+        return
+    except (OSError, AttributeError) as e:
+        if isinstance(e, OSError) and e.errno not in (18, 22, 38, 95, 1):  # EXDEV EINVAL ENOSYS
+            raise                                                       # EOPNOTSUPP EPERM
+    buf = bytearray(min(n - done, 8 << 20))
+    while done < n:
+        k = os.preadv(src, [memoryview(buf)[:min(len(buf), n - done)]], src_off + done)
+        if k == 0:
+            raise ConversionError("an HF shard ended early while it was copied (truncated or "
+                                  "changed during the import); re-download or re-save it")
+        view = memoryview(buf)[:k]
+        while view:
+            w = os.pwrite(dst, view, dst_off + done)
+            view, done = view[w:], done + w
+
+
+class _HoleStream:
+    """The writer's file as torch.save sees it: registered bytes become holes (see FileCopies)."""
+
+    def __init__(self, raw, copies: FileCopies):
+        self.raw, self.copies, self.holes = raw, copies, []
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        pos = self.raw.tell()
+        for lo, hi, src in self.copies.split(_address(view), n):
+            if src is None:
+                self.raw.write(view[lo:hi])
+            else:
+                self.holes.append((pos + lo, hi - lo, src))
+                self.raw.seek(pos + hi)
+        return n
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+def check_finite(reads: FileReads, names: list) -> None:
+    """NaN/inf in any of these HF tensors names it (the copies never pass through memory here:
+    each tensor is mapped, summed and unmapped, so at most one is resident)."""
+    import mmap
+
+    for name in names:
+        dtype = reads.info(name)[0]
+        path, offset, nbytes = reads.location(name)
+        if not nbytes or dtype is None or not dtype.is_floating_point:
+            continue
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), nbytes + offset - start, access=mmap.ACCESS_COPY,
+                           offset=start)
+        t = None
+        try:
+            t = torch.frombuffer(mm, dtype=dtype, offset=offset - start,
+                                 count=nbytes // dtype.itemsize)
+            if not math.isfinite(float(t.sum())) and not torch.isfinite(t).all():
+                raise ValueError(f"HF tensor {name} holds NaN/inf: the checkpoint is corrupt; "
+                                 "re-download or re-save it")
+        finally:
+            del t
+            mm.close()
 
 
 # ---------------------------------------------------------------------- Megatron checkpoints
@@ -408,7 +598,7 @@ WRITER_THREADS = 4  # files per rank; the loader reads whatever number the metad
 
 
 @contextlib.contextmanager
-def threaded_writers(fsync: bool):
+def threaded_writers(fsync: bool, copies: FileCopies | None = None):
     """Megatron's synchronous torch_dist save still forks one writer process per file (a fork
     of a process holding the whole stage) and fsyncs every file: measured on the 424 MB model,
     the save took 0.9-1.2 s against 0.3-0.65 s for the same bytes written by threads of this
@@ -417,7 +607,8 @@ def threaded_writers(fsync: bool):
     The files are made durable (or not) like a plain safetensors save: the conversion renames
     its tmp dir into place only after every rank has returned. torch.save's per-record CRC32
     is not computed (torch.load never checks it; ~0.08 s per 424 MB), and contiguous views are
-    saved without Megatron's clone (`_exact_storage`)."""
+    saved without Megatron's clone (`_exact_storage`). `copies`: the bytes it registers are
+    copied from the HF files into the written files (see `FileCopies`)."""
     import queue
     import threading
 
@@ -434,7 +625,7 @@ def threaded_writers(fsync: bool):
             done.put(i)
             kw = {"use_msc": use_msc} if use_msc else {}
             threads.append(threading.Thread(
-                target=writer.write_preloaded_data,
+                target=_without_crc32(writer.write_preloaded_data),
                 args=(transform_list, i, bucket, local, done, fsync), kwargs=kw, daemon=True))
         for t in threads:
             t.start()
@@ -457,6 +648,19 @@ def threaded_writers(fsync: bool):
     prev_transform = planner.__dict__["transform_object"]
     planner.transform_object = lambda self, item, obj: _exact_storage(
         prev_transform(self, item, obj))
+    write_item = filesystem_async._write_item
+    if copies is not None:
+        @functools.wraps(write_item)  # Megatron reads its signature (serialization_format)
+        def copying_write_item(*args, **kw):
+            # _write_item(*transforms, stream, data, write_item, storage_key, **kw)
+            k = len(args) - 4
+            copies.check_source(args[k + 1])
+            stream = copies.stream(args[k])
+            result = write_item(*args[:k], stream, *args[k + 1:], **kw)
+            copies.fill(args[k], stream.holes)
+            return result
+
+        filesystem_async._write_item = copying_write_item
     crc = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
@@ -465,7 +669,17 @@ def threaded_writers(fsync: bool):
     finally:
         writer.write_preloaded_data_multiproc = prev
         planner.transform_object = prev_transform
+        filesystem_async._write_item = write_item
         torch.serialization.set_crc32_options(crc)
+
+
+def _without_crc32(fn):
+    """`fn` run with torch.save's CRC32 off: torch's serialization config is per thread, so a
+    writer thread must set it itself."""
+    def run(*args, **kw):
+        torch.serialization.set_crc32_options(False)
+        return fn(*args, **kw)
+    return run
 
 
 def _exact_storage(obj):
@@ -480,6 +694,12 @@ def _exact_storage(obj):
     return obj
 
 
+def _import_writer_modules() -> None:
+    """Import what a torch_dist save imports lazily (its writer, DCP's filesystem layer)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: F401
+    from megatron.core.dist_checkpointing.strategies import torch as _  # noqa: F401
+
+
 def save_strategy(threads: int = WRITER_THREADS):
     """torch_dist save strategy with `threads` writer files per rank (Megatron's default: 2)."""
     from megatron.core.dist_checkpointing.strategies.torch import (
@@ -489,15 +709,17 @@ def save_strategy(threads: int = WRITER_THREADS):
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
 
 
-def save_checkpoint(model, ckpt_model_dir: str, *, fsync: bool = False) -> None:
+def save_checkpoint(model, ckpt_model_dir: str, *, fsync: bool = False,
+                    copies: FileCopies | None = None) -> None:
     """Synchronous torch_dist save of this stage (global keys: loads at any tp/pp), written by
-    threads of this process (see `threaded_writers`)."""
+    threads of this process (see `threaded_writers`); `copies` fills registered parameter
+    bytes from the HF files."""
     from megatron.core import dist_checkpointing
 
     if dist.get_rank() == 0:
         os.makedirs(ckpt_model_dir, exist_ok=True)
     dist.barrier()
-    with threaded_writers(fsync):
+    with threaded_writers(fsync, copies):
         dist_checkpointing.save(stages.sharded_state_dict(model), ckpt_model_dir,
                                 sharded_strategy=save_strategy())
 
@@ -539,13 +761,24 @@ def _import_rank(hf_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: in
         model = stages.build(spec, g, DTYPES[dtype], init=False)  # every weight is loaded
         check_hf_weights(hf_dir, model, spec, g)
         weights = FileReads(hf_dir)
+        _import_writer_modules()  # ~0.15 s of module loading: process start, not conversion
         t0 = time.perf_counter()
+        copies = None
         try:
-            _agree("HF weights", functools.partial(read_stage, model, weights, spec, g))
+            if verify:  # the forward needs the weights in memory
+                _agree("HF weights", functools.partial(read_stage, model, weights, spec, g))
+            else:
+                direct, jobs = _agree("HF weights", functools.partial(
+                    plan_stage, model, weights, spec, g))
+                copies = FileCopies.for_jobs(weights, jobs, model)
+                names = sorted({j[0] for j in jobs})
+                _agree("HF weights", functools.partial(check_finite, weights, names))
+            t_read = time.perf_counter() - t0
+            save_checkpoint(model, _model_dir(tmp), copies=copies)
         finally:
             weights.close()
-        t_read = time.perf_counter() - t0
-        save_checkpoint(model, _model_dir(tmp))
+            if copies is not None:
+                copies.close()
         t_save = time.perf_counter() - t0 - t_read
         outputs, t_verify = None, 0.0
         if verify:  # the weights as loaded and saved, still in memory; re-reading the

@@ -23,6 +23,7 @@ from megaprm.parallel import launch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # name -> how the tiny HF model is made; together they cover every family and head.
 CASES = ["qwen2_tied", "llama_rope_scaling", "qwen3_qk_norm", "llama_token_cls", "qwen2_math_prm"]
+NO_VERIFY_CASES = ["llama_rope_scaling", "qwen2_math_prm"]  # sharded input; value head
 
 
 def _make_case(name: str, d: str) -> str:
@@ -67,7 +68,12 @@ def hf_dirs(tmp_path_factory):
         sd["model.norm.weight"] = torch.ones(65)
         return sd
 
+    def nan_in_k(sd):  # k_proj: a tensor that a --no-verify import copies file to file
+        sd["model.layers.1.self_attn.k_proj.weight"][3, 5] = float("nan")
+        return sd
+
     dirs["bad_keys"] = _rewrite_weights(base, str(root / "bad_keys"), drop_and_add)
+    dirs["nan_k"] = _rewrite_weights(base, str(root / "nan_k"), nan_in_k)
     dirs["bad_shape"] = _rewrite_weights(base, str(root / "bad_shape"), bad_shape)
     dirs["other_seed"] = save_tiny_model("qwen2", str(root / "other_seed"), seed=99)
     return dirs
@@ -84,9 +90,12 @@ def _world(dirs: dict, root: str) -> dict:
         # one export goes through small shards (several files + index.json)
         exp = export_hf(ck, hf, max_shard_size="150KB" if i == 0 else "5GB")
         out["roundtrip"][name] = {"ckpt": ck, "hf": hf, "import": imp, "export": exp}
-    for case in ("bad_keys", "bad_shape"):
+    for name in NO_VERIFY_CASES:  # the same import without the logit check: file copies
+        import_hf(dirs[name], os.path.join(root, name + ".nv.ckpt"), tp=2, pp=2, verify=False)
+    for case in ("bad_keys", "bad_shape", "nan_k"):
         try:
-            import_hf(dirs[case], os.path.join(root, case + ".ckpt"), tp=2, pp=2)
+            import_hf(dirs[case], os.path.join(root, case + ".ckpt"), tp=2, pp=2,
+                      verify=case != "nan_k")
             out["errors"][case] = None
         except ConversionError as e:
             out["errors"][case] = str(e)
@@ -169,6 +178,84 @@ def test_in_rank_errors(world):
     assert shape.startswith("shape mismatch for model.norm.weight: config.json implies [64], "
                             "the safetensors file has [65]"), shape
     assert not os.path.exists(os.path.join(root, "bad_keys.ckpt"))
+    nan = report["errors"]["nan_k"]
+    assert nan == ("HF weights: HF tensor model.layers.1.self_attn.k_proj.weight holds NaN/inf: "
+                   "the checkpoint is corrupt; re-download or re-save it"), nan
+    assert not os.path.exists(os.path.join(root, "nan_k.ckpt"))
+
+
+def _same_checkpoint_files(a: str, b: str) -> None:
+    """Two torch_dist dirs hold the same bytes: every .distcp file and common.pt/metadata.json
+    equal, and DCP's .metadata equal but for its save ids and path (storage_meta)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+    for f in os.listdir(a):
+        if f != ".metadata":
+            with open(os.path.join(a, f), "rb") as fa, open(os.path.join(b, f), "rb") as fb:
+                assert fa.read() == fb.read(), f
+    ma, mb = FileSystemReader(a).read_metadata(), FileSystemReader(b).read_metadata()
+    assert ma.state_dict_metadata == mb.state_dict_metadata
+    assert ma.storage_data == mb.storage_data and ma.planner_data == mb.planner_data
+
+
+@pytest.mark.parametrize("name", NO_VERIFY_CASES)
+def test_import_without_verify_copies_the_same_bytes(world, name):
+    """--no-verify never reads the weights into memory (HF bytes are copied into the .distcp
+    files): the files equal those of the import that loaded the stage and saved it."""
+    report, root = world
+    _same_checkpoint_files(os.path.join(report["roundtrip"][name]["ckpt"], "model"),
+                           os.path.join(root, name + ".nv.ckpt", "model"))
+
+
+def test_import_copies_in_one_process_with_and_without_copy_file_range(hf_dirs, tmp_path,
+                                                                        monkeypatch):
+    """tp = pp = 1 (every weight copied, the row-parallel ones too), then again where the
+    kernel refuses copy_file_range (EXDEV): plain reads and writes, same bytes."""
+    import errno
+
+    d = hf_dirs["qwen3_qk_norm"]
+    import_hf(d, str(tmp_path / "loaded"))
+    import_hf(d, str(tmp_path / "copied"), verify=False)
+    _same_checkpoint_files(str(tmp_path / "loaded" / "model"), str(tmp_path / "copied" / "model"))
+
+    def refuse(*a):
+        raise OSError(errno.EXDEV, "cross-device")
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    import_hf(d, str(tmp_path / "plain"), verify=False)
+    _same_checkpoint_files(str(tmp_path / "loaded" / "model"), str(tmp_path / "plain" / "model"))
+
+
+def test_file_copies_split_covers_each_byte_once():
+    """FileCopies.split against a byte-by-byte reference over random registered pieces."""
+    import random
+
+    from checkpoint_tools.convert import FileCopies
+
+    rng = random.Random(0)
+    for _ in range(200):
+        pieces, pos = [], 1000
+        for _ in range(rng.randint(0, 6)):
+            pos += rng.randint(0, 40)
+            size = rng.randint(1, 30)
+            pieces.append((pos, size, "f", rng.randint(0, 10**6)))
+            pos += size
+        rng.shuffle(pieces)
+        copies = FileCopies(pieces)
+        addr, n = rng.randint(990, pos + 10), rng.randint(1, 120)
+        want = []
+        for b in range(addr, addr + n):
+            src = next((("f", off + b - start) for start, size, _, off in pieces
+                        if start <= b < start + size), None)
+            want.append(src)
+        got = [None] * n
+        last = 0
+        for lo, hi, src in copies.split(addr, n):
+            assert lo == last and hi > lo
+            last = hi
+            for i in range(lo, hi):
+                got[i] = None if src is None else (src[0], src[1] + i - lo)
+        assert last == n and got == want
 
 
 def test_verify_rejects_a_different_model(world):
@@ -383,3 +470,15 @@ def test_lean_imports_leave_torch_compile_and_wandb_as_they_were():
         "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+def test_file_copies_refuse_a_tensor_outside_the_parameters():
+    """A writer that saved a copy of a parameter would write never-written memory: refused."""
+    from checkpoint_tools.convert import FileCopies
+
+    params = [torch.zeros(4, 8), torch.zeros(16)]
+    copies = FileCopies([], params)
+    copies.check_source(params[0][1:3])  # views of a parameter (fc1's halves) are fine
+    copies.check_source(params[1])
+    with pytest.raises(RuntimeError, match="not a parameter of the stage"):
+        copies.check_source(params[0].clone())
