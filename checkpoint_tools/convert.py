@@ -9,9 +9,10 @@ Every command has two halves:
   tp*pp local ranks), compares the Megatron outputs with transformers' and renames the
   finished directory into place.
 
-Weights stream: import reads one HF tensor at a time (lazy safetensors) into this rank's shard;
-export gathers one parameter at a time (`weight_sync.iter_hf_weights`) and rank 0 holds at most
-one safetensors shard before writing it.
+Weights stream: import copies HF rows into the torch_dist files without holding them
+(`FileCopies`; with verification it reads them into this rank's shard, since the forward needs
+them); export gathers one parameter at a time (`weight_sync.iter_hf_weights`) and rank 0 holds
+at most one safetensors shard before writing it.
 """
 from __future__ import annotations
 
