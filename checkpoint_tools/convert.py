@@ -701,6 +701,15 @@ def _import_writer_modules() -> None:
     from megatron.core.dist_checkpointing.strategies import torch as _  # noqa: F401
 
 
+def _import_loader_modules() -> None:
+    """Import what a torch_dist load (or a streaming export) imports lazily."""
+    from megatron.core.dist_checkpointing import dict_utils, mapping  # noqa: F401
+    from megatron.core.dist_checkpointing.strategies import torch as _  # noqa: F401
+    from torch.distributed.checkpoint import filesystem, metadata  # noqa: F401
+
+    from checkpoint_tools import streaming  # noqa: F401
+
+
 def save_strategy(threads: int = WRITER_THREADS):
     """torch_dist save strategy with `threads` writer files per rank (Megatron's default: 2)."""
     from megatron.core.dist_checkpointing.strategies.torch import (
@@ -801,6 +810,11 @@ def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: 
         meta = layout.CheckpointMeta.read(ckpt_dir)
         spec = spec_from_hf(os.path.join(ckpt_dir, layout.HF_SUBDIR))
         model = stages.build(spec, g, DTYPES[meta.dtype], init=False)
+        _import_loader_modules()  # module loading: process start, not conversion
+        if g.world_size == 1 and not verify:  # nothing needs the weights in memory
+            streamed = _export_streaming(ckpt_dir, model, spec, tmp, max_shard_bytes)
+            if streamed is not None:
+                return _rank_report(g, None, tmp_dir=tmp, verify_s=0.0, **streamed)
         t0 = time.perf_counter()
         load_checkpoint(model, _model_dir(ckpt_dir))
         t_load = time.perf_counter() - t0
@@ -816,6 +830,24 @@ def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: 
                             verify_s=time.perf_counter() - t1,
                             files=files, bytes=writer.total_bytes if writer else None,
                             peak_shard_bytes=writer.peak_pending_bytes if writer else None)
+
+
+def _export_streaming(ckpt_dir: str, model, spec: ModelSpec, tmp: str,
+                      max_shard_bytes: int) -> dict | None:
+    """export-hf file to file (`streaming.export_stream`), or None where the checkpoint needs a
+    real load (then nothing was written)."""
+    from checkpoint_tools import streaming
+
+    t0 = time.perf_counter()
+    try:
+        plan = streaming.plan_export(_model_dir(ckpt_dir), model, spec)
+    except streaming.NotStreamable:
+        return None
+    t_plan = time.perf_counter() - t0
+    writer, files = streaming.write_shards(plan, tmp, max_shard_bytes)
+    return {"load_s": t_plan, "write_s": time.perf_counter() - t0 - t_plan, "files": files,
+            "bytes": writer.total_bytes, "peak_shard_bytes": writer.peak_pending_bytes,
+            "streamed": True}
 
 
 def _verify_rank(ckpt_dir: str, tp: int, pp: int) -> dict:
@@ -972,8 +1004,10 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
         report = {"command": "export-hf", "ckpt": ckpt_dir, "out": out_dir, "tp": tp, "pp": pp,
                   "dtype": meta.dtype, "architecture": meta.architecture,
                   "seconds": time.perf_counter() - t0, "core_s": r0["load_s"] + r0["write_s"],
-                  "load_s": r0["load_s"], "write_s": r0["write_s"], "files": r0["files"], "bytes": r0["bytes"],
-                  "peak_shard_bytes": r0["peak_shard_bytes"], **_rss(results)}
+                  "load_s": r0["load_s"], "write_s": r0["write_s"], "files": r0["files"],
+                  "bytes": r0["bytes"],
+                  "peak_shard_bytes": r0["peak_shard_bytes"],
+                  "streamed": r0.get("streamed", False), **_rss(results)}
         report["verify"] = _verified("export-hf", r0["outputs"], r0["tmp_dir"], spec,
                                      meta.dtype, r0["verify_s"]) if verify else SKIPPED
         layout.commit(r0["tmp_dir"], out_dir, force)

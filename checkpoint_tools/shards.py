@@ -24,6 +24,20 @@ _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF1
                 torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
+class FileBytes:
+    """A tensor that is (path, offset, size) byte ranges of files, in order: written by copying
+    the ranges (a streaming export never holds it). Has what the writers ask of a tensor."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple, pieces: list):
+        self.dtype, self.shape, self.pieces = dtype, torch.Size(shape), pieces
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+
 def write_safetensors(path: str, tensors: dict, metadata: dict | None = None,
                       direct: bool = True) -> None:
     """One safetensors file from name -> CPU tensor (non-contiguous ones are made contiguous
@@ -43,21 +57,62 @@ def write_safetensors(path: str, tensors: dict, metadata: dict | None = None,
     try:
         f.write(memoryview(len(raw).to_bytes(8, "little") + raw))
         for t in tensors.values():
-            if t.numel():
+            if isinstance(t, FileBytes):
+                for src, offset, size in t.pieces:
+                    f.copy_from(src, offset, size)
+            elif t.numel():
                 f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
     finally:
         f.close()
 
 
+class _Sources:
+    """Read-only descriptors of the files a FileBytes names, opened once per writer."""
+
+    def __init__(self):
+        self._fds: dict[str, int] = {}
+
+    def fd(self, path: str) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _read_into(fd: int, view: memoryview, offset: int) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if not n:
+            raise OSError(f"a checkpoint file ends early (at byte {offset + got})")
+        got += n
+
+
 class _BufferedFile:
     def __init__(self, path: str):
         self._f = open(path, "wb", buffering=0)  # noqa: SIM115
+        self._sources = _Sources()
 
     def write(self, data: memoryview) -> None:
         while data:
             data = data[self._f.write(data):]
 
+    def copy_from(self, path: str, offset: int, size: int) -> None:
+        """size bytes at offset of path, appended (through a bounded buffer)."""
+        src, buf = self._sources.fd(path), bytearray(min(size, 8 << 20))
+        done = 0
+        while done < size:
+            view = memoryview(buf)[:min(len(buf), size - done)]
+            _read_into(src, view, offset + done)
+            self.write(view)
+            done += len(view)
+
     def close(self) -> None:
+        self._sources.close()
         self._f.close()
 
 
@@ -83,6 +138,7 @@ class _DirectFile:
         self._buf = mmap.mmap(-1, self.BLOCK)  # page-aligned
         self._view = memoryview(self._buf)
         self._fill = self._pos = self._size = 0
+        self._sources = _Sources()
 
     def write(self, data: memoryview) -> None:
         if self._plain is not None:
@@ -93,6 +149,19 @@ class _DirectFile:
             n = min(len(data), self.BLOCK - self._fill)
             self._view[self._fill:self._fill + n] = data[:n]
             self._fill, data, self._size = self._fill + n, data[n:], self._size + n
+            if self._fill == self.BLOCK:
+                self._flush(self.BLOCK)
+
+    def copy_from(self, path: str, offset: int, size: int) -> None:
+        """size bytes at offset of path, appended: read straight into the bounce buffer."""
+        if self._plain is not None:
+            self._plain.copy_from(path, offset, size)
+            return
+        src, done = self._sources.fd(path), 0
+        while done < size:
+            n = min(size - done, self.BLOCK - self._fill)
+            _read_into(src, self._view[self._fill:self._fill + n], offset + done)
+            self._fill, done, self._size = self._fill + n, done + n, self._size + n
             if self._fill == self.BLOCK:
                 self._flush(self.BLOCK)
 
@@ -114,6 +183,7 @@ class _DirectFile:
                 self._flush(end)
             os.ftruncate(self._fd, self._size)
         finally:
+            self._sources.close()
             os.close(self._fd)
             self._view.release()
             self._buf.close()

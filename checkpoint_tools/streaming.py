@@ -1,0 +1,308 @@
+"""Export a torch_dist checkpoint to HF safetensors without loading it: file to file.
+
+`dist_checkpointing.load` of a whole stage was most of export-hf's time, and its memory was
+the whole model (BENCHMARKS.md, conversion). Loading a few parameters at a time through it is
+not possible: Megatron turns all of a rank's chunks of a layer-stacked key into one torch
+ShardedTensor and requires them in one load. This reads the checkpoint's own index instead:
+
+* DCP's `.metadata` (`FileSystemReader.read_metadata`) lists, per key, the chunks (global
+  offsets and sizes) and, per chunk, its byte range in a `.distcp` file. Each tensor item
+  there is one `torch.save` zip; its storage record is stored uncompressed, so the tensor's
+  bytes are a plain range of the file (`_item_bytes` checks dtype, shape, offset 0 and
+  contiguous strides from the item's own pickle, and the record's size).
+* Which key, offset and rows hold each parameter comes from the model's own
+  `sharded_state_dict` (Megatron's layer stacking, its swiglu factory for fc1): the stage is
+  built with `torch.empty` and never touched, so its memory is not resident.
+* `mapping.row_blocks` gives, per parameter, the HF tensors' rows it holds; every HF tensor is
+  then a list of byte ranges of the `.distcp` files (`shards.FileBytes`), and the shard writer
+  copies them into the safetensors files (same order, grouping, header and index as an export
+  from memory: tested byte for byte).
+
+Anything this does not cover raises `NotStreamable` and the caller loads the stage instead:
+chunks that are not whole rows of a parameter (a row-parallel weight saved at tp > 1), a dtype
+other than the checkpoint's, compressed or non-contiguous items.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import zipfile
+
+import torch
+
+from checkpoint_tools.layout import ConversionError
+from checkpoint_tools.shards import FileBytes, ShardWriter
+from megaprm.models import mapping
+
+
+class NotStreamable(Exception):
+    """The checkpoint's layout needs a real load (the message says why)."""
+
+
+def plan_export(model_dir: str, model, spec) -> list:
+    """[(HF name, FileBytes)] of the checkpoint in `model_dir` (torch_dist), in the order an
+    export from memory writes them. `model`: the whole model as one stage (tp = pp = 1), built
+    with `init=False`; only its addresses and sharded state dict are used."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(model_dir).read_metadata()
+    except FileNotFoundError:
+        raise ConversionError(f"{model_dir!r} has no .metadata: not a complete torch_dist "
+                              "checkpoint (an interrupted save?); re-import or re-save it")
+    items = _Items(model_dir, meta)
+    pieces = _param_pieces(model, items)
+    plan = []  # every tensor's pieces first: a NotStreamable leaves nothing half written
+    for rule, param in mapping.stage_rules(model, spec, 1, 0):
+        ranges = pieces.get(param.data_ptr())
+        if ranges is None:
+            raise NotStreamable(f"{rule.megatron_name} is not in the sharded state dict")
+        if param.dim() == 0 or not param.shape[0]:
+            raise NotStreamable(f"{rule.megatron_name}: a scalar or empty parameter")
+        blocks = mapping.row_blocks(rule, spec, param.shape[0], 0, 1)
+        row = param[0].numel() * param.itemsize
+        for name in rule.hf_names:  # the order an export from memory writes them in
+            parts = []
+            for hf_name, src, dst, n in blocks:
+                if hf_name == name:
+                    parts += [(src * row + lo - dst * row, path, off, size) for lo, path, off,
+                              size in _cut(ranges, dst * row, (dst + n) * row)]
+            shape = (sum(n for h, _, _, n in blocks if h == name), *param.shape[1:])
+            plan.append((name, FileBytes(param.dtype, shape,
+                                         _ordered(parts, name, shape, param))))
+    return plan
+
+
+def write_shards(plan: list, out_dir: str, max_shard_bytes: int) -> tuple:
+    """Write `plan_export`'s tensors as HF shards into `out_dir` -> (ShardWriter, files)."""
+    writer = ShardWriter(out_dir, max_shard_bytes)
+    try:
+        for name, tensor in plan:
+            writer.add(name, tensor)
+        return writer, writer.finish()
+    except OSError as e:
+        raise ConversionError(f"reading the checkpoint: {e}; it is truncated or unreadable; "
+                              "re-import or re-save it") from None
+
+
+def _cut(ranges: list, lo: int, hi: int) -> list:
+    """The parts of [(param byte lo, path, file offset, size)] inside [lo, hi), clipped."""
+    out = []
+    for start, path, off, size in ranges:
+        a, b = max(lo, start), min(hi, start + size)
+        if a < b:
+            out.append((a, path, off + a - start, b - a))
+    return out
+
+
+def _ordered(parts: list, name: str, shape: tuple, param) -> list:
+    """(path, offset, size) pieces in HF byte order; they must tile the tensor exactly."""
+    parts.sort()
+    pos = 0
+    for start, _, _, size in parts:
+        if start != pos:
+            raise NotStreamable(f"{name}: bytes {pos}..{start} come from no checkpoint chunk")
+        pos += size
+    want = param.itemsize * int(torch.Size(shape).numel())
+    if pos != want:
+        raise NotStreamable(f"{name}: {pos} of {want} bytes found in the checkpoint")
+    return [(path, off, size) for _, path, off, size in parts]
+
+
+def _sharded_tensors(model) -> list:
+    """The stage's ShardedTensors, factories built (Megatron's swiglu fc1 halves)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+        apply_factories,
+    )
+
+    from checkpoint_tools import stages
+
+    sharded = stages.sharded_state_dict(model)
+    if any(isinstance(v, ShardedTensorFactory) for v in nested_values(sharded)):
+        apply_factories(sharded)
+    return [v for v in nested_values(sharded) if isinstance(v, ShardedTensor)]
+
+
+def _param_pieces(model, items: _Items) -> dict:
+    """{parameter data_ptr: [(param byte offset, .distcp path, file offset, size)]}."""
+    spans = sorted((p.data_ptr(), p) for p in model.parameters())
+    out: dict[int, list] = {}
+    for st in _sharded_tensors(model):
+        if st.flattened_range is not None:
+            raise NotStreamable(f"{st.key}: flattened shard")
+        data = st.data
+        if not data.is_contiguous():
+            raise NotStreamable(f"{st.key}: non-contiguous shard")
+        owner = next((p for ptr, p in reversed(spans) if ptr <= data.data_ptr()), None)
+        if owner is None or data.data_ptr() + data.numel() * data.itemsize > (
+                owner.data_ptr() + owner.numel() * owner.itemsize):
+            raise NotStreamable(f"{st.key}: shard outside every parameter")
+        base = data.data_ptr() - owner.data_ptr()
+        offsets = tuple(st.global_offset)
+        sizes = (1,) * st.prepend_axis_num + tuple(st.local_shape)
+        for lo, path, off, size in items.rows(st.key, offsets, sizes, data.dtype):
+            out.setdefault(owner.data_ptr(), []).append((base + lo, path, off, size))
+    for ranges in out.values():
+        ranges.sort()
+    return out
+
+
+class _Items:
+    """The checkpoint's tensor chunks: which file bytes hold which rows of a shard."""
+
+    def __init__(self, model_dir: str, meta):
+        self.dir, self.meta = model_dir, meta
+        self._fds: dict[str, int] = {}
+
+    def rows(self, key: str, offsets: tuple, sizes: tuple, dtype) -> list:
+        """[(byte offset in the shard, path, file offset, size)] for the shard of `key` at
+        `offsets` with `sizes` (global coordinates, layer axis included). Every chunk that
+        meets it must span the shard's full extent on all but one dim (its row dim, the first
+        of size > 1): then the chunk is a contiguous run of the shard's rows."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+        md = self.meta.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise NotStreamable(f"{key}: no tensor of that name in the checkpoint")
+        if md.properties.dtype != dtype:
+            raise NotStreamable(f"{key}: saved as {md.properties.dtype}, exported as {dtype}")
+        d = next((i for i, s in enumerate(sizes) if s > 1), len(sizes) - 1)
+        row = dtype.itemsize * int(torch.Size(sizes[d + 1:]).numel())
+        out = []
+        for chunk in md.chunks:
+            c_off, c_size = tuple(chunk.offsets), tuple(chunk.sizes)
+            if any(co + cs <= o or co >= o + s
+                   for co, cs, o, s in zip(c_off, c_size, offsets, sizes)):
+                continue  # does not meet this shard
+            if any((co, cs) != (o, s) for i, (co, cs, o, s) in
+                   enumerate(zip(c_off, c_size, offsets, sizes)) if i != d) or (
+                    c_off[d] < offsets[d] or c_off[d] + c_size[d] > offsets[d] + sizes[d]):
+                raise NotStreamable(f"{key}: chunk {c_off}+{c_size} is not whole rows of the "
+                                    f"shard {offsets}+{sizes}")
+            info = self.meta.storage_data[MetadataIndex(key, torch.Size(c_off))]
+            if getattr(info, "transform_descriptors", None):
+                raise NotStreamable(f"{key}: item written through transforms")
+            path = os.path.join(self.dir, info.relative_path)
+            off = self._item_bytes(path, info.offset, info.length, key, c_size, dtype)
+            out.append(((c_off[d] - offsets[d]) * row, path, off, c_size[d] * row))
+        return out
+
+    def _item_bytes(self, path: str, offset: int, length: int, key: str, shape: tuple,
+                    dtype) -> int:
+        """File offset of the tensor bytes of the torch.save item at [offset, offset+length)."""
+        try:
+            f = open(path, "rb")  # noqa: SIM115
+        except FileNotFoundError:
+            raise ConversionError(f"{path!r} is missing: the checkpoint is incomplete; "
+                                  "re-import or re-save it") from None
+        with f:
+            if os.fstat(f.fileno()).st_size < offset + length:
+                raise ConversionError(f"{path!r} ends before {key}'s item: the checkpoint is "
+                                      "truncated; re-import or re-save it")
+            try:
+                zf = zipfile.ZipFile(_Window(f, offset, length))
+                pkl = next(i for i in zf.infolist() if i.filename.endswith("/data.pkl"))
+                # read as stored: zipfile would check the CRC, which the save left out
+                f.seek(offset + _record_start(f, offset, pkl, path, key))
+                found = _rebuilt(f.read(pkl.file_size))
+            except (zipfile.BadZipFile, StopIteration, pickle.UnpicklingError, EOFError,
+                    KeyError) as e:
+                raise ConversionError(f"{path!r}: {key}'s item is not a readable torch.save "
+                                      f"record ({e}); the checkpoint is corrupt") from None
+            record, st_offset, size, stride, saved_dtype = found
+            numel = int(torch.Size(shape).numel())
+            contiguous = torch.empty(size, device="meta").stride()
+            if (tuple(size) != tuple(shape) or st_offset != 0 or tuple(stride) != contiguous
+                    or saved_dtype != dtype):
+                raise NotStreamable(f"{key}: item is {tuple(size)}/{tuple(stride)} "
+                                    f"{saved_dtype} at storage offset {st_offset}")
+            info = next((i for i in zf.infolist() if i.filename.endswith(f"/data/{record}")),
+                        None)
+            if info is None or info.compress_type != zipfile.ZIP_STORED or (
+                    info.file_size != numel * dtype.itemsize):
+                raise NotStreamable(f"{key}: storage record missing, compressed or of another "
+                                    "size")
+            return offset + _record_start(f, offset, info, path, key)
+
+
+def _record_start(f, offset: int, info, path: str, key: str) -> int:
+    """Where a stored zip record's bytes begin, relative to the archive at `offset` of `f`
+    (after its local header: 30 bytes, then the name and extra field, whose lengths it says)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise NotStreamable(f"{key}: compressed record {info.filename}")
+    f.seek(offset + info.header_offset)
+    local = f.read(30)
+    if local[:4] != b"PK\x03\x04":
+        raise ConversionError(f"{path!r}: {key}'s item is corrupt (bad zip header)")
+    return (info.header_offset + 30 + int.from_bytes(local[26:28], "little")
+            + int.from_bytes(local[28:30], "little"))
+
+
+class _Window(io.RawIOBase):
+    """Bytes [offset, offset+length) of an open file as a seekable file of their own."""
+
+    def __init__(self, f, offset: int, length: int):
+        self._f, self._lo, self._n, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = {0: pos, 1: self._pos + pos, 2: self._n + pos}[whence]
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        n = max(0, min(len(buf), self._n - self._pos))
+        self._f.seek(self._lo + self._pos)
+        got = self._f.readinto(memoryview(buf)[:n]) if n else 0
+        self._pos += got
+        return got
+
+
+_STORAGE_DTYPES = {"FloatStorage": torch.float32, "HalfStorage": torch.float16,
+                   "BFloat16Storage": torch.bfloat16, "DoubleStorage": torch.float64,
+                   "LongStorage": torch.int64, "IntStorage": torch.int32,
+                   "ShortStorage": torch.int16, "CharStorage": torch.int8,
+                   "ByteStorage": torch.uint8, "BoolStorage": torch.bool}
+
+
+def _rebuilt(data_pkl: bytes) -> tuple:
+    """(storage record key, storage offset, size, stride, dtype) of the one tensor a torch.save
+    item pickles, read from its data.pkl without building anything (no code runs: only
+    torch's tensor-rebuild call and storage names are recognised)."""
+    calls = []
+
+    def rebuild(storage, storage_offset, size, stride, *rest):
+        calls.append((storage, storage_offset, tuple(size), tuple(stride)))
+        return calls[-1]
+
+    class Reader(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+                return rebuild
+            if module == "torch" and name in _STORAGE_DTYPES:
+                return _STORAGE_DTYPES[name]
+            if (module, name) == ("collections", "OrderedDict"):
+                import collections
+                return collections.OrderedDict
+            raise pickle.UnpicklingError(f"unexpected {module}.{name}")
+
+        def persistent_load(self, pid):
+            # ('storage', storage type, key, location, numel)
+            return (pid[2], pid[1])
+
+    Reader(io.BytesIO(data_pkl)).load()
+    if len(calls) != 1:
+        raise pickle.UnpicklingError(f"{len(calls)} tensors in one item")
+    (key, dtype), st_offset, size, stride = calls[0]
+    return key, st_offset, size, stride, dtype

@@ -1,0 +1,105 @@
+"""export-hf file to file (`checkpoint_tools.streaming`): the same bytes as an export that loads
+the stage through megatron-core, or that export itself where the checkpoint needs it.
+
+Reference: export-hf with verification on (it loads the stage with `dist_checkpointing.load`,
+gathers it and writes it from memory) and the original HF tensors.
+"""
+import io
+import os
+
+import pytest
+import torch
+
+from checkpoint_tools import ConversionError, export_hf, import_hf
+from checkpoint_tools.streaming import _rebuilt
+from megaprm.models.mapping import HFWeights
+from megaprm.models.tiny import save_tiny_model
+
+
+def _files(d: str) -> dict:
+    out = {}
+    for f in sorted(os.listdir(d)):
+        with open(os.path.join(d, f), "rb") as fh:
+            out[f] = fh.read()
+    return out
+
+
+def _tensors(d: str) -> dict:
+    w = HFWeights(d)
+    return {k: w(k) for k in w.keys()}  # noqa: SIM118 (not a dict)
+
+
+@pytest.mark.parametrize("family,kw,shard", [
+    ("qwen2", {"tie": True}, "20KB"),           # tied embeddings, many shards + index
+    ("llama", {"head": "token_cls"}, "5GB"),    # a classification head, one file
+    ("qwen3", {}, "60KB"),                      # qk-norm
+])
+def test_streamed_export_equals_the_loading_export(tmp_path, family, kw, shard):
+    hf = save_tiny_model(family, str(tmp_path / "hf"), seed=7, **kw)
+    import_hf(hf, str(tmp_path / "ck"), verify=False)
+    loaded = export_hf(str(tmp_path / "ck"), str(tmp_path / "loaded"), max_shard_size=shard)
+    streamed = export_hf(str(tmp_path / "ck"), str(tmp_path / "streamed"), verify=False,
+                         max_shard_size=shard)
+    assert streamed["streamed"] and not loaded["streamed"]
+    assert streamed["files"] == loaded["files"] and streamed["bytes"] == loaded["bytes"]
+    assert _files(str(tmp_path / "streamed")) == _files(str(tmp_path / "loaded"))
+    original, back = _tensors(hf), _tensors(str(tmp_path / "streamed"))
+    assert set(back) == set(original)
+    assert all(torch.equal(back[k], t) for k, t in original.items())
+
+
+def test_layers_saved_over_two_stages_stream(tmp_path):
+    """pp = 2 at save: layer chunks carry global layer offsets."""
+    hf = save_tiny_model("qwen2", str(tmp_path / "hf"), seed=8)
+    import_hf(hf, str(tmp_path / "ck"), tp=1, pp=2, verify=False)
+    rep = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), tp=1, pp=1, verify=False)
+    assert rep["streamed"]
+    original, back = _tensors(hf), _tensors(str(tmp_path / "out"))
+    assert set(back) == set(original)
+    assert all(torch.equal(back[k], t) for k, t in original.items())
+
+
+def test_row_parallel_chunks_fall_back_to_loading(tmp_path):
+    """Saved at tp = 2: o_proj/down_proj chunks split columns, not rows -> the loading export."""
+    hf = save_tiny_model("llama", str(tmp_path / "hf"), seed=9)
+    import_hf(hf, str(tmp_path / "ck"), tp=2, pp=1, verify=False)
+    rep = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), tp=1, pp=1, verify=False)
+    assert not rep["streamed"]
+    original, back = _tensors(hf), _tensors(str(tmp_path / "out"))
+    assert all(torch.equal(back[k], t) for k, t in original.items())
+
+
+def test_truncated_or_incomplete_checkpoint(tmp_path):
+    hf = save_tiny_model("qwen2", str(tmp_path / "hf"), seed=10)
+    ck = tmp_path / "ck"
+    import_hf(hf, str(ck), verify=False)
+    model = ck / "model"
+    big = max((p for p in model.iterdir() if p.suffix == ".distcp"), key=os.path.getsize)
+    data = big.read_bytes()
+    big.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConversionError, match=f"{big.name}.* the checkpoint is truncated"):
+        export_hf(str(ck), str(tmp_path / "out"), verify=False)
+    assert not (tmp_path / "out").exists()
+    (model / ".metadata").unlink()
+    with pytest.raises(ConversionError, match="no .metadata: not a complete torch_dist"):
+        export_hf(str(ck), str(tmp_path / "out"), verify=False)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(12.0).reshape(3, 4),
+    lambda: torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t(),   # strided
+    lambda: torch.arange(20, dtype=torch.int64)[5:],                    # storage offset
+])
+def test_item_pickle_is_read_as_torch_saved_it(make):
+    """(storage offset, size, stride, dtype) from data.pkl equal the saved tensor's own."""
+    import zipfile
+
+    t = make()
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    zf = zipfile.ZipFile(buf)
+    pkl = next(n for n in zf.namelist() if n.endswith("/data.pkl"))
+    record, offset, size, stride, dtype = _rebuilt(zf.read(pkl))
+    assert (offset, size, stride, dtype) == (t.storage_offset(), tuple(t.shape), t.stride(),
+                                             t.dtype)
+    assert any(n.endswith(f"/data/{record}") for n in zf.namelist())
