@@ -74,9 +74,9 @@ def plan_export(model_dir: str, model, spec) -> list:
     return plan
 
 
-def write_shards(plan: list, out_dir: str, max_shard_bytes: int) -> tuple:
+def write_shards(plan: list, out_dir: str, max_shard_bytes: int, direct: bool = True) -> tuple:
     """Write `plan_export`'s tensors as HF shards into `out_dir` -> (ShardWriter, files)."""
-    writer = ShardWriter(out_dir, max_shard_bytes)
+    writer = ShardWriter(out_dir, max_shard_bytes, direct=direct)
     try:
         for name, tensor in plan:
             writer.add(name, tensor)

@@ -426,32 +426,67 @@ def test_row_blocks_build_the_same_shards(tmp_path, family, tp):
     assert kinds >= {"qkv", "gate_up", "vocab", "replicated"}
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_write_safetensors_matches_safetensors(tmp_path, direct):
+@pytest.mark.parametrize("direct,block", [(True, 8 << 20), (True, 1 << 20), (False, 0)])
+def test_write_safetensors_matches_safetensors(tmp_path, monkeypatch, direct, block):
     """Export's shard writer produces files safetensors reads back exactly (dtypes, views that
-    are not contiguous or share a storage, 0-d and empty tensors, metadata; O_DIRECT with a
-    tensor that spans bounce-buffer blocks and a last partial block, and plain writes)."""
+    are not contiguous or share a storage, 0-d and empty tensors, metadata, tensors copied from
+    byte ranges of a file; O_DIRECT with tensors that span bounce buffers, every buffer reused
+    several times at 1 MiB, and a last partial block; plain writes)."""
     from safetensors import safe_open
 
-    from checkpoint_tools.shards import write_safetensors
+    from checkpoint_tools import shards
+    from checkpoint_tools.shards import FileBytes, write_safetensors
 
+    if block:
+        monkeypatch.setattr(shards._DirectFile, "BLOCK", block)
     g = torch.Generator().manual_seed(0)
+    src = torch.randn(3_000_000, generator=g)  # a "checkpoint file": the tensor's raw bytes
+    src_path = str(tmp_path / "src.bin")
+    src.numpy().tofile(src_path)
     base = torch.randn(6, 4, generator=g)
     tensors = {"t": base.t(), "top": base[:3], "bottom": base[3:],
                "h": torch.randn(5, generator=g).half(), "b": torch.randn(3, generator=g).bfloat16(),
                "i": torch.arange(7), "u": torch.arange(3, dtype=torch.uint8),
                "flag": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5),
                "empty": torch.empty(0, 3), "big": torch.randn(2_500_001, generator=g)}
+    # rows 2.9M.. then 0..1.1M of src, then 5 more: three pieces of one tensor
+    pieces = [(src_path, 4 * 2_900_000, 4 * 100_000), (src_path, 0, 4 * 1_100_000),
+              (src_path, 4 * 7, 4 * 5)]
+    want = {**tensors, "copied": torch.cat([src[2_900_000:], src[:1_100_000], src[7:12]])}
+    tensors["copied"] = FileBytes(torch.float32, (1_200_005,), pieces)
     path = str(tmp_path / "x.safetensors")
     write_safetensors(path, tensors, metadata={"format": "pt"}, direct=direct)
     got = load_file(path)
-    assert set(got) == set(tensors)
-    for k, t in tensors.items():
+    assert set(got) == set(want)
+    for k, t in want.items():
         assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
     with safe_open(path, framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
     with open(path, "rb") as f:  # the data starts 8-byte aligned, as safetensors writes it
         assert (8 + int.from_bytes(f.read(8), "little")) % 8 == 0
+
+
+def test_direct_writer_thread_error_reaches_the_caller(tmp_path, monkeypatch):
+    """A write that fails in the O_DIRECT writer thread (here ENOSPC) raises in the caller."""
+    import errno
+
+    from checkpoint_tools import shards
+
+    monkeypatch.setattr(shards._DirectFile, "BLOCK", 1 << 20)
+    f = shards._DirectFile(str(tmp_path / "x"))
+    if f._plain is not None:
+        pytest.skip("SKIPPED LOUDLY: this file system refuses O_DIRECT; no writer thread")
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(shards.os, "pwrite", full)
+    with pytest.raises(OSError, match="No space left"):
+        try:
+            for _ in range(8):
+                f.write(memoryview(bytes(1 << 20)))
+        finally:
+            f.close()
+    assert not f._writer.is_alive()
 
 
 def test_lean_imports_leave_torch_compile_and_wandb_as_they_were():
