@@ -37,7 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     for s in (imp, exp):
         s.add_argument("--force", action="store_true", help="replace an existing --out")
         s.add_argument("--no-verify", action="store_true",
-                       help="skip the transformers-vs-Megatron logit check")
+                       help="skip the transformers-vs-Megatron logit check (the weights "
+                            "then go file to file, never held in memory; see "
+                            "docs/checkpoint_tools.md)")
 
     ver = sub.add_parser("verify", help="compare transformers and Megatron outputs")
     ver.add_argument("--hf", required=True)
