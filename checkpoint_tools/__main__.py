@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--force", action="store_true", help="replace an existing --out")
         s.add_argument("--no-verify", action="store_true",
                        help="skip the transformers-vs-Megatron logit check (the weights "
-                            "then go file to file, never held in memory; see "
+                            "then go file to file where the layout allows it; see "
                             "docs/checkpoint_tools.md)")
 
     ver = sub.add_parser("verify", help="compare transformers and Megatron outputs")
