@@ -74,16 +74,23 @@ def plan_export(model_dir: str, model, spec) -> list:
     return plan
 
 
-def write_shards(plan: list, out_dir: str, max_shard_bytes: int, direct: bool = False) -> tuple:
+DIRECT_ABOVE_BYTES = 1 << 30  # exports larger than this write with O_DIRECT
+
+
+def write_shards(plan: list, out_dir: str, max_shard_bytes: int,
+                 direct: bool | None = None) -> tuple:
     """Write `plan_export`'s tensors as HF shards into `out_dir` -> (ShardWriter, files).
 
-    Not O_DIRECT by default: the bytes are already in files, so `copy_file_range` copies them
-    in the kernel with no pass through this process, and the shards stay in the page cache
-    for whoever loads them next (vLLM, transformers), as a plain safetensors save leaves them.
-    Measured here (2-core VM, BENCHMARKS.md): at 424 MB 0.17-0.19 s against 0.20-0.67 s with
-    O_DIRECT (which reads into a bounce buffer and waits on the disk, ~1.6 GB/s with dd); at
-    2.4 GB both vary 2-5x with the VM's page cache (3.2-6.6 s buffered, 1.8-8.9 s O_DIRECT,
-    the raw safetensors baseline 5.6-7.1 s in the same rounds)."""
+    `direct` None: O_DIRECT above DIRECT_ABOVE_BYTES in all, else page-cache writes. A small
+    export is copied by `copy_file_range` in the kernel (no pass through this process) and
+    stays in the page cache for whoever loads it next (vLLM, transformers); a multi-GB one
+    goes to the disk without growing the page cache by its size. Measured here (2-core VM,
+    core seconds, BENCHMARKS.md): at 424 MB buffered 0.19-0.49 s (median of 10 rounds 0.22 s)
+    against O_DIRECT 0.23-0.71 s (median of 13 rounds 0.35 s: a bounce buffer, and the disk
+    at ~1.6 GB/s with dd); at 2.4 GB buffered 1.3-19 s (median of 7 rounds 6.2 s, as the VM
+    grows its page cache) against O_DIRECT 1.4-8.9 s (median of 9 rounds 1.8 s)."""
+    if direct is None:
+        direct = sum(t.numel() * t.element_size() for _, t in plan) > DIRECT_ABOVE_BYTES
     writer = ShardWriter(out_dir, max_shard_bytes, direct=direct)
     try:
         for name, tensor in plan:
