@@ -29,12 +29,17 @@ def _tensors(d: str) -> dict:
     return {k: w(k) for k in w.keys()}  # noqa: SIM118 (not a dict)
 
 
-@pytest.mark.parametrize("family,kw,shard", [
-    ("qwen2", {"tie": True}, "20KB"),           # tied embeddings, many shards + index
-    ("llama", {"head": "token_cls"}, "5GB"),    # a classification head, one file
-    ("qwen3", {}, "60KB"),                      # qk-norm
+@pytest.mark.parametrize("family,kw,shard,direct", [
+    ("qwen2", {"tie": True}, "20KB", False),           # tied embeddings, many shards + index
+    ("llama", {"head": "token_cls"}, "5GB", False),    # a classification head, one file
+    ("qwen3", {}, "60KB", True),                       # qk-norm; O_DIRECT writes
 ])
-def test_streamed_export_equals_the_loading_export(tmp_path, family, kw, shard):
+def test_streamed_export_equals_the_loading_export(tmp_path, monkeypatch, family, kw, shard,
+                                                   direct):
+    from checkpoint_tools import streaming
+
+    if direct:  # the switch to O_DIRECT that a > 1 GiB export takes
+        monkeypatch.setattr(streaming, "DIRECT_ABOVE_BYTES", 0)
     hf = save_tiny_model(family, str(tmp_path / "hf"), seed=7, **kw)
     import_hf(hf, str(tmp_path / "ck"), verify=False)
     loaded = export_hf(str(tmp_path / "ck"), str(tmp_path / "loaded"), max_shard_size=shard)
