@@ -244,7 +244,7 @@ def main() -> None:
 
     imp = side(imps, ("read_s", "save_s"), largest_in_shard, ())
     exp = side(exps, ("load_s", "write_s"), max(largest_out_shard, largest_ckpt_file),
-               ("files", "peak_shard_bytes"))
+               ("files", "peak_shard_bytes", "streamed"))
     result = {
         "machine": {**machine, "load_avg_1m_at_end": os.getloadavg()[0]},
         "model": {"family": "qwen2", "layers": a.layers, "hidden": a.hidden, "ffn": a.ffn,
