@@ -29,6 +29,13 @@ def _tensors(d: str) -> dict:
     return {k: w(k) for k in w.keys()}  # noqa: SIM118 (not a dict)
 
 
+def _same_weights(hf: str, exported: str) -> None:
+    original, back = _tensors(hf), _tensors(exported)
+    assert set(back) == set(original)
+    for k, t in original.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
+
+
 @pytest.mark.parametrize("family,kw,shard,direct", [
     ("qwen2", {"tie": True}, "20KB", False),           # tied embeddings, many shards + index
     ("llama", {"head": "token_cls"}, "5GB", False),    # a classification head, one file
@@ -48,9 +55,7 @@ def test_streamed_export_equals_the_loading_export(tmp_path, monkeypatch, family
     assert streamed["streamed"] and not loaded["streamed"]
     assert streamed["files"] == loaded["files"] and streamed["bytes"] == loaded["bytes"]
     assert _files(str(tmp_path / "streamed")) == _files(str(tmp_path / "loaded"))
-    original, back = _tensors(hf), _tensors(str(tmp_path / "streamed"))
-    assert set(back) == set(original)
-    assert all(torch.equal(back[k], t) for k, t in original.items())
+    _same_weights(hf, str(tmp_path / "streamed"))
 
 
 def test_layers_saved_over_two_stages_stream(tmp_path):
@@ -59,9 +64,7 @@ def test_layers_saved_over_two_stages_stream(tmp_path):
     import_hf(hf, str(tmp_path / "ck"), tp=1, pp=2, verify=False)
     rep = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), tp=1, pp=1, verify=False)
     assert rep["streamed"]
-    original, back = _tensors(hf), _tensors(str(tmp_path / "out"))
-    assert set(back) == set(original)
-    assert all(torch.equal(back[k], t) for k, t in original.items())
+    _same_weights(hf, str(tmp_path / "out"))
 
 
 def test_row_parallel_chunks_fall_back_to_loading(tmp_path):
@@ -70,8 +73,7 @@ def test_row_parallel_chunks_fall_back_to_loading(tmp_path):
     import_hf(hf, str(tmp_path / "ck"), tp=2, pp=1, verify=False)
     rep = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), tp=1, pp=1, verify=False)
     assert not rep["streamed"]
-    original, back = _tensors(hf), _tensors(str(tmp_path / "out"))
-    assert all(torch.equal(back[k], t) for k, t in original.items())
+    _same_weights(hf, str(tmp_path / "out"))
 
 
 def test_truncated_or_incomplete_checkpoint(tmp_path):
