@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from checkpoint_tools import layout, stages
 from checkpoint_tools.layout import DTYPES, ConversionError
+from checkpoint_tools.shards import ShortFile, copy_range
 from megaprm.models import mapping
 from megaprm.models.hf_spec import ModelSpec, UnsupportedModelError, spec_from_hf
 from megaprm.parallel import launch
@@ -486,38 +487,17 @@ class FileCopies:
                 src = self._fds.get(path)
                 if src is None:
                     src = self._fds[path] = os.open(path, os.O_RDONLY)
-            _copy_range(src, dst, n, offset, pos)
+            try:
+                copy_range(src, dst, n, offset, pos)
+            except ShortFile:
+                raise ConversionError(f"{path!r} ended early while it was copied (truncated or "
+                                      "changed during the import); re-download or re-save it"
+                                      ) from None
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-
-def _copy_range(src: int, dst: int, n: int, src_off: int, dst_off: int) -> None:
-    """n bytes from src_off of fd src to dst_off of fd dst (copy_file_range, else pread/pwrite)."""
-    done = 0
-    try:
-        while done < n:
-            k = os.copy_file_range(src, dst, n - done, src_off + done, dst_off + done)
-            if k == 0:
-                raise ConversionError("an HF shard ended early while it was copied (truncated "
-                                      "or changed during the import); re-download or re-save it")
-            done += k
-        return
-    except (OSError, AttributeError) as e:
-        if isinstance(e, OSError) and e.errno not in (18, 22, 38, 95, 1):  # EXDEV EINVAL ENOSYS
-            raise                                                       # EOPNOTSUPP EPERM
-    buf = bytearray(min(n - done, 8 << 20))
-    while done < n:
-        k = os.preadv(src, [memoryview(buf)[:min(len(buf), n - done)]], src_off + done)
-        if k == 0:
-            raise ConversionError("an HF shard ended early while it was copied (truncated or "
-                                  "changed during the import); re-download or re-save it")
-        view = memoryview(buf)[:k]
-        while view:
-            w = os.pwrite(dst, view, dst_off + done)
-            view, done = view[w:], done + w
 
 
 class _HoleStream:

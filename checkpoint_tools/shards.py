@@ -84,13 +84,46 @@ class _Sources:
         self._fds.clear()
 
 
+class ShortFile(OSError):
+    """A source file ended before the bytes it should hold (truncated, or changed meanwhile)."""
+
+
 def _read_into(fd: int, view: memoryview, offset: int) -> None:
     got = 0
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)
         if not n:
-            raise OSError(f"a checkpoint file ends early (at byte {offset + got})")
+            raise ShortFile(f"a file ends early (at byte {offset + got})")
         got += n
+
+
+# copy_file_range refusals that mean "not between these files": fall back to reads and writes
+_NO_COPY_RANGE = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM)
+
+
+def copy_range(src: int, dst: int, n: int, src_off: int, dst_off: int) -> None:
+    """n bytes from src_off of fd src to dst_off of fd dst: `copy_file_range` (page cache to
+    page cache in the kernel), else positional reads and writes through an 8 MiB buffer."""
+    done = 0
+    try:
+        while done < n:
+            k = os.copy_file_range(src, dst, n - done, src_off + done, dst_off + done)
+            if not k:
+                raise ShortFile(f"a file ends early (at byte {src_off + done})")
+            done += k
+        return
+    except ShortFile:
+        raise
+    except OSError as e:
+        if e.errno not in _NO_COPY_RANGE:
+            raise
+    buf = memoryview(bytearray(min(n - done, 8 << 20)))
+    while done < n:
+        view = buf[:min(len(buf), n - done)]
+        _read_into(src, view, src_off + done)
+        while view:
+            w = os.pwrite(dst, view, dst_off + done)
+            view, done = view[w:], done + w
 
 
 class _BufferedFile:
@@ -103,26 +136,10 @@ class _BufferedFile:
             data = data[self._f.write(data):]
 
     def copy_from(self, path: str, offset: int, size: int) -> None:
-        """size bytes at offset of path, appended: copy_file_range (page cache to page cache
-        in the kernel), else through a bounded buffer."""
-        src, done = self._sources.fd(path), 0
-        try:
-            while done < size:
-                n = os.copy_file_range(src, self._f.fileno(), size - done, offset + done)
-                if not n:
-                    raise OSError(f"a checkpoint file ends early (at byte {offset + done})")
-                done += n
-            return
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP,
-                               errno.EPERM):
-                raise
-        buf = bytearray(min(size - done, 8 << 20))
-        while done < size:
-            view = memoryview(buf)[:min(len(buf), size - done)]
-            _read_into(src, view, offset + done)
-            self.write(view)
-            done += len(view)
+        """size bytes at offset of path, appended (`copy_range`)."""
+        pos = self._f.tell()
+        copy_range(self._sources.fd(path), self._f.fileno(), size, offset, pos)
+        self._f.seek(pos + size)
 
     def close(self) -> None:
         self._sources.close()

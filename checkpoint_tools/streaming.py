@@ -32,7 +32,7 @@ import zipfile
 import torch
 
 from checkpoint_tools.layout import ConversionError
-from checkpoint_tools.shards import FileBytes, ShardWriter
+from checkpoint_tools.shards import FileBytes, ShardWriter, ShortFile
 from megaprm.models import mapping
 
 
@@ -96,8 +96,8 @@ def write_shards(plan: list, out_dir: str, max_shard_bytes: int,
         for name, tensor in plan:
             writer.add(name, tensor)
         return writer, writer.finish()
-    except OSError as e:
-        raise ConversionError(f"reading the checkpoint: {e}; it is truncated or unreadable; "
+    except ShortFile as e:
+        raise ConversionError(f"reading the checkpoint: {e}; it is truncated or changed; "
                               "re-import or re-save it") from None
 
 
