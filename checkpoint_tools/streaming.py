@@ -144,7 +144,7 @@ def _sharded_tensors(model) -> list:
 
 def _param_pieces(model, items: _Items) -> dict:
     """{parameter data_ptr: [(param byte offset, .distcp path, file offset, size)]}."""
-    spans = sorted((p.data_ptr(), p) for p in model.parameters())
+    spans = sorted(((p.data_ptr(), p) for p in model.parameters()), key=lambda s: s[0])
     out: dict[int, list] = {}
     for st in _sharded_tensors(model):
         if st.flattened_range is not None:
