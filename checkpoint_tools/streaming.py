@@ -171,7 +171,6 @@ class _Items:
 
     def __init__(self, model_dir: str, meta):
         self.dir, self.meta = model_dir, meta
-        self._fds: dict[str, int] = {}
 
     def rows(self, key: str, offsets: tuple, sizes: tuple, dtype) -> list:
         """[(byte offset in the shard, path, file offset, size)] for the shard of `key` at
@@ -198,7 +197,10 @@ class _Items:
                     c_off[d] < offsets[d] or c_off[d] + c_size[d] > offsets[d] + sizes[d]):
                 raise NotStreamable(f"{key}: chunk {c_off}+{c_size} is not whole rows of the "
                                     f"shard {offsets}+{sizes}")
-            info = self.meta.storage_data[MetadataIndex(key, torch.Size(c_off))]
+            info = self.meta.storage_data.get(MetadataIndex(key, torch.Size(c_off)))
+            if info is None:
+                raise ConversionError(f"{self.dir!r}: .metadata lists chunk {c_off} of {key} "
+                                      "but no file holding it; the checkpoint is corrupt")
             if getattr(info, "transform_descriptors", None):
                 raise NotStreamable(f"{key}: item written through transforms")
             path = os.path.join(self.dir, info.relative_path)
