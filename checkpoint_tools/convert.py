@@ -23,7 +23,6 @@ import math
 import os
 import resource
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ import torch.distributed as dist
 
 from checkpoint_tools import layout, stages
 from checkpoint_tools.layout import DTYPES, ConversionError
-from checkpoint_tools.shards import ShortFile, copy_range
+from checkpoint_tools.shards import OpenFiles, ShortFile, copy_range, read_into
 from megaprm.models import mapping
 from megaprm.models.hf_spec import ModelSpec, UnsupportedModelError, spec_from_hf
 from megaprm.parallel import launch
@@ -282,8 +281,7 @@ class FileReads:
                     lo, hi = info["data_offsets"]
                     self._where[name] = (path, 8 + n + lo, hi - lo, info["dtype"],
                                          tuple(info["shape"]))
-        self._files: dict[str, int] = {}  # path -> fd
-        self._lock = threading.Lock()
+        self.files = OpenFiles()
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -313,30 +311,22 @@ class FileReads:
 
     def read_rows(self, name: str, first: int, dst: memoryview) -> None:
         """Rows first, first+1, ... of `name` (dim 0; as many as fill `dst`) into `dst`."""
-        path, offset, nbytes, _, shape = self._where[name]
-        row = nbytes // shape[0]
-        if first * row + len(dst) > nbytes:
-            raise ConversionError(f"{name} in {path!r}: rows {first}.. past its {shape[0]} rows")
-        self._read(name, path, offset + first * row, dst)
+        path, offset, left = self.location(name, first)
+        if len(dst) > left:
+            raise ConversionError(f"{name} in {path!r}: rows {first}.. past its "
+                                  f"{self.info(name)[1][0]} rows")
+        self._read(name, path, offset, dst)
 
     def _read(self, name: str, path: str, offset: int, view: memoryview) -> None:
         """Positional reads (pread): callable from several threads at once."""
-        with self._lock:
-            fd = self._files.get(path)
-            if fd is None:
-                fd = self._files[path] = os.open(path, os.O_RDONLY)
-        nbytes, got = len(view), 0
-        while got < nbytes:  # a read may return short on large reads
-            more = os.preadv(fd, [view[got:]], offset + got)
-            if not more:
-                raise ConversionError(f"{name} in {path!r}: the file ends early (truncated); "
-                                      "re-download or re-save it")
-            got += more
+        try:
+            read_into(self.files.fd(path), view, offset)
+        except ShortFile:
+            raise ConversionError(f"{name} in {path!r}: the file ends early (truncated); "
+                                  "re-download or re-save it") from None
 
     def close(self) -> None:
-        for fd in self._files.values():
-            os.close(fd)
-        self._files.clear()
+        self.files.close()
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -416,9 +406,10 @@ class FileCopies:
     The file holds the same bytes as a save from memory: one read and one write of the
     weights, no fresh memory to fault in."""
 
-    def __init__(self, pieces: list, tensors: list = ()):
+    def __init__(self, pieces: list, tensors: list = (), files: OpenFiles | None = None):
         """pieces: [(address, nbytes, HF file path, byte offset in it)], not overlapping;
-        tensors: those the save may write (the stage's parameters; see `check_source`)."""
+        tensors: those the save may write (the stage's parameters; see `check_source`);
+        files: where the HF files are opened (the caller closes them)."""
         import bisect
 
         self._bisect = bisect.bisect_right
@@ -426,8 +417,7 @@ class FileCopies:
                              for t in tensors)
         self._pieces = sorted(pieces)
         self._starts = [p[0] for p in self._pieces]
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._files = files if files is not None else OpenFiles()
 
     @classmethod
     def for_jobs(cls, reads: FileReads, jobs: list, model) -> FileCopies:
@@ -436,7 +426,7 @@ class FileCopies:
         for name, first, view in jobs:
             path, offset, _ = reads.location(name, first)
             pieces.append((_address(view), len(view), path, offset))
-        return cls(pieces, list(model.parameters()))
+        return cls(pieces, list(model.parameters()), reads.files)
 
     def check_source(self, data) -> None:
         """A tensor the save writes must lie in a parameter: a copy of one (a clone the writer
@@ -483,21 +473,12 @@ class FileCopies:
         raw.flush()
         dst = raw.fileno()
         for pos, n, (path, offset) in holes:
-            with self._lock:
-                src = self._fds.get(path)
-                if src is None:
-                    src = self._fds[path] = os.open(path, os.O_RDONLY)
             try:
-                copy_range(src, dst, n, offset, pos)
+                copy_range(self._files.fd(path), dst, n, offset, pos)
             except ShortFile:
                 raise ConversionError(f"{path!r} ended early while it was copied (truncated or "
                                       "changed during the import); re-download or re-save it"
                                       ) from None
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
 
 
 class _HoleStream:
@@ -753,12 +734,12 @@ def _import_rank(hf_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: in
         weights = FileReads(hf_dir)
         _import_writer_modules()  # ~0.15 s of module loading: process start, not conversion
         t0 = time.perf_counter()
-        copies = None
+        copies = None  # None: the save writes the weights from memory
         try:
             if verify:  # the forward needs the weights in memory
                 _agree("HF weights", functools.partial(read_stage, model, weights, spec, g))
             else:
-                direct, jobs = _agree("HF weights", functools.partial(
+                _, jobs = _agree("HF weights", functools.partial(
                     plan_stage, model, weights, spec, g))
                 copies = FileCopies.for_jobs(weights, jobs, model)
                 names = sorted({j[0] for j in jobs})
@@ -766,9 +747,7 @@ def _import_rank(hf_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: in
             t_read = time.perf_counter() - t0
             save_checkpoint(model, _model_dir(tmp), copies=copies)
         finally:
-            weights.close()
-            if copies is not None:
-                copies.close()
+            weights.close()  # the HF files the copies read too
         t_save = time.perf_counter() - t0 - t_read
         outputs, t_verify = None, 0.0
         if verify:  # the weights as loaded and saved, still in memory; re-reading the
@@ -814,8 +793,8 @@ def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: 
 
 def _export_streaming(ckpt_dir: str, model, spec: ModelSpec, tmp: str,
                       max_shard_bytes: int) -> dict | None:
-    """export-hf file to file (`streaming.export_stream`), or None where the checkpoint needs a
-    real load (then nothing was written)."""
+    """export-hf file to file (`streaming.plan_export`, `streaming.write_shards`), or None where
+    the checkpoint needs a real load (then nothing was written)."""
     from checkpoint_tools import streaming
 
     t0 = time.perf_counter()
