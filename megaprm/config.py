@@ -84,6 +84,19 @@ class DataConfig:
         if self.task == "math":
             _check(self.path is not None, "data.path", self.path,
                    "data.task=math needs data.path (a .jsonl or verl-style .parquet file)")
+        else:  # the embedded task reads no file: a file setting here would be silently ignored
+            defaults = DataConfig.__dataclass_fields__
+            ignored = [f"data.{k}={getattr(self, k)!r}" for k in _PROMPT_FILE_KEYS
+                       if getattr(self, k) != defaults[k].default]
+            if ignored:
+                raise ConfigError(f"{', '.join(ignored)} would be ignored: data.task="
+                                  f"{self.task!r} generates its prompts and reads no file; set "
+                                  "data.task=math to train on a prompt file, or drop the key(s)")
+
+
+# the DataConfig keys that only a prompt file (data.task=math) reads
+_PROMPT_FILE_KEYS = ("path", "eval_path", "on_bad_row", "keep_unanswered", "max_prompt_tokens",
+                     "long_prompt")
 
 
 REFILL_FILTERS = ("none", "accuracy", "std")

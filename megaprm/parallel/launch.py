@@ -34,8 +34,8 @@ import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, List, Optional
 
-import torch
-import torch.multiprocessing as mp
+# torch is imported where it is used: `megaprm <cmd> --help` builds its parser from this module
+# and must not pay torch's import (seconds)
 
 ERROR_DIR_ENV = "MEGAPRM_ERROR_DIR"
 _PR_SET_PDEATHSIG = 1
@@ -62,6 +62,8 @@ def under_torchrun() -> bool:
 # ------------------------------------------------------------------------------ the launcher
 
 def gpu_count() -> int:
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -261,6 +263,9 @@ def _child(rank, world_size, port, fn, args, queue, threads):
 
 def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 600.0) -> List[Any]:
     """Run fn(*args) on `world_size` fresh processes; return each rank's result, rank order."""
+    import torch
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()

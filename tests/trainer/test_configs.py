@@ -89,3 +89,16 @@ def test_blend_uses_grpo_eps():
             std = (sum((v - mean) ** 2 for v in r) / 2) ** 0.5
             want = (o[i].item() + 0.8 * p[i].item() - mean) / (std + eps)
             assert abs(got[i].item() - want) < 1e-5
+
+
+@pytest.mark.parametrize("overrides", [["data.path=mine.jsonl"],
+                                       ["data.eval_path=held.jsonl", "data.long_prompt=drop"]])
+def test_prompt_file_keys_with_the_embedded_task_are_an_error(overrides):
+    """data.task=arithmetic reads no file: a data file setting there used to be ignored silently."""
+    from megaprm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"would be ignored: data.task='arithmetic'") as e:
+        load_config("configs/grpo_tiny.yaml", overrides)
+    assert all(o.split("=")[0] in str(e.value) for o in overrides) and "\n" not in str(e.value)
+    cfg = load_config("configs/grpo_tiny.yaml", ["data.task=math", "data.path=p.jsonl", *overrides])
+    assert cfg.data.task == "math"
