@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from megaprm.tasks.datasets import BENCHMARKS, load_benchmark
 
@@ -45,7 +45,7 @@ class EvalConfig:
     k: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    max_tokens: int = 4096
+    max_tokens: int = 4096  # capped to what the model's positions allow (see `fit_max_tokens`)
     engine: str = "hf"
     limit: int | None = None
     seed: int = 0
@@ -163,11 +163,29 @@ def build_engine(cfg: EvalConfig, hf_dir: str, tokenizer):
                  seed=cfg.seed, device=rank_device())
 
 
+def fit_max_tokens(max_tokens: int, hf_dir: str, longest_prompt: int) -> tuple[int, str | None]:
+    """`max_tokens` capped so that the longest prompt plus its response fits the model's
+    `max_position_embeddings`; returns the value and a one-line notice when it was capped."""
+    import json
+
+    with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
+        positions = json.load(f).get("max_position_embeddings")
+    if not positions or longest_prompt + max_tokens <= positions:
+        return max_tokens, None
+    fit = positions - longest_prompt
+    if fit < 1:
+        raise ValueError(f"eval: the longest prompt ({longest_prompt} tokens) leaves no room for "
+                         f"a response in the model's {positions} positions")
+    return fit, (f"eval: max_tokens {max_tokens} + the longest prompt ({longest_prompt} tokens) "
+                 f"exceed the model's {positions} positions; generating up to {fit} tokens")
+
+
 # ---------------------------------------------------------------------------------- run
-def _eval_benchmark(name: str, cfg: EvalConfig, engine, tokenizer, verifier, bar) -> dict:
+def _eval_benchmark(name: str, cfg: EvalConfig, loaded, engine, tokenizer, verifier,
+                    bar) -> dict:
     from megaprm.rollout.engine import SamplingParams
 
-    records, load = load_benchmark(name, limit=cfg.limit)
+    records, load = loaded
     t0 = time.perf_counter()
     correct: list[list[float]] = []
     n_tokens = 0
@@ -202,19 +220,28 @@ def evaluate(cfg: EvalConfig) -> dict:
         hf_dir = resolve_model(cfg.model, work)
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         engine = build_engine(cfg, hf_dir, tokenizer)
+        loaded = {b: load_benchmark(b, limit=cfg.limit) for b in cfg.benchmarks}
+        longest = max(len(prompt_ids(tokenizer, r.prompt)) for records, _ in loaded.values()
+                      for r in records)
+        max_tokens, notice = fit_max_tokens(cfg.max_tokens, hf_dir, longest)
+        if notice:
+            print(notice, file=sys.stderr)
+            cfg = replace(cfg, max_tokens=max_tokens)
         verifier = MathVerifier()
-        total = sum(len(load_benchmark(b, limit=cfg.limit)[0]) for b in cfg.benchmarks)
+        total = sum(len(records) for records, _ in loaded.values())
         per = {}
         try:
             with tqdm(total=total, desc=f"eval avg@{cfg.k}", unit="problem",
                       disable=not cfg.progress) as bar:
                 for name in cfg.benchmarks:
                     bar.set_postfix_str(name)
-                    per[name] = _eval_benchmark(name, cfg, engine, tokenizer, verifier, bar)
+                    per[name] = _eval_benchmark(name, cfg, loaded[name], engine, tokenizer,
+                                                verifier, bar)
         finally:
             verifier.close()
         chat = bool(getattr(tokenizer, "chat_template", None))
-    average = {m: sum(r[m] for r in per.values()) / len(per) for m in ("avg@k", "pass@k")}
+    average = {m: sum(r[m] for r in per.values()) / len(per)
+               for m in ("avg@k", "pass@k", "time_s")}
     return {"config": asdict(cfg), "exported_from_megatron": is_megatron_checkpoint(cfg.model),
             "prompt_template": PROMPT_TEMPLATE, "chat_template_applied": chat,
             "benchmarks": per, "average": average,
@@ -231,5 +258,6 @@ def format_table(report: dict) -> str:
     a = report["average"]
     lines += ["-" * len(head),
               (f"{'average':<16}{'':>9}{a['avg@k']:>10.4f}{a['pass@k']:>10.4f}"
-               f"{report['total_time_s']:>9.1f}")]
+               f"{a.get('time_s', float('nan')):>9.1f}"),
+              f"total {report['total_time_s']:.1f} s (model load and export included)"]
     return "\n".join(lines)

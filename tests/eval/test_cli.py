@@ -41,10 +41,34 @@ def test_eval_cli_writes_report_for_all_benchmarks(tiny_model, tmp_path, one_thr
     for name, r in report["benchmarks"].items():
         assert r["problems"] == 1 and len(r["per_problem"]) == 1, name
         assert 0.0 <= r["avg@k"] <= r["pass@k"] <= 1.0
-    assert set(report["average"]) == {"avg@k", "pass@k"}
+    per = report["benchmarks"].values()
+    assert set(report["average"]) == {"avg@k", "pass@k", "time_s"}
+    # the "average" row's time is the mean over benchmarks, not the total (model load included)
+    assert report["average"]["time_s"] == pytest.approx(sum(r["time_s"] for r in per) / len(per))
+    assert report["total_time_s"] > sum(r["time_s"] for r in per)
     assert report["config"]["k"] == 2 and report["exported_from_megatron"] is False
     table = capsys.readouterr().out
     assert "avg@2" in table and "pass@2" in table and "average" in table
+
+
+def test_default_max_tokens_is_capped_to_the_models_positions(tiny_model, tmp_path, one_thread,
+                                                               capsys):
+    """README's `eval --limit 8 --k 1` on a 512-position model: the 4096 default is capped to
+    what the model allows (positions - longest prompt), with one line saying so."""
+    from transformers import AutoTokenizer
+
+    from megaprm.tasks.datasets import load_benchmark
+
+    out = tmp_path / "report.json"
+    assert main(["eval", "--model", tiny_model, "--benchmarks", "math500", "--limit", "2",
+                 "--k", "1", "--out", str(out), "--no-progress"]) == 0
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    longest = max(len(run.prompt_ids(tok, r.prompt)) for r in load_benchmark("math500", limit=2)[0])
+    report = json.loads(out.read_text())
+    assert report["config"]["max_tokens"] == 512 - longest
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if "positions" in ln]
+    assert notes == [f"eval: max_tokens 4096 + the longest prompt ({longest} tokens) exceed the "
+                     f"model's 512 positions; generating up to {512 - longest} tokens"]
 
 
 def test_eval_cli_rejects_unknown_benchmark(tiny_model, capsys):
