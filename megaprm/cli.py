@@ -205,15 +205,42 @@ def cmd_convert(args) -> int:
 
 # ------------------------------------------------------------------------------ parser
 
+DESCRIPTION = """\
+RL of reasoning LLMs with process rewards on Megatron-Core.
+
+Start with `megaprm demo` (CPU, a few minutes). Multi-rank commands take --nproc N
+(default: one rank per GPU, else the CPU default) and start the ranks themselves; a
+mistake is reported in one line before any rank starts. `megaprm <command> --help`
+describes each command."""
+
+TRAIN_HELP = """\
+--config is a YAML recipe (configs/<method>.yaml for 7B on GPUs, configs/<method>_tiny.yaml
+for CPU); any key can be overridden as section.key=value after it, e.g.
+  megaprm train --config configs/grpo_tiny.yaml trainer.steps=10 actor.optim.lr=1e-5
+The keys, their defaults and meanings: the recipe YAMLs and megaprm/config.py. An unknown
+or invalid key is reported in one line that lists the valid keys of its section."""
+
+# algorithms.registry.METHODS, spelled out: the registry imports torch, --help must not
+DEMO_METHODS = ("prof_grpo", "grpo", "drgrpo", "rloo", "papo", "pure", "prime", "blend")
+
+
 def _parser() -> argparse.ArgumentParser:
+    # imports here stay light (no torch): `megaprm --help` answers in well under a second
     from megaprm.parallel.launch import add_launch_args
 
-    ap = argparse.ArgumentParser(prog="megaprm", description=__doc__,
+    ap = argparse.ArgumentParser(prog="megaprm", description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    d = sub.add_parser("demo", help="the embedded CPU demo (warm-up, PRM, RL, summary)")
-    d.add_argument("--method", default="prof_grpo")
+    d = sub.add_parser("demo", help="the embedded CPU demo (warm-up, PRM, RL, summary)",
+                       description="Warm up a tiny policy on the embedded arithmetic task, train "
+                       "a PRM on exact step labels, run RL with one method and print accuracy "
+                       "before/after. A warm-up and PRM of an earlier demo with the same "
+                       "settings are reused.")
+    d.add_argument("--method", default="prof_grpo", choices=DEMO_METHODS,
+                   help="the RL method (default prof_grpo); prime trains its own implicit PRM "
+                        "from outcome labels and does not learn at the demo's scale "
+                        "(docs/compare.md)")
     d.add_argument("--run-dir", default="runs/demo")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--rl-steps", type=int, default=0, help="override the demo's RL steps")
@@ -252,9 +279,13 @@ def _parser() -> argparse.ArgumentParser:
     add_launch_args(cp, cpu_default=2)
     cp.set_defaults(fn=cmd_compare)
 
-    t = sub.add_parser("train", help="RL from a YAML recipe (configs/) + dotted overrides")
-    t.add_argument("--config", required=True)
-    t.add_argument("overrides", nargs="*", help="e.g. actor.optim.lr=1e-6 trainer.steps=10")
+    t = sub.add_parser("train", help="RL from a YAML recipe (configs/) + dotted overrides",
+                       description=TRAIN_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--config", required=True,
+                   help="YAML recipe, e.g. configs/prof_grpo_tiny.yaml (see above)")
+    t.add_argument("overrides", nargs="*", help="section.key=value, e.g. actor.optim.lr=1e-6 "
+                                                "trainer.steps=10")
     add_launch_args(t, cpu_default=1)
     t.set_defaults(fn=cmd_train)
 
