@@ -67,8 +67,9 @@ def test_default_max_tokens_is_capped_to_the_models_positions(tiny_model, tmp_pa
     report = json.loads(out.read_text())
     assert report["config"]["max_tokens"] == 512 - longest
     notes = [ln for ln in capsys.readouterr().err.splitlines() if "positions" in ln]
-    assert notes == [f"eval: max_tokens 4096 + the longest prompt ({longest} tokens) exceed the "
-                     f"model's 512 positions; generating up to {512 - longest} tokens"]
+    expected = (f"eval: max_tokens 4096 + the longest prompt ({longest} tokens) exceed the "
+                f"model's 512 positions; generating up to {512 - longest} tokens")
+    assert notes == [expected]
 
 
 def test_eval_cli_rejects_unknown_benchmark(tiny_model, capsys):
