@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 import warnings
 
@@ -153,7 +154,27 @@ def cmd_train(args) -> int:
         destroy()
         return 0
 
-    return _on_ranks(args, sys.argv[1:], preflight, body)
+    rc = _on_ranks(args, sys.argv[1:], preflight, body)
+    if rc == 0 and args.node_rank == 0 and not _under_torchrun():
+        _say_where_the_run_is(cfg.trainer.run_dir)
+    return rc
+
+
+def _under_torchrun() -> bool:
+    from megaprm.parallel.launch import under_torchrun
+
+    return under_torchrun()
+
+
+def _say_where_the_run_is(run_dir: str) -> None:
+    """The last line of a finished `megaprm train` (after wandb's summary): where to look."""
+    from megaprm.trainer.plots import plot_run
+
+    plots = os.path.join(run_dir, "plots")
+    plot_run(run_dir, out_dir=plots)
+    print(f"[train] done: run {run_dir} (config.yaml, checkpoints/), metrics "
+          f"{os.path.join(run_dir, 'metrics.jsonl')}, plots {plots}/ "
+          f"(`megaprm plot {run_dir}` redraws them)", flush=True)
 
 
 def cmd_train_prm(args) -> int:
@@ -316,6 +337,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from megaprm.parallel.launch import LAUNCH_T0_ENV
+
+    os.environ.setdefault(LAUNCH_T0_ENV, str(time.time()))  # the ranks inherit the start time
     ap = _parser()
     # `key=value` overrides may sit before or after the flags (`--nproc 2 trainer.steps=2`)
     args, rest = ap.parse_known_args(argv)

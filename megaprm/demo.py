@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megaprm.config import load_config
 from megaprm.parallel import pipeline
 from megaprm.parallel.groups import Groups
+from megaprm.parallel.launch import seconds_since_launch
 from megaprm.tasks.arithmetic import ArithmeticConfig, generate_problems
 from megaprm.trainer.export import save_hf
 
@@ -60,6 +61,11 @@ RL_YAML = os.path.join(os.path.dirname(__file__), "configs", "demo.yaml")
 # configs/prime.yaml), refilling the accuracy-filtered batch (ray_trainer.py, cap 4 as
 # configs/prime_tiny.yaml). PURE: the released PRM's step reward is 2p - 1 (token-classification
 # head), the megaprm PRM gives p.
+# what PRIME does at this scale, measured (docs/compare.md): said where a user meets it
+PRIME_NOTE = ("prime learns its implicit PRM from outcome labels alone; at the demo's response "
+              "length and step budget it does not learn (loss ~ln 2) and accuracy usually falls "
+              "(docs/compare.md); no step-label PRM is trained for it")
+
 METHOD_OVERRIDES = {
     "prime": ["prm.kind=implicit", "prm.path=null", "prm.optim.lr=1e-4",
               "rollout.refill=accuracy", "rollout.max_refill_rounds=4"],
@@ -194,7 +200,10 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
     t = time.perf_counter()
     prm_digest = _stage_digest(dcfg, "prm")
     prm_report = _cached(prm_dir, prm_digest)
-    if prm_report is None:
+    if dcfg.method == "prime":  # its implicit PRM is the policy's copy, trained during RL
+        say(f"[demo] {PRIME_NOTE}", flush=True)
+        prm_report = None
+    elif prm_report is None:
         prm_cfg = PRMTrainConfig(model_dir=sft_dir, output_dir=prm_dir, arithmetic=TASK,
                                  num_train=dcfg.prm_examples, num_eval=512, seed=dcfg.seed,
                                  stage1_steps=dcfg.prm_stage1_steps, stage1_lr=1e-3,
@@ -210,7 +219,8 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
     times["prm_s"] = time.perf_counter() - t
 
     overrides = [f"trainer.run_dir={rl_dir}", f"model.path={sft_dir}",
-                 f"prm.path={prm_dir}", f"trainer.steps={dcfg.rl_steps}",
+                 f"prm.path={prm_dir if prm_report is not None else 'null'}",
+                 f"trainer.steps={dcfg.rl_steps}",
                  f"trainer.seed={dcfg.seed}", f"advantage.method={dcfg.method}"]
     overrides += METHOD_OVERRIDES.get(dcfg.method, [])
     cfg = load_config(RL_YAML, overrides)
@@ -241,7 +251,10 @@ def print_summary(s: dict) -> None:
     b, a = s["before_rl"], s["after_rl"]
     print("\n================ megaprm demo summary ================")
     print(f"method                       : {s['method']}  ({s['world_size']} torchrun ranks, CPU)")
-    print(f"PRM step AUROC (held-out)    : {s['prm'].get('auroc', float('nan')):.3f}")
+    if s["prm"] is not None:  # PRIME uses no discriminative PRM: its AUROC does not apply
+        print(f"PRM step AUROC (held-out)    : {s['prm'].get('auroc', float('nan')):.3f}")
+    else:
+        print(f"PRM                          : {PRIME_NOTE}")
     print(f"greedy accuracy  before RL   : {b['accuracy']:.3f}   after RL: {a['accuracy']:.3f}"
           f"   ({b['problems']} held-out problems)")
     print(f"correct answers with a wrong step (exact): before {b['correct_with_wrong_step']:.3f}"
@@ -249,8 +262,11 @@ def print_summary(s: dict) -> None:
     print(f"fully correct solutions      : before {b['all_steps_correct']:.3f}   after "
           f"{a['all_steps_correct']:.3f}")
     t = s["times_s"]
+    wall = seconds_since_launch()
     print(f"time: warm-up {t['warmup_s']:.0f}s  PRM {t['prm_s']:.0f}s  RL {t['rl_s']:.0f}s  "
-          f"total {s['total_s']:.0f}s  (RL steps run now: {s['rl_steps_run']})")
+          f"(RL steps run now: {s['rl_steps_run']}); "
+          + (f"wall {wall:.0f}s since `megaprm demo` started (ranks, imports and evaluation "
+             "included)" if wall is not None else f"total {s['total_s']:.0f}s"))
     print("RL phases (s): " + "  ".join(f"{k} {v:.1f}" for k, v in s["rl_phase_times_s"].items()))
     d = s["dirs"]
     print(f"wrote: warm-up policy {d['warmup']}, PRM {d['prm']}, RL run {d['rl']} "

@@ -3,6 +3,7 @@ multi-rank through the launcher, two "nodes" on one machine, the HF -> RL -> exp
 trip, the demo's cached warm-up, and each README troubleshooting row -> one line, exit 2."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -160,14 +161,35 @@ def test_demo_then_another_method_reuses_warmup_and_prm(tmp_path):
     p = run([*MEGAPRM, "demo", *short])
     assert p.returncode == 0, p.stderr[-4000:]
     assert "megaprm demo summary" in p.stdout
+    t0 = time.time()
     p = run([*MEGAPRM, "demo", *short, "--method", "grpo"])
+    wall = time.time() - t0
     assert p.returncode == 0, p.stderr[-4000:]
     assert "warm-up: reusing" in p.stdout and "PRM: reusing" in p.stdout, p.stdout
     summary = json.load(open(tmp_path / "demo" / "rl" / "grpo" / "summary.json"))
+    # the time printed is the command's wall time (ranks and imports included), not the phases'
+    said = float(re.search(r"wall (\d+)s since `megaprm demo` started", p.stdout).group(1))
+    assert summary["total_s"] < said <= wall + 1, (said, wall, summary["total_s"])
     assert summary["method"] == "grpo" and summary["rl_steps_run"] == 1
     rows = open(tmp_path / "demo" / "rl" / "grpo" / "metrics.jsonl").read().splitlines()
     assert len(rows) == 1
     assert os.path.isfile(tmp_path / "demo" / "rl" / "prof_grpo" / "summary.json")
+
+
+def test_demo_summary_prints_only_what_applies_to_the_method(capsys):
+    """PRIME trains no discriminative PRM: its summary has no PRM AUROC, and says what PRIME
+    does at the demo's scale instead."""
+    from megaprm import demo
+
+    ev = {"accuracy": 0.5, "problems": 8, "correct_with_wrong_step": 0.1, "all_steps_correct": 0.4}
+    base = {"world_size": 2, "before_rl": ev, "after_rl": ev, "rl_steps_run": 1, "total_s": 3.0,
+            "times_s": {"warmup_s": 1.0, "prm_s": 0.0, "rl_s": 2.0}, "rl_phase_times_s": {},
+            "dirs": {"warmup": "w", "prm": "p", "rl": "r"}}
+    demo.print_summary({**base, "method": "grpo", "prm": {"auroc": 0.91}})
+    assert "PRM step AUROC (held-out)    : 0.910" in capsys.readouterr().out
+    demo.print_summary({**base, "method": "prime", "prm": None})
+    out = capsys.readouterr().out
+    assert "AUROC" not in out and demo.PRIME_NOTE in out and "docs/compare.md" in out
 
 
 def _six_head_model(root):

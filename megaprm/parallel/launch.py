@@ -38,6 +38,7 @@ from typing import Any, Callable, List, Optional
 # and must not pay torch's import (seconds)
 
 ERROR_DIR_ENV = "MEGAPRM_ERROR_DIR"
+LAUNCH_T0_ENV = "MEGAPRM_LAUNCH_T0"  # time.time() when `megaprm` started; inherited by ranks
 _PR_SET_PDEATHSIG = 1
 
 
@@ -53,6 +54,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def seconds_since_launch() -> float | None:
+    """Wall seconds since the `megaprm` command started (ranks, imports included), or None
+    outside the CLI."""
+    t0 = os.environ.get(LAUNCH_T0_ENV)
+    return time.time() - float(t0) if t0 else None
 
 
 def under_torchrun() -> bool:
