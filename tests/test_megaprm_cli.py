@@ -69,6 +69,9 @@ def test_train_two_ranks_export_verify_eval(policy, tmp_path):
     p = run(train_cmd(policy, run_dir, "--nproc", "2", "trainer.steps=2", "trainer.eval_every=1",
                       "trainer.eval_problems=4"))
     assert p.returncode == 0, p.stderr[-4000:]
+    # the last line says where to look (after wandb's summary), and the plots are drawn
+    assert p.stdout.strip().splitlines()[-1].startswith(f"[train] done: run {run_dir} "), p.stdout
+    assert (run_dir / "plots" / "reward.png").is_file()
     rows = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["guard/skipped_total"] == 0 for r in rows)

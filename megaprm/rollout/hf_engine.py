@@ -29,6 +29,14 @@ from megaprm.rollout.engine import (
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _cache_kwarg(model) -> str:
+    """The name `model.forward` takes its KV cache under: `cache` (transformers >= 5.24) or
+    `past_key_values` (before)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @dataclass(frozen=True)
 class HFEngineConfig:
     """device: "cpu" | "cuda[:i]"; dtype: float32 | bfloat16 | float16 (weights and forward).
@@ -234,10 +242,12 @@ class HFEngine:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
+        # transformers >= 5.24 renamed `past_key_values` to `cache` (the old name warns)
+        kv = {_cache_kwarg(self.model): cache}
         attn = mask.to(self.device)
         pos = (attn.cumsum(1) - 1).clamp(min=0)  # left padding: real tokens count from 0
         out = self.model(input_ids=ids.to(self.device), attention_mask=attn, position_ids=pos,
-                         past_key_values=cache, use_cache=True)
+                         use_cache=True, **kv)
         logits = out.logits[:, -1].float()  # [b_active, V]
         next_pos = attn.sum(1, keepdim=True)  # [b_active, 1]
         active = torch.arange(b)  # rows of the batch still generating (indices into B)
@@ -260,7 +270,7 @@ class HFEngine:
                 active = active[keep.cpu()]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
-                             past_key_values=cache, use_cache=True)
+                             use_cache=True, **kv)
             logits = out.logits[:, -1].float()
             next_pos = next_pos + 1
         width = int(lengths.max())  # R: the longest response

@@ -211,3 +211,15 @@ def test_eos_as_the_last_allowed_token_is_stop(engine):
     eng = HFEngine(engine.model, HFEngineConfig(eos_token_ids=(first,), pad_token_id=PAD))
     out = eng.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=1))
     assert out.response_token_lists() == [[first]] and out.finish_reason == ["stop"]
+
+
+def test_generate_raises_no_deprecation_warning(engine):
+    """The KV cache goes in under the name the installed transformers takes (`cache` since 5.24;
+    `past_key_values` there is a FutureWarning on every generate call)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        out = engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=4, seed=1))
+    assert out.response_ids.shape[0] == 2 * len(PROMPTS)
