@@ -66,6 +66,8 @@ def lean_imports() -> None:
     process and its spawned ranks do this."""
     import torch
 
+    import megaprm  # noqa: F401 - first: its import silences megatron-core's TE/Apex fallbacks
+
     real = torch.compile
 
     def deferred(model=None, **kw):

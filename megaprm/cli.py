@@ -14,7 +14,6 @@ import os
 import sys
 import time
 import traceback
-import warnings
 
 
 def _user_errors() -> tuple:
@@ -48,8 +47,6 @@ def _on_ranks(args, argv, preflight, body) -> int:
             if lock is not None:
                 lock.release()
     launch.die_with_parent()
-    # megatron-core 0.16 warns about a default it sets itself, once per rank and model
-    warnings.filterwarnings("ignore", message="full scope is deprecated")
     return body()
 
 

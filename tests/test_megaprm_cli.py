@@ -72,6 +72,8 @@ def test_train_two_ranks_export_verify_eval(policy, tmp_path):
     # the last line says where to look (after wandb's summary), and the plots are drawn
     assert p.stdout.strip().splitlines()[-1].startswith(f"[train] done: run {run_dir} "), p.stdout
     assert (run_dir / "plots" / "reward.png").is_file()
+    for noise in ("not installed", "Falling back", "FutureWarning", "full scope is deprecated"):
+        assert noise not in p.stderr, (noise, p.stderr[-3000:])
     rows = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["guard/skipped_total"] == 0 for r in rows)
