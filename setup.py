@@ -1,5 +1,5 @@
 """megaprm: a Megatron-Core backend for RL of reasoning LLMs with process rewards."""
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 setup(
     name="megaprm",
@@ -8,7 +8,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megaprm*", "checkpoint_tools*", "eval*"]),
+    # namespace discovery: the data directories (megaprm/configs, eval/data/<set>) are listed as
+    # packages too, so setuptools does not warn once per directory that it "would be ignored"
+    packages=find_namespace_packages(include=["megaprm", "megaprm.*", "checkpoint_tools",
+                                              "checkpoint_tools.*", "eval", "eval.*"]),
     package_data={"megaprm": ["configs/*.yaml"], "eval": ["data/**/*", "data/*"]},
     include_package_data=True,
     install_requires=[
