@@ -26,8 +26,10 @@ test: install
 demo: install
 	$(VENV)/bin/megaprm demo
 
+# well over 10 minutes on a 2-core CPU (progress per benchmark); results in runs/bench/,
+# `make bench BENCH_ARGS=--update-results` rewrites the committed scripts/results/
 bench: install
-	$(PY) -m megaprm.cli bench
+	$(PY) -m megaprm.cli bench $(BENCH_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check megaprm checkpoint_tools eval scripts tests

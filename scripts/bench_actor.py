@@ -16,7 +16,7 @@ the fastest of --iters steps (the median is reported too). On CUDA each row also
 reports MFU (6 * params * tokens + causal attention 6 * layers * d_attn * sum(len^2), against the
 bf16 dense peak of the device named) and peak memory. Default (no arguments): on CPU the
 default shape and hidden 1024 / 12 layers; on GPU the issue's 0.79 B and 1.5 B shapes, bf16.
-Writes JSON with the device, the load average and all rows (default scripts/results/).
+Writes JSON with the device, the load average and all rows (default runs/bench/; `megaprm bench --update-results`: scripts/results/).
 """
 from __future__ import annotations
 
@@ -210,6 +210,8 @@ def bench_shape(name, shape, args, dev, dtype) -> dict:
 
 
 def main() -> None:
+    from megaprm.bench import default_out  # runs/bench/, or $MEGAPRM_BENCH_RESULTS
+
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=None,
@@ -222,7 +224,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                     help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
-    ap.add_argument("--out", default="scripts/results/bench_actor.json")
+    ap.add_argument("--out", default=default_out("bench_actor.json"))
     args = ap.parse_args()
 
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

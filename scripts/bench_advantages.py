@@ -16,7 +16,7 @@ verl is NOT a project dependency. For the comparison install it into the venv on
     rm -rf .venv/lib/python3.*/site-packages/tests   # verl's wheel ships a top-level `tests`
                                                    # package that shadows this repo's tests/
 Without verl the script still runs and records `"verl": {"available": false, ...}`.
-Writes scripts/results/bench_advantages.json (a run without verl or DP=2 never replaces a
+Writes runs/bench/bench_advantages.json (`megaprm bench --update-results`: scripts/results/; a run without verl or DP=2 never replaces a
 complete result: it goes to bench_advantages.partial.json, see `megaprm.bench.write_result`).
 """
 from __future__ import annotations
@@ -339,12 +339,14 @@ def cpu_name() -> str:
 
 
 def main() -> None:
+    from megaprm.bench import default_out  # runs/bench/, or $MEGAPRM_BENCH_RESULTS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--groups", type=int, default=512)
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_advantages.json"))
+    ap.add_argument("--out", default=default_out("bench_advantages.json"))
     ap.add_argument("--before-rev", default=None,
                     help="git revision whose PRIME/PURE are timed next to the current ones")
     ap.add_argument("--skip-dp2", action="store_true", help="no DP=2 rows (recorded as missing)")

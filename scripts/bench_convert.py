@@ -9,7 +9,7 @@ process so that peak RSS is per phase:
 
 Throughput = weight bytes / seconds. "end_to_end" includes process start-up and imports of the
 CLI (what a user waits for); "core" is the conversion proper, as the tool's report times it.
-Writes scripts/results/bench_convert.json.
+Writes runs/bench/bench_convert.json (`megaprm bench --update-results`: scripts/results/).
 
     python scripts/bench_convert.py [--layers 10] [--hidden 1024] [--tp 1 --pp 1] [--repeats 3]
     python scripts/bench_convert.py --layers 12 --hidden 2048 --ffn 5632 --vocab 32000 \
@@ -29,7 +29,6 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUT = os.path.join(REPO, "scripts", "results", "bench_convert.json")
 
 
 def _phase_make(out_dir: str, layers: int, hidden: int, ffn: int, vocab: int) -> dict:
@@ -134,6 +133,8 @@ def _median(xs):
 
 
 def main() -> None:
+    from megaprm.bench import default_out  # runs/bench/, or $MEGAPRM_BENCH_RESULTS
+
     p = argparse.ArgumentParser()
     p.add_argument("--phase", choices=["make", "raw", "baseline"])
     p.add_argument("--layers", type=int, default=10)
@@ -147,7 +148,7 @@ def main() -> None:
                         "and other processes' load hit every row alike; min and median kept")
     p.add_argument("--dirs", nargs="*")
     p.add_argument("--work", default=None, help="scratch dir (default: a new tmp dir)")
-    p.add_argument("--out", default=OUT)
+    p.add_argument("--out", default=default_out("bench_convert.json"))
     a = p.parse_args()
     from megaprm.bench import load_average, write_result
 

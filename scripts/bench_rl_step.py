@@ -1,7 +1,7 @@
 """Per-phase RL step time as a function of the (tp, pp, dp) layout, tiny model, CPU/gloo.
 
     python scripts/bench_rl_step.py [--steps 3] [--warmup 1] [--layouts 1,1,1 2,1,1 1,2,1 1,1,2]
-                                    [--out scripts/results/bench_rl_step.json]
+                                    [--out runs/bench/bench_rl_step.json]
 
 Each layout runs `RLTrainer.step` (rollout -> outcome reward -> old log-probs -> advantages ->
 PPO update -> weight sync) on world = tp*pp*dp local ranks started by `parallel.launch.spawn`
@@ -102,6 +102,8 @@ def cpu_name() -> str:
 
 
 def main(argv=None) -> int:
+    from megaprm.bench import default_out  # runs/bench/, or $MEGAPRM_BENCH_RESULTS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
@@ -111,7 +113,7 @@ def main(argv=None) -> int:
                     default=["data.prompts_per_step=4", "rollout.n=4", "rollout.max_tokens=32",
                              "actor.micro_batch_size=8", "actor.mini_batches=1"],
                     help="config overrides shared by every layout (the workload)")
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_rl_step.json"))
+    ap.add_argument("--out", default=default_out("bench_rl_step.json"))
     args = ap.parse_args(argv)
 
     import torch

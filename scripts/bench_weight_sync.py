@@ -1,6 +1,6 @@
 """Benchmark: Megatron actor -> HF rollout engine weight sync, by bucket size and layout.
 
-    python scripts/bench_weight_sync.py [--out scripts/results/bench_weight_sync.json]
+    python scripts/bench_weight_sync.py [--out runs/bench/bench_weight_sync.json]
 
 A Qwen2-shaped model (hidden 1024, 12 layers, vocab 32000, fp32: ~670 MB) on 2 local ranks at
 (tp, pp) = (1, 1) (dp 2) and (2, 1). Each rank syncs into its own HFEngine; for each bucket size we
@@ -210,11 +210,11 @@ def _rank(tp: int, pp: int, before_rev: str | None = None, repeats: int = REPEAT
 
 
 def main():
+    from megaprm.bench import default_out  # runs/bench/, or $MEGAPRM_BENCH_RESULTS
     from megaprm.parallel import launch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "bench_weight_sync.json"))
+    ap.add_argument("--out", default=default_out("bench_weight_sync.json"))
     ap.add_argument("--before-rev", default=None,
                     help="git revision whose bucketed sync is timed too (rows 'before N MiB')")
     ap.add_argument("--repeats", type=int, default=REPEATS, help="timed syncs per mode")

@@ -1,6 +1,6 @@
-"""Plot every scripts/results/bench_*.json that exists into a PNG next to it (matplotlib, Agg).
+"""Plot every runs/bench/bench_*.json that exists into a PNG next to it (matplotlib, Agg).
 
-    python scripts/plot_benchmarks.py [--results scripts/results] [--out scripts/results]
+    python scripts/plot_benchmarks.py [--results runs/bench] [--out runs/bench]
 
 Each figure names, in its title, the baseline measured in the same run that it is compared
 with: actor vs transformers, conversion vs raw safetensors I/O, weight sync vs memcpy,
@@ -199,8 +199,12 @@ def plot_all(results_dir: Path, out_dir: Path) -> list:
 
 
 def main(argv=None) -> int:
+    from megaprm.bench import results_dir  # runs/bench/, or $MEGAPRM_BENCH_RESULTS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--results", default=str(ROOT / "scripts" / "results"))
+    ap.add_argument("--results", default=str(results_dir()),
+                    help="directory of bench_*.json (default: $MEGAPRM_BENCH_RESULTS or "
+                         "runs/bench/; the committed ones: scripts/results)")
     ap.add_argument("--out", default=None, help="where PNGs go (default: --results)")
     args = ap.parse_args(argv)
     written = plot_all(Path(args.results), Path(args.out or args.results))
