@@ -5,6 +5,8 @@
 * a megaprm checkpoint in the one format shared by `checkpoint_tools import-hf` and the trainer:
   `DIR/model/` (megatron-core dist checkpoint, loadable at any tp/pp), `DIR/hf/` (config.json and
   tokenizer files), `DIR/megaprm_checkpoint.json`. A trainer checkpoint's `step_N/actor/` is one.
+  Its files are checked against their MANIFEST.json (checkpoint_tools.manifest) before use, once
+  per process: a damaged checkpoint is refused in one line, never trained from.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-
+_verified: set = set()  # checkpoint dirs whose manifest this process checked
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -42,6 +44,14 @@ def resolve(path: Optional[str], what: str = "model.path") -> ModelSource:
     except layout.ConversionError:
         raise ValueError(f"{what}={path!r} has no config.json; pass an HF model directory or a "
                          "megaprm checkpoint directory") from None
+    if ckpt not in _verified:
+        from checkpoint_tools import manifest
+
+        try:
+            manifest.check(ckpt)
+        except ValueError as e:
+            raise ValueError(f"{what}={path!r}: {e}") from None
+        _verified.add(ckpt)
     return ModelSource(ckpt, os.path.join(ckpt, layout.HF_SUBDIR),
                        os.path.join(ckpt, layout.MODEL_SUBDIR))
 
