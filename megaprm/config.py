@@ -219,6 +219,8 @@ class TrainerConfig:
     keep_last: int = 0
     resume: bool = True
     resume_fallback: bool = True  # a damaged newest checkpoint: use the previous intact one
+    # resume=false in a run_dir holding a run: refused, or with this moved to run_dir/replaced-*/
+    replace_run: bool = False
     allow_config_change: bool = False
     eval_every: int = 0
     eval_problems: int = 64

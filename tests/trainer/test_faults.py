@@ -255,5 +255,98 @@ def test_full_disk_real_tmpfs(tmp_path, hf_dir):
     assert res["after_next_save"] == ["latest", "step_000001", "step_000002"]
 
 
+# ------------------------------------------------- run directories, config, metrics, lock (issue 35)
+# Single-process checks of what the launcher (preflight) and rank 0 do before and during a run.
+
+@pytest.fixture
+def g1():
+    """This process as a world of one (torn down after the test)."""
+    import torch.distributed as dist
+
+    from megaprm.parallel.init import destroy, init_distributed
+
+    ours = not dist.is_initialized()
+    yield init_distributed()
+    if ours:
+        destroy()
+
+
+def _cfg(run_dir, *more):
+    from megaprm.config import load_config
+
+    return load_config(None, [f"trainer.run_dir={run_dir}", "prm.kind=oracle", *more])
+
+
+def test_fresh_start_never_overwrites_a_run(tmp_path, g1):
+    """Issue 35.2: trainer.resume=false on a directory holding a run deleted its metrics and
+    overwrote its checkpoints without a word. Refused in one line naming the flag; with
+    trainer.replace_run=true the old run is moved aside whole, nothing deleted."""
+    from megaprm.trainer import checkpoint
+    from megaprm.trainer.preflight import check_resume
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000003").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    (run / "config.yaml").write_text("x: 1\n")
+    before = {p.relative_to(run): p.read_bytes() if p.is_file() else None for p in run.rglob("*")}
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        check_resume(_cfg(run, "trainer.resume=false"), 1)
+    msg = str(e.value)
+    assert "\n" not in msg and "trainer.replace_run=true" in msg and "step_000003" in msg
+    with pytest.raises(checkpoint.CheckpointError, match="trainer.replace_run=true"):
+        checkpoint.start_fresh(str(run), g1, replace=False)
+    assert {p.relative_to(run): p.read_bytes() if p.is_file() else None
+            for p in run.rglob("*")} == before
+    check_resume(_cfg(run, "trainer.resume=false", "trainer.replace_run=true"), 1)
+    lines = []
+    checkpoint.start_fresh(str(run), g1, replace=True, log=lines.append)
+    (aside,) = [p for p in run.iterdir()]
+    assert aside.name.startswith("replaced-") and str(aside) in lines[0]
+    assert {p.relative_to(aside): p.read_bytes() if p.is_file() else None
+            for p in aside.rglob("*")} == before
+    check_resume(_cfg(run, "trainer.resume=false"), 1)  # nothing of a run left at the top
+
+
+def _fake_step(root, step, state) -> str:
+    """A step directory holding only trainer.json, sealed by a MANIFEST as the trainer does."""
+    from checkpoint_tools import manifest
+
+    d = os.path.join(root, f"step_{step:06d}")
+    os.makedirs(d)
+    with open(os.path.join(d, "trainer.json"), "w") as f:
+        json.dump({"step": step, "next_step": step + 1, **state}, f)
+    manifest.write(d)
+    return d
+
+
+def test_preflight_reads_only_verified_trainer_json_and_falls_back(tmp_path):
+    """Issue 35.7: a torn trainer.json in the newest checkpoint failed preflight with a bare JSON
+    error and the fallback to the previous intact checkpoint was never tried."""
+    from megaprm.trainer import checkpoint
+    from megaprm.trainer.loop import config_digest_fields
+    from megaprm.trainer.preflight import check_resume
+
+    run = tmp_path / "run"
+    cfg = _cfg(run)
+    root = str(run / "checkpoints")
+    # the previous checkpoint has another layout: a refusal naming it proves preflight read it
+    _fake_step(root, 1, {"world_size": 2, "tp": 1, "pp": 1, "config": config_digest_fields(cfg)})
+    newest = _fake_step(root, 2, {"world_size": 1, "tp": 1, "pp": 1,
+                                  "config": config_digest_fields(cfg)})
+    check_resume(cfg, 1)  # intact newest: same layout, same config
+    with open(os.path.join(newest, "trainer.json"), "r+") as f:
+        f.truncate(10)  # torn
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_000001 was written with "
+                       r"\(world, tp, pp\) = \(2, 1, 1\)"):
+        check_resume(cfg, 1)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        check_resume(_cfg(run, "trainer.resume_fallback=false"), 1)
+    assert "step_000002 is damaged" in str(e.value) and "trainer.resume_fallback" in str(e.value)
+    with open(os.path.join(newest, "trainer.json"), "w") as f:  # edited, valid JSON
+        json.dump({"step": 2, "world_size": 2, "tp": 1, "pp": 1}, f)
+    with pytest.raises(checkpoint.CheckpointError, match="step_000001"):
+        check_resume(cfg, 1)
+
+
 if __name__ == "__main__":
     _victim(*sys.argv[1:5])
