@@ -307,6 +307,33 @@ def test_fresh_start_never_overwrites_a_run(tmp_path, g1):
     check_resume(_cfg(run, "trainer.resume=false"), 1)  # nothing of a run left at the top
 
 
+@pytest.mark.parametrize("override, says", [
+    ("trainer.steps=true", "trainer.steps=True must be a number (int), not bool"),  # 35.4
+    ("actor.kl_coef=nan", "actor.kl_coef=nan must be a finite number"),  # 35.4
+    ("actor.optim.lr=.inf", "actor.optim.lr=inf must be a finite number"),
+    ("data.max_prompt_tokens=abc", "data.max_prompt_tokens='abc' must be a number (int)"),  # 35.8
+    ("rollout.n=2.5", "rollout.n=2.5 must be an integer"),
+])
+def test_config_numbers_are_checked_for_type_and_finiteness(override, says):
+    """Issue 35.4 / 35.8: a bool was taken as 1, NaN was accepted (then every step was skipped,
+    exit 0), and an Optional field's type error did not name the field."""
+    from megaprm.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def test_config_numbers_still_widen_and_allow_null():
+    from megaprm.config import load_config
+
+    cfg = load_config(None, ["actor.kl_coef=1", "actor.dual_clip_c=3", "actor.optim.lr=1e-5",
+                             "data.max_prompt_tokens=null"])
+    assert cfg.actor.kl_coef == 1.0 and isinstance(cfg.actor.kl_coef, float)
+    assert cfg.actor.dual_clip_c == 3.0 and cfg.actor.optim.lr == 1e-5
+    assert cfg.data.max_prompt_tokens is None
+
+
 def _fake_step(root, step, state) -> str:
     """A step directory holding only trainer.json, sealed by a MANIFEST as the trainer does."""
     from checkpoint_tools import manifest
