@@ -334,6 +334,63 @@ def test_config_numbers_still_widen_and_allow_null():
     assert cfg.data.max_prompt_tokens is None
 
 
+def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path, capsys):
+    """Issue 35.5: a torn last line in metrics.jsonl (a full disk) made every restart fail."""
+    from megaprm.trainer.metrics import MetricsLogger, read_metrics
+
+    run = tmp_path / "run"
+    log = MetricsLogger(str(run), enabled=True, wandb_mode="disabled")
+    for step in range(3):
+        log.log(step, {"reward": step / 2})
+    with open(log.path, "a") as f:
+        f.write('{"step": 3, "rew')  # the write of step 3 cut short
+    assert [r["step"] for r in read_metrics(str(run))] == [0, 1, 2]
+    log.truncate_after(1)  # resumed from the checkpoint of step 1
+    assert "dropped a torn last line" in capsys.readouterr().out
+    log.log(2, {"reward": 7.0})
+    assert read_metrics(str(run)) == [{"step": 0, "reward": 0.0}, {"step": 1, "reward": 0.5},
+                                      {"step": 2, "reward": 7.0}]
+    with open(log.path, "a") as f:  # a bad line before the last is no torn write: named
+        f.write("garbage\n" + '{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:4 is not a metrics row"):
+        log.truncate_after(3)
+
+
+def test_unreadable_lock_of_no_live_process_is_taken_over(tmp_path, monkeypatch):
+    """Issue 35.6: a full disk at start left an empty lock file; every restart then said 'in
+    use by an unknown process'. Now a start on a full disk leaves no lock, an unreadable lock
+    no process holds is taken over, and one a live process holds is still refused."""
+    import fcntl
+
+    from megaprm.trainer import run_lock
+    from megaprm.trainer.run_lock import RunLock, RunLockError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = run / run_lock.LOCK_FILE
+    lock.write_bytes(b"")  # what the old code left on a full disk
+    os.utime(lock, (time.time() - 60, time.time() - 60))
+    held = os.open(lock, os.O_RDONLY)  # a live holder (its own open file, flock()ed)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    with pytest.raises(RunLockError, match="unknown process"):
+        RunLock(str(run)).acquire()
+    os.close(held)
+    taken = RunLock(str(run)).acquire()
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    taken.release()
+    assert os.listdir(run) == []
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(run_lock.os, "fsync", full)
+    with pytest.raises(RunLockError, match="No space left on device") as e:
+        RunLock(str(run)).acquire()
+    assert "\n" not in str(e.value) and os.listdir(run) == []  # no lock left behind
+    monkeypatch.undo()
+    RunLock(str(run)).acquire().release()
+
+
 def _fake_step(root, step, state) -> str:
     """A step directory holding only trainer.json, sealed by a MANIFEST as the trainer does."""
     from checkpoint_tools import manifest
