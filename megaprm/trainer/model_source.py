@@ -56,12 +56,28 @@ def resolve(path: Optional[str], what: str = "model.path") -> ModelSource:
                        os.path.join(ckpt, layout.MODEL_SUBDIR))
 
 
+# One of these makes a tokenizer (a tokenizer_config.json alone makes one that encodes nothing).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_tokenizer(hf_dir: str, what: str = "model.path") -> None:
+    """A one-line ValueError when `hf_dir` holds no tokenizer files."""
+    if not any(os.path.isfile(os.path.join(hf_dir, f)) for f in _TOKENIZER_FILES):
+        raise ValueError(f"{what}: {hf_dir} holds no tokenizer (none of {list(_TOKENIZER_FILES)})"
+                         "; copy the tokenizer files of the model there")
+
+
 def load_weights(model, src: ModelSource, spec, groups) -> None:
     """Fill this rank's stage from `src` (HF safetensors through the mapping, or the dist
     checkpoint resharded to this run's tp/pp, as checkpoint_tools loads it)."""
     if not src.is_megatron:
+        from checkpoint_tools.convert import check_hf_weights
         from megaprm.models.mapping import load_hf_weights
 
+        # every tensor's name and shape against config.json first (collective; one line naming
+        # the tensor, on every rank, instead of a copy's traceback)
+        check_hf_weights(src.hf_dir, model.module if hasattr(model, "module") else model, spec,
+                         groups)
         load_hf_weights(model, src.hf_dir, spec, tp_rank=groups.tp_rank, tp_size=groups.tp_size,
                         pp=groups.pp_size, pp_rank=groups.pp_rank)
         return

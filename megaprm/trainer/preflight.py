@@ -21,9 +21,17 @@ def check_rl_launch(cfg: Config, world_size: int) -> None:
         spec_from_hf(prm.hf_dir).check_parallel(cfg.parallel.tp, cfg.parallel.pp)
     if cfg.prm.kind == "judge":  # the grader runs in its own engine: any layout, weights needed
         model_source.resolve(cfg.prm.path, "prm.path")
-    if cfg.data.task == "math" and not os.path.isfile(cfg.data.path):
-        raise ConfigError(f"data.path={cfg.data.path!r} does not exist; pass a .jsonl or "
-                          "verl-style .parquet prompt file")
+    model_source.check_tokenizer(src.hf_dir, "model.path")
+    for key in ("path", "eval_path"):
+        path = getattr(cfg.data, key)
+        if cfg.data.task != "math" or (path is None and key == "eval_path"):
+            continue
+        if os.path.isdir(path):
+            raise ConfigError(f"data.{key}={path!r} is a directory; pass a .jsonl or verl-style "
+                              ".parquet prompt file inside it")
+        if not os.path.isfile(path):
+            raise ConfigError(f"data.{key}={path!r} does not exist; pass a .jsonl or verl-style "
+                              ".parquet prompt file")
     check_batch(cfg, dp)
     check_resume(cfg, world_size)
 

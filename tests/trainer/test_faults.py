@@ -391,6 +391,87 @@ def test_unreadable_lock_of_no_live_process_is_taken_over(tmp_path, monkeypatch)
     RunLock(str(run)).acquire().release()
 
 
+def test_unclear_inputs_are_one_line_naming_what_and_where(tmp_path, hf_dir):
+    """Issue 35.8: a data.path directory ('does not exist'), a .json array ('bad JSON'), a broken
+    config.json (no file named), missing tokenizer files ('prompt 0 is empty')."""
+    from megaprm.config import ConfigError
+    from megaprm.models.hf_spec import spec_from_hf
+    from megaprm.tasks.datasets import DataError, load_prompts
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer.preflight import check_rl_launch
+
+    bare = str(tmp_path / "bare")
+    shutil.copytree(hf_dir, bare)
+    with pytest.raises(ValueError, match=r"^model.path: .*bare holds no tokenizer"):
+        check_rl_launch(_cfg(tmp_path / "run", f"model.path={bare}"), 1)
+    pol = str(tmp_path / "pol")
+    shutil.copytree(hf_dir, pol)
+    build_char_tokenizer(pol)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with pytest.raises(ConfigError, match=r"data.path=.*data' is a directory"):
+        check_rl_launch(_cfg(tmp_path / "run", f"model.path={pol}", "data.task=math",
+                             f"data.path={data_dir}", "prm.kind=none", "advantage.method=grpo"), 1)
+    with pytest.raises(DataError, match=r"data' is a directory|data is a directory"):
+        load_prompts(data_dir)
+    array = data_dir / "p.json"
+    array.write_text(json.dumps([{"problem": "1+1", "answer": "2"}], indent=1))
+    with pytest.raises(DataError, match=r"p.json holds a JSON array; .* jq -c"):
+        load_prompts(array)
+    with open(os.path.join(pol, "config.json"), "r+") as f:
+        f.truncate(40)
+    with pytest.raises(ValueError, match=r"pol/config.json is not valid JSON"):
+        spec_from_hf(pol)
+
+
+def test_a_wrong_shaped_tensor_is_named_before_loading(tmp_path, hf_dir, g1):
+    """Issue 35.8: a tensor of the wrong shape in the trainer was a 91-line traceback."""
+    from safetensors.torch import load_file, save_file
+
+    from megaprm.models.hf_spec import spec_from_hf
+    from megaprm.parallel import pipeline
+    from megaprm.trainer import model_source
+
+    bad = str(tmp_path / "bad")
+    shutil.copytree(hf_dir, bad)
+    sd = load_file(os.path.join(bad, "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    sd[name] = sd[name][:, :-1].contiguous()
+    save_file(sd, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
+    spec = spec_from_hf(bad)
+    model = pipeline.build_stage(spec, g1)
+    with pytest.raises(ValueError) as e:
+        model_source.load_weights(model, model_source.resolve(bad), spec, g1)
+    assert "\n" not in str(e.value) and f"shape mismatch for {name}" in str(e.value)
+
+
+def test_a_huge_row_is_refused_before_it_is_tokenised(tmp_path):
+    """Issue 35.9: a 60 MB prompt line took one rank to 21 GB (an OOM kill). A row over
+    MAX_ROW_BYTES is a bad row (skipped and reported, or named under on_bad_row=error) before
+    it is decoded, parsed or tokenised."""
+    from megaprm.tasks import datasets
+
+    big = "x" * (datasets.MAX_ROW_BYTES + 10)
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (
+        {"problem": "1+1", "answer": "2"}, {"problem": big, "answer": "3"},
+        {"problem": "2+2", "answer": "4"})) + "\n")
+
+    class Counting:  # a tokenizer that records what it was given
+        seen = 0
+
+        def __call__(self, text, **kw):
+            Counting.seen = max(Counting.seen, len(text))
+            return {"input_ids": list(range(len(text)))}
+
+    records, report = datasets.load_prompts(path, max_prompt_tokens=10 ** 7,
+                                            long_prompt="truncate", tokenizer=Counting())
+    assert [r.answer for r in records] == ["2", "4"] and report.skip_kinds["too big"] == 1
+    assert "line 2: row is 1.0 MiB > 1 MiB" in report.summary() and Counting.seen < 10
+    with pytest.raises(datasets.DataError, match=r"p.jsonl line 2: row is 1.0 MiB"):
+        datasets.load_prompts(path, on_bad_row="error")
+
+
 def _fake_step(root, step, state) -> str:
     """A step directory holding only trainer.json, sealed by a MANIFEST as the trainer does."""
     from checkpoint_tools import manifest
