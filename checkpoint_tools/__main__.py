@@ -97,6 +97,25 @@ def lean_imports() -> None:
             del sys.modules["wandb"]  # later imports (e.g. in a caller's process) see it again
 
 
+def _os_cause(e: BaseException):
+    """The OSError that `e` is or wraps (dist_checkpointing wraps its writers' errors)."""
+    for _ in range(10):
+        if e is None or isinstance(e, OSError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _os_error(e: OSError) -> str:
+    import errno
+
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno == errno.ENOSPC or "No space left on device" in str(e):
+        return (f"no space left on device{where} (ENOSPC); nothing was written to the target: "
+                "free space or choose a target on a larger disk")
+    return f"{e.strerror or e}{where}"
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     lean_imports()
@@ -119,6 +138,13 @@ def main(argv=None) -> int:
     except ConversionError as e:
         if leader:
             print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a full disk or a permission, however wrapped: the
+        cause = _os_cause(e)  # file and the reason in one line, not a traceback
+        if cause is None:
+            raise
+        if leader:
+            print(f"error: {_os_error(cause)}", file=sys.stderr)
         return 2
     if leader:
         print(json.dumps(report, indent=2))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools import layout, stages
+from checkpoint_tools import layout, manifest, stages
 from checkpoint_tools.layout import DTYPES, ConversionError
 from checkpoint_tools.shards import OpenFiles, ShortFile, copy_range, read_into
 from megaprm.models import mapping
@@ -913,6 +913,7 @@ def import_hf(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
         layout.copy_side_files(hf_dir, os.path.join(r0["tmp_dir"], layout.HF_SUBDIR))
         layout.CheckpointMeta(format=layout.FORMAT, version=1, architecture=spec.architecture,
                               dtype=dtype, tp=tp, pp=pp, source=hf_dir).write(r0["tmp_dir"])
+        manifest.write(r0["tmp_dir"], format=layout.FORMAT, version=1)  # last: seals the files
         layout.commit(r0["tmp_dir"], out_dir, force)
         return report
 
@@ -943,6 +944,7 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
     ckpt_dir = layout.resolve_checkpoint(ckpt_dir, model)
     out_dir = os.path.abspath(out_dir)
     meta = layout.CheckpointMeta.read(ckpt_dir)
+    manifest.check(ckpt_dir, ConversionError)
     spec = load_spec(os.path.join(ckpt_dir, layout.HF_SUBDIR))
     tp, pp = tp or meta.tp, pp or meta.pp
     check_layout(spec, tp, pp)
@@ -982,7 +984,12 @@ def verify(hf_dir: str, ckpt_dir: str, *, tp: int = 1, pp: int = 1,
     resolved like export-hf's); the report's `passed` says whether they agree within tolerance."""
     hf_dir, ckpt_dir = os.path.abspath(hf_dir), layout.resolve_checkpoint(ckpt_dir, model)
     meta = layout.CheckpointMeta.read(ckpt_dir)
+    manifest.check(ckpt_dir, ConversionError)
     spec = load_spec(hf_dir)
+    try:  # the reference model reads these: a truncated file is named here, not in a traceback
+        mapping.HFWeights(hf_dir)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConversionError(str(e)) from None
     ckpt_spec = load_spec(os.path.join(ckpt_dir, layout.HF_SUBDIR))
     if ckpt_spec != spec:
         raise ConversionError(f"{hf_dir!r} ({spec.architecture}) and checkpoint {ckpt_dir!r} "

@@ -8,7 +8,9 @@ Each component's dataclass lives beside the component (advantage estimators in
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -232,6 +234,8 @@ class TrainerConfig:
     keep_last: int = 0
     resume: bool = True
     resume_fallback: bool = True  # a damaged newest checkpoint: use the previous intact one
+    # resume=false in a run_dir holding a run: refused, or with this moved to run_dir/replaced-*/
+    replace_run: bool = False
     allow_config_change: bool = False
     eval_every: int = 0
     eval_problems: int = 64
@@ -311,17 +315,34 @@ def _build(cls, data: Any, path: str):
 
 
 def _coerce(hint, v, path):
+    """A YAML value for a field typed `hint`: checked (a bool is not a number; floats must be
+    finite, else every step would be skipped or diverge), widened int -> float."""
     origin = typing.get_origin(hint)
-    if hint is float and isinstance(v, int) and not isinstance(v, bool):
-        return float(v)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if v is None and len(args) < len(typing.get_args(hint)):
+            return None
+        if len(args) == 1:  # Optional[X]
+            return _coerce(args[0], v, path)
+        return v
     if hint is float and isinstance(v, str):  # YAML 1.1 reads "1e-3" as a string
         try:
-            return float(v)
+            v = float(v)
         except ValueError:
             pass
+    if hint in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        raise ConfigError(f"{path}={v!r} must be a number ({hint.__name__}), not "
+                          f"{type(v).__name__}")
+    if hint is int and not isinstance(v, int):
+        raise ConfigError(f"{path}={v!r} must be an integer")
+    if hint is float:
+        v = float(v)
+        if not math.isfinite(v):
+            raise ConfigError(f"{path}={v!r} must be a finite number")
+        return v
     if origin is tuple and isinstance(v, list):
         return tuple(v)
-    if hint in (int, float, str, bool) and not isinstance(v, hint):
+    if hint in (str, bool) and not isinstance(v, hint):
         raise ConfigError(f"{path}={v!r} must be of type {hint.__name__}")
     return v
 

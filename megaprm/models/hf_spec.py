@@ -96,8 +96,16 @@ def load_hf_config(path_or_dict) -> dict:
     if not os.path.exists(cfg_file):
         raise FileNotFoundError(
             f"no config.json at {cfg_file!r}: pass an HF model directory (config.json + safetensors)")
-    with open(cfg_file, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError names no file
+        raise UnsupportedModelError(f"{cfg_file} is not valid JSON ({e}); restore it or re-save "
+                                    "the model with transformers' save_pretrained") from None
+    if not isinstance(cfg, dict):
+        raise UnsupportedModelError(f"{cfg_file} holds a JSON {type(cfg).__name__}, not the "
+                                    "config object of an HF model")
+    return cfg
 
 
 def spec_from_hf(path_or_config) -> ModelSpec:

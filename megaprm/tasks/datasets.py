@@ -23,8 +23,10 @@ examples), or with `on_bad_row="error"` stops the load with a DataError naming t
 Invalid UTF-8 is always an error naming the file and byte offset (never silently replaced).
 A row without an answer is skipped, or kept with answer "" (`keep_unanswered=True`: PURE
 trains on such prompts with verifiable reward 0). `max_prompt_tokens` (with a tokenizer)
-truncates, drops or refuses longer prompts (`long_prompt`). A missing file raises
-FileNotFoundError naming the path.
+truncates, drops or refuses longer prompts (`long_prompt`). A row over `MAX_ROW_BYTES` (1 MiB)
+is a bad row before it is decoded, parsed or tokenised. A missing file raises
+FileNotFoundError naming the path; a directory or a .json file holding one JSON array is a
+DataError saying what to pass instead.
 """
 
 from __future__ import annotations
@@ -228,11 +230,32 @@ def _record(row: Any, default_source: str, position: int,
     )
 
 
+# A row (a JSONL line, a parquet row's prompt) over this many bytes is a bad row: no prompt
+# needs it (1 MiB is ~250k tokens), and tokenising one costs ~350x its size in memory (a 60 MB
+# line took a rank to 21 GB).
+MAX_ROW_BYTES = 1 << 20
+
+
+def _too_big(n: int) -> _BadRow:
+    return _BadRow(f"row is {n / 2**20:.1f} MiB > {MAX_ROW_BYTES >> 20} MiB (MAX_ROW_BYTES); no "
+                   "prompt needs that", "too big")
+
+
 def _rows_jsonl(path: Path, report: LoadReport):
     offset = 0
     with path.open("rb") as fh:
+        first = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+        if first.startswith(b"["):
+            raise DataError(f"{path} holds a JSON array; prompt files are JSON Lines, one object "
+                            f"per line (convert it: jq -c '.[]' {path.name} > "
+                            f"{path.stem}.jsonl)")
+        fh.seek(0)
         for line_no, raw in enumerate(fh, start=1):
             start, offset = offset, offset + len(raw)
+            if len(raw) > MAX_ROW_BYTES:  # before decoding, parsing or tokenising it
+                report.rows_read += 1
+                yield line_no, _too_big(len(raw))
+                continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -259,7 +282,12 @@ def _rows_parquet(path: Path, report: LoadReport):
         raise DataError(f"{path}: cannot read the parquet file ({exc})") from None
     for row_no, row in enumerate(table.to_pylist(), start=1):
         report.rows_read += 1
-        yield row_no, row
+        try:
+            prompt = _prompt_of(row)[0] if isinstance(row, dict) else ""
+        except _BadRow:
+            prompt = ""
+        n = len(prompt.encode("utf-8", "replace"))
+        yield row_no, (_too_big(n) if n > MAX_ROW_BYTES else row)
 
 
 def _over_limit(prompt: str, tokenizer, max_tokens: int) -> Optional[tuple[str, str]]:
@@ -302,6 +330,8 @@ def load_prompts(
         raise ValueError(f"max_prompt_tokens={max_prompt_tokens!r}: must be a positive token "
                          "count and needs the model's tokenizer")
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"prompt file {path} is a directory; pass a .parquet or .jsonl file")
     if not path.is_file():
         raise FileNotFoundError(
             f"prompt file {path} does not exist; pass the path of a .parquet or .jsonl file "

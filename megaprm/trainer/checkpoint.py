@@ -42,6 +42,7 @@ import random
 import re
 import shutil
 import sys
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -240,6 +241,35 @@ def _read_manifest(path: str) -> tuple:
     except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError) as e:
         return None, f"{MANIFEST} is unreadable ({_one_line(e)})"
     return manifest, None
+
+
+def verified_trainer_json(path: str) -> tuple:
+    """(trainer.json of checkpoint `path`, None) when that file matches the MANIFEST, else
+    (None, problem). Single process; reads and checksums only that one file (cheap), so a
+    launcher can look at a checkpoint without trusting unverified bytes."""
+    manifest, problem = _read_manifest(path)
+    if problem:
+        return None, problem
+    tpath = os.path.join(path, TRAINER_FILE)
+    try:
+        size, crc = manifest["files"][TRAINER_FILE]
+        with open(tpath, "rb") as f:
+            data = f.read()
+        if len(data) != size or f"{zlib.crc32(data):08x}" != crc:
+            return None, f"{TRAINER_FILE} does not match {MANIFEST} (torn or edited)"
+        state = json.loads(data)
+        if not isinstance(state, dict):
+            raise TypeError("not a JSON object")
+        return state, None
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        return None, f"{TRAINER_FILE} cannot be checked ({_one_line(e)})"
+
+
+def _identity(state: Optional[dict]) -> tuple:
+    """Which run wrote a checkpoint: (run id, config digest); a save adopted after a crash must
+    come from the run that `latest` names."""
+    state = state or {}
+    return state.get("run_id"), state.get("config_digest")
 
 
 def verify(path: str, groups: Groups) -> list:
@@ -596,6 +626,8 @@ def find_intact(ckpt_root: str, groups: Groups, *, fallback: bool = True,
     name (a crash after its rename) is adopted and `latest` rewritten.
     """
     names = _broadcast(step_dirs(ckpt_root) if groups.rank == 0 else None, groups)
+    foreign = _broadcast(other_runs(ckpt_root, names) if groups.rank == 0 else None, groups)
+    names = [n for n in names if n not in dict(foreign)]
     damaged = []
     for name in names:
         path = os.path.join(ckpt_root, name)
@@ -618,6 +650,11 @@ def find_intact(ckpt_root: str, groups: Groups, *, fallback: bool = True,
     def settle():  # rank 0: set the damaged aside, point `latest` at the chosen one
         if groups.rank != 0:
             return
+        for other, line in foreign:
+            aside = os.path.join(ckpt_root, other + ".other-run")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(os.path.join(ckpt_root, other), aside)
+            log(f"[megaprm] {line}; moved to {other}.other-run, not adopted")
         for bad, line in damaged:
             aside = os.path.join(ckpt_root, bad + ".damaged")
             shutil.rmtree(aside, ignore_errors=True)
@@ -634,6 +671,32 @@ def find_intact(ckpt_root: str, groups: Groups, *, fallback: bool = True,
     if failures:
         raise CheckpointError(f"cannot update {ckpt_root} before resuming: {failures[0][2]}")
     return chosen
+
+
+def other_runs(ckpt_root: str, names: list) -> list:
+    """[(name, why)] of the `step_N` newer than the one `latest` names that another run wrote
+    (another run id or config digest): leftovers of an earlier run in a reused directory, never
+    'a save interrupted after its checkpoint was complete'. Rank 0; only manifest-checked
+    trainer.json files are read. Without an intact `latest` target nothing is judged."""
+    pointer = _read_latest(ckpt_root)
+    m = _STEP_DIR.match(pointer or "")
+    if not m or pointer not in names:
+        return []
+    anchor, problem = verified_trainer_json(os.path.join(ckpt_root, pointer))
+    if problem:
+        return []
+    out = []
+    for name in names:
+        if int(_STEP_DIR.match(name).group(1)) <= int(m.group(1)):
+            break
+        state, problem = verified_trainer_json(os.path.join(ckpt_root, name))
+        if problem is None and _identity(state) != _identity(anchor):
+            run, digest = _identity(state)
+            out.append((name, f"checkpoint {os.path.join(ckpt_root, name)} is newer than "
+                              f"`latest` ({pointer}) but was written by another run (run id "
+                              f"{run}, config {digest}; {pointer}: run id {_identity(anchor)[0]}, "
+                              f"config {_identity(anchor)[1]})"))
+    return out
 
 
 def _read_trainer_json(path: str) -> dict:
@@ -721,6 +784,61 @@ def load(ckpt_root: str, groups: Groups, *, models: dict, optimizers: dict,
         raise CheckpointError(f"loading {path} failed on rank {rank}: "
                               f"{text.removeprefix('CheckpointError: ')}")
     return {**state, "path": path}
+
+
+# ------------------------------------------------------------------------------ run directory
+
+def previous_run(run_dir: str) -> Optional[str]:
+    """What `run_dir` holds of an earlier run (for messages), or None when nothing."""
+    found = []
+    steps = step_dirs(os.path.join(run_dir, "checkpoints"))
+    if steps:
+        found.append(f"{len(steps)} checkpoint(s), the newest {steps[0]}")
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        found.append("metrics.jsonl")
+    return ", ".join(found) or None
+
+
+def refuse_overwrite(run_dir: str, replace: bool) -> None:
+    """A fresh start (trainer.resume=false) in a directory holding a run: refused in one line
+    naming the flags, unless `replace` (then `set_aside` moves the old run). Single process."""
+    found = previous_run(run_dir)
+    if found and not replace:
+        raise CheckpointError(
+            f"trainer.run_dir={run_dir} holds an earlier run ({found}) and trainer.resume=false "
+            "would overwrite it; resume it (trainer.resume=true), use a new trainer.run_dir, or "
+            f"set trainer.replace_run=true to move it into {run_dir}/replaced-<time>/")
+
+
+def start_fresh(run_dir: str, groups: Groups, *, replace: bool,
+                log: Callable[[str], None] = print) -> None:
+    """trainer.resume=false (collective, before anything is written to `run_dir`): an earlier
+    run there is refused, or with `replace` moved whole into `run_dir/replaced-<time>/` (rank 0;
+    the run lock stays). Nothing of an earlier run is deleted or mixed into the new one."""
+    from megaprm.trainer.run_lock import LOCK_FILE
+
+    def claim():
+        if groups.rank != 0:
+            return
+        refuse_overwrite(run_dir, replace)
+        if previous_run(run_dir) is None:
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = os.path.join(run_dir, f"replaced-{stamp}")
+        n = 1
+        while os.path.exists(aside):
+            aside, n = os.path.join(run_dir, f"replaced-{stamp}-{n}"), n + 1
+        os.makedirs(aside)
+        for entry in sorted(os.listdir(run_dir)):
+            if not entry.startswith((LOCK_FILE, "replaced-")):
+                os.rename(os.path.join(run_dir, entry), os.path.join(aside, entry))
+        _fsync_dir(run_dir)
+        log(f"[megaprm] trainer.replace_run: the earlier run in {run_dir} was moved to {aside}")
+
+    _, failures = _agreed(groups, claim)
+    if failures:
+        raise CheckpointError(failures[0][2].removeprefix("CheckpointError: "))
 
 
 def latest_checkpoint(ckpt_root: str) -> Optional[str]:

@@ -28,6 +28,7 @@ import math
 import os
 import signal
 import time
+import uuid
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -92,7 +93,8 @@ class Prompts:
 
 # ----------------------------------------------------------------------------- config digest
 
-_NOT_DIGESTED = {"trainer": ("steps", "save_every", "resume", "resume_fallback", "eval_every",
+_NOT_DIGESTED = {"trainer": ("steps", "save_every", "resume", "resume_fallback", "replace_run",
+                             "eval_every",
                              "eval_problems",
                              "wandb", "progress", "keep_last", "allow_config_change",
                              "export_hf", "log_samples", "run_dir")}
@@ -228,6 +230,10 @@ class RLTrainer:
         self.cfg, self.groups, self.tok = cfg, groups, tokenizer
         check_batch(cfg, groups.dp_size)
         self.lock = _lock_run_dir(cfg.trainer.run_dir, groups)
+        if not cfg.trainer.resume:  # an earlier run there: refused, or moved aside (replace_run)
+            checkpoint.start_fresh(cfg.trainer.run_dir, groups, replace=cfg.trainer.replace_run,
+                                   log=print if groups.rank == 0 else (lambda _m: None))
+        self.run_id = uuid.uuid4().hex[:12]  # a resume takes the checkpoint's
         # the data first: a bad prompt file fails before any model is built
         self.data = _make_data(cfg, tokenizer, log=print if groups.rank == 0 else None)
         self.src = model_source.resolve(cfg.model.path, "model.path")
@@ -935,7 +941,7 @@ class RLTrainer:
             self.ckpt_root, step, self.groups, models=models, optimizers=optims,
             sources={k: checkpoint.ModelSource(src.hf_dir, dtype) for k, src in sources.items()},
             trainer_state={"next_step": step + 1, "skipped_steps": self.skipped_steps,
-                           "next_block": self.next_block},
+                           "next_block": self.next_block, "run_id": self.run_id},
             config=self.digest_fields, keep_last=self.cfg.trainer.keep_last,
             crash_after_models=crash_after_models)
 
@@ -953,6 +959,7 @@ class RLTrainer:
         if state is None:
             return 0
         self.skipped_steps = state.get("skipped_steps", 0)
+        self.run_id = state.get("run_id") or self.run_id
         self.next_block = state.get("next_block", state["next_step"])
         self.logger.truncate_after(state["step"])
         self.sync_weights()

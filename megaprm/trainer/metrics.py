@@ -47,13 +47,16 @@ class MetricsLogger:
                       f"{self.path}")
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop lines of steps that the restored checkpoint had not reached."""
+        """On resume, drop lines of steps that the restored checkpoint had not reached, and a
+        torn last line (a full disk or a kill mid-write: its step did not finish), saying so."""
         if not self.enabled or not os.path.exists(self.path):
             return
-        with open(self.path, encoding="utf-8") as f:
-            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        rows, torn = _parse(self.path)
+        if torn:
+            print(f"[megaprm] {self.path}: dropped a torn last line ({torn!r:.80}); its step "
+                  "did not finish and runs again", flush=True)
         with open(self.path + ".tmp", "w", encoding="utf-8") as f:
-            f.writelines(rows)
+            f.writelines(json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= step)
         os.replace(self.path + ".tmp", self.path)
 
     def log(self, step: int, metrics: dict) -> None:
@@ -70,7 +73,28 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+def _parse(path: str) -> tuple:
+    """(rows, torn last line or None) of a metrics.jsonl. A line that is not a JSON object
+    before the last one is not a torn write: ValueError naming the file and line."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    rows, torn = [], None
+    for n, (lineno, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("not a JSON object")
+            rows.append(row)
+        except ValueError as e:
+            if n == len(lines) - 1:
+                torn = line.strip()
+            else:
+                raise ValueError(f"{path}:{lineno} is not a metrics row ({e}); repair or remove "
+                                 "that line") from None
+    return rows, torn
+
+
 def read_metrics(run_dir: str) -> list:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a run's metrics.jsonl (a torn last line, from a step that did not finish,
+    is left out)."""
+    return _parse(os.path.join(run_dir, "metrics.jsonl"))[0]

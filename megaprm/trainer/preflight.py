@@ -3,7 +3,6 @@ prints one line and never reaches torchrun): layout, model and PRM paths vs tp/p
 arithmetic, and whether an existing checkpoint can be resumed with this layout and config."""
 from __future__ import annotations
 
-import json
 import os
 
 from megaprm.config import Config, ConfigError
@@ -22,9 +21,17 @@ def check_rl_launch(cfg: Config, world_size: int) -> None:
         spec_from_hf(prm.hf_dir).check_parallel(cfg.parallel.tp, cfg.parallel.pp)
     if cfg.prm.kind == "judge":  # the grader runs in its own engine: any layout, weights needed
         model_source.resolve(cfg.prm.path, "prm.path")
-    if cfg.data.task == "math" and not os.path.isfile(cfg.data.path):
-        raise ConfigError(f"data.path={cfg.data.path!r} does not exist; pass a .jsonl or "
-                          "verl-style .parquet prompt file")
+    model_source.check_tokenizer(src.hf_dir, "model.path")
+    for key in ("path", "eval_path"):
+        path = getattr(cfg.data, key)
+        if cfg.data.task != "math" or (path is None and key == "eval_path"):
+            continue
+        if os.path.isdir(path):
+            raise ConfigError(f"data.{key}={path!r} is a directory; pass a .jsonl or verl-style "
+                              ".parquet prompt file inside it")
+        if not os.path.isfile(path):
+            raise ConfigError(f"data.{key}={path!r} does not exist; pass a .jsonl or verl-style "
+                              ".parquet prompt file")
     check_batch(cfg, dp)
     check_resume(cfg, world_size)
 
@@ -42,20 +49,30 @@ def check_batch(cfg: Config, dp: int) -> None:
 
 
 def check_resume(cfg: Config, world_size: int) -> None:
-    """A run directory with a checkpoint resumes only with the same layout and config."""
+    """A run directory with a checkpoint resumes only with the same layout and config; a fresh
+    start (trainer.resume=false) never overwrites a run there. Only files that match their
+    checkpoint's MANIFEST are read: a damaged newest checkpoint is passed over for the previous
+    one, as the ranks' resume falls back (or refused, trainer.resume_fallback=false)."""
     from megaprm.trainer import checkpoint
 
     if not cfg.trainer.resume:
+        checkpoint.refuse_overwrite(cfg.trainer.run_dir, cfg.trainer.replace_run)
         return
     root = os.path.join(cfg.trainer.run_dir, "checkpoints")
-    try:
-        path = checkpoint.latest_checkpoint(root)
-    except checkpoint.CheckpointError:
-        return  # the ranks report it (and may fall back to an older checkpoint)
-    if path is None or not os.path.isfile(os.path.join(path, "trainer.json")):
-        return
-    with open(os.path.join(path, "trainer.json"), encoding="utf-8") as f:
-        state = json.load(f)
+    state = path = None
+    names = checkpoint.step_dirs(root)
+    foreign = dict(checkpoint.other_runs(root, names))  # never adopted (checkpoint.find_intact)
+    for name in (n for n in names if n not in foreign):
+        path = os.path.join(root, name)
+        state, problem = checkpoint.verified_trainer_json(path)
+        if state is not None:
+            break
+        if not cfg.trainer.resume_fallback:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path} is damaged: {problem}; set trainer.resume_fallback=true to "
+                "resume from the previous intact checkpoint, or delete it")
+    if state is None:
+        return  # none, or none intact: the ranks report it
     have = (state.get("world_size"), state.get("tp"), state.get("pp"))
     want = (world_size, cfg.parallel.tp, cfg.parallel.pp)
     if have != want:

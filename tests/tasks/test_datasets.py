@@ -202,7 +202,7 @@ def test_huge_prompt_refused_without_tokenizing_it_whole(tmp_path):
 
     counting.decode = tok.decode
     path = tmp_path / "huge.jsonl"
-    path.write_text(json.dumps({"problem": "1+" * 1_000_000 + "1=", "answer": "2"}) + "\n")
+    path.write_text(json.dumps({"problem": "1+" * 400_000 + "1=", "answer": "2"}) + "\n")  # < 1 MiB
     with pytest.raises(DataError, match=r"line 1: the prompt has over \d+ tokens"):
         load_prompts(path, max_prompt_tokens=100, tokenizer=counting)
     assert max(calls) <= 100 * 16 + 256

@@ -402,3 +402,34 @@ def test_trainer_checkpoint_exports_with_checkpoint_tools(tmp_path, hf_dir, grou
     exported = load_file(os.path.join(out, "model.safetensors"))
     assert exported.keys() == original.keys()
     assert not torch.equal(exported["model.norm.weight"], original["model.norm.weight"])
+
+
+def test_a_newer_checkpoint_of_another_run_is_never_adopted(tmp_path, hf_dir, groups):
+    """Issue 35.3: a reused run directory held an earlier run's step_3; the new run's resume
+    (latest -> its step_1) adopted step_3 as 'a save was interrupted'. A checkpoint newer than
+    `latest` is adopted only when the same run wrote it (run id and config digest)."""
+    ddp, opt = _build(hf_dir, groups)
+    root = str(tmp_path / "ckpt")
+
+    def save(step, run_id, config=CONFIG):
+        return checkpoint.save(root, step, groups, models={"actor": ddp},
+                               optimizers={"actor": opt},
+                               trainer_state={"next_step": step + 1, "run_id": run_id},
+                               config=config)
+
+    save(3, "earlier")
+    _train_step(ddp, opt)
+    save(1, "current")
+    mine = _weights(ddp)
+    _train_step(ddp, opt)
+    lines = []
+    state = _load(root, groups, ddp, opt, log=lines.append)
+    assert state["step"] == 1 and state["run_id"] == "current" and _same(_weights(ddp), mine)
+    assert len(lines) == 1 and "another run" in lines[0] and "step_000003" in lines[0]
+    assert sorted(os.listdir(root)) == ["latest", "step_000001", "step_000003.other-run"]
+    # the same run's newer complete save (a crash before `latest`) is still adopted
+    save(2, "current")
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("step_000001")
+    state = _load(root, groups, ddp, opt, log=lines.append)
+    assert state["step"] == 2 and "adopting" in lines[-1]

@@ -255,5 +255,263 @@ def test_full_disk_real_tmpfs(tmp_path, hf_dir):
     assert res["after_next_save"] == ["latest", "step_000001", "step_000002"]
 
 
+# ------------------------------------------------- run directories, config, metrics, lock (issue 35)
+# Single-process checks of what the launcher (preflight) and rank 0 do before and during a run.
+
+@pytest.fixture
+def g1():
+    """This process as a world of one (torn down after the test)."""
+    import torch.distributed as dist
+
+    from megaprm.parallel.init import destroy, init_distributed
+
+    ours = not dist.is_initialized()
+    yield init_distributed()
+    if ours:
+        destroy()
+
+
+def _cfg(run_dir, *more):
+    from megaprm.config import load_config
+
+    return load_config(None, [f"trainer.run_dir={run_dir}", "prm.kind=oracle", *more])
+
+
+def test_fresh_start_never_overwrites_a_run(tmp_path, g1):
+    """Issue 35.2: trainer.resume=false on a directory holding a run deleted its metrics and
+    overwrote its checkpoints without a word. Refused in one line naming the flag; with
+    trainer.replace_run=true the old run is moved aside whole, nothing deleted."""
+    from megaprm.trainer import checkpoint
+    from megaprm.trainer.preflight import check_resume
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000003").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    (run / "config.yaml").write_text("x: 1\n")
+    before = {p.relative_to(run): p.read_bytes() if p.is_file() else None for p in run.rglob("*")}
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        check_resume(_cfg(run, "trainer.resume=false"), 1)
+    msg = str(e.value)
+    assert "\n" not in msg and "trainer.replace_run=true" in msg and "step_000003" in msg
+    with pytest.raises(checkpoint.CheckpointError, match="trainer.replace_run=true"):
+        checkpoint.start_fresh(str(run), g1, replace=False)
+    assert {p.relative_to(run): p.read_bytes() if p.is_file() else None
+            for p in run.rglob("*")} == before
+    check_resume(_cfg(run, "trainer.resume=false", "trainer.replace_run=true"), 1)
+    lines = []
+    checkpoint.start_fresh(str(run), g1, replace=True, log=lines.append)
+    (aside,) = [p for p in run.iterdir()]
+    assert aside.name.startswith("replaced-") and str(aside) in lines[0]
+    assert {p.relative_to(aside): p.read_bytes() if p.is_file() else None
+            for p in aside.rglob("*")} == before
+    check_resume(_cfg(run, "trainer.resume=false"), 1)  # nothing of a run left at the top
+
+
+@pytest.mark.parametrize("override, says", [
+    ("trainer.steps=true", "trainer.steps=True must be a number (int), not bool"),  # 35.4
+    ("actor.kl_coef=nan", "actor.kl_coef=nan must be a finite number"),  # 35.4
+    ("actor.optim.lr=.inf", "actor.optim.lr=inf must be a finite number"),
+    ("data.max_prompt_tokens=abc", "data.max_prompt_tokens='abc' must be a number (int)"),  # 35.8
+    ("rollout.n=2.5", "rollout.n=2.5 must be an integer"),
+])
+def test_config_numbers_are_checked_for_type_and_finiteness(override, says):
+    """Issue 35.4 / 35.8: a bool was taken as 1, NaN was accepted (then every step was skipped,
+    exit 0), and an Optional field's type error did not name the field."""
+    from megaprm.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def test_config_numbers_still_widen_and_allow_null():
+    from megaprm.config import load_config
+
+    cfg = load_config(None, ["actor.kl_coef=1", "actor.dual_clip_c=3", "actor.optim.lr=1e-5",
+                             "data.max_prompt_tokens=null"])
+    assert cfg.actor.kl_coef == 1.0 and isinstance(cfg.actor.kl_coef, float)
+    assert cfg.actor.dual_clip_c == 3.0 and cfg.actor.optim.lr == 1e-5
+    assert cfg.data.max_prompt_tokens is None
+
+
+def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path, capsys):
+    """Issue 35.5: a torn last line in metrics.jsonl (a full disk) made every restart fail."""
+    from megaprm.trainer.metrics import MetricsLogger, read_metrics
+
+    run = tmp_path / "run"
+    log = MetricsLogger(str(run), enabled=True, wandb_mode="disabled")
+    for step in range(3):
+        log.log(step, {"reward": step / 2})
+    with open(log.path, "a") as f:
+        f.write('{"step": 3, "rew')  # the write of step 3 cut short
+    assert [r["step"] for r in read_metrics(str(run))] == [0, 1, 2]
+    log.truncate_after(1)  # resumed from the checkpoint of step 1
+    assert "dropped a torn last line" in capsys.readouterr().out
+    log.log(2, {"reward": 7.0})
+    assert read_metrics(str(run)) == [{"step": 0, "reward": 0.0}, {"step": 1, "reward": 0.5},
+                                      {"step": 2, "reward": 7.0}]
+    with open(log.path, "a") as f:  # a bad line before the last is no torn write: named
+        f.write("garbage\n" + '{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:4 is not a metrics row"):
+        log.truncate_after(3)
+
+
+def test_unreadable_lock_of_no_live_process_is_taken_over(tmp_path, monkeypatch):
+    """Issue 35.6: a full disk at start left an empty lock file; every restart then said 'in
+    use by an unknown process'. Now a start on a full disk leaves no lock, an unreadable lock
+    no process holds is taken over, and one a live process holds is still refused."""
+    import fcntl
+
+    from megaprm.trainer import run_lock
+    from megaprm.trainer.run_lock import RunLock, RunLockError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = run / run_lock.LOCK_FILE
+    lock.write_bytes(b"")  # what the old code left on a full disk
+    os.utime(lock, (time.time() - 60, time.time() - 60))
+    held = os.open(lock, os.O_RDONLY)  # a live holder (its own open file, flock()ed)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    with pytest.raises(RunLockError, match="unknown process"):
+        RunLock(str(run)).acquire()
+    os.close(held)
+    taken = RunLock(str(run)).acquire()
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    taken.release()
+    assert os.listdir(run) == []
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(run_lock.os, "fsync", full)
+    with pytest.raises(RunLockError, match="No space left on device") as e:
+        RunLock(str(run)).acquire()
+    assert "\n" not in str(e.value) and os.listdir(run) == []  # no lock left behind
+    monkeypatch.undo()
+    RunLock(str(run)).acquire().release()
+
+
+def test_unclear_inputs_are_one_line_naming_what_and_where(tmp_path, hf_dir):
+    """Issue 35.8: a data.path directory ('does not exist'), a .json array ('bad JSON'), a broken
+    config.json (no file named), missing tokenizer files ('prompt 0 is empty')."""
+    from megaprm.config import ConfigError
+    from megaprm.models.hf_spec import spec_from_hf
+    from megaprm.tasks.datasets import DataError, load_prompts
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer.preflight import check_rl_launch
+
+    bare = str(tmp_path / "bare")
+    shutil.copytree(hf_dir, bare)
+    with pytest.raises(ValueError, match=r"^model.path: .*bare holds no tokenizer"):
+        check_rl_launch(_cfg(tmp_path / "run", f"model.path={bare}"), 1)
+    pol = str(tmp_path / "pol")
+    shutil.copytree(hf_dir, pol)
+    build_char_tokenizer(pol)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with pytest.raises(ConfigError, match=r"data.path=.*data' is a directory"):
+        check_rl_launch(_cfg(tmp_path / "run", f"model.path={pol}", "data.task=math",
+                             f"data.path={data_dir}", "prm.kind=none", "advantage.method=grpo"), 1)
+    with pytest.raises(DataError, match=r"data' is a directory|data is a directory"):
+        load_prompts(data_dir)
+    array = data_dir / "p.json"
+    array.write_text(json.dumps([{"problem": "1+1", "answer": "2"}], indent=1))
+    with pytest.raises(DataError, match=r"p.json holds a JSON array; .* jq -c"):
+        load_prompts(array)
+    with open(os.path.join(pol, "config.json"), "r+") as f:
+        f.truncate(40)
+    with pytest.raises(ValueError, match=r"pol/config.json is not valid JSON"):
+        spec_from_hf(pol)
+
+
+def test_a_wrong_shaped_tensor_is_named_before_loading(tmp_path, hf_dir, g1):
+    """Issue 35.8: a tensor of the wrong shape in the trainer was a 91-line traceback."""
+    from safetensors.torch import load_file, save_file
+
+    from megaprm.models.hf_spec import spec_from_hf
+    from megaprm.parallel import pipeline
+    from megaprm.trainer import model_source
+
+    bad = str(tmp_path / "bad")
+    shutil.copytree(hf_dir, bad)
+    sd = load_file(os.path.join(bad, "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    sd[name] = sd[name][:, :-1].contiguous()
+    save_file(sd, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
+    spec = spec_from_hf(bad)
+    model = pipeline.build_stage(spec, g1)
+    with pytest.raises(ValueError) as e:
+        model_source.load_weights(model, model_source.resolve(bad), spec, g1)
+    assert "\n" not in str(e.value) and f"shape mismatch for {name}" in str(e.value)
+
+
+def test_a_huge_row_is_refused_before_it_is_tokenised(tmp_path):
+    """Issue 35.9: a 60 MB prompt line took one rank to 21 GB (an OOM kill). A row over
+    MAX_ROW_BYTES is a bad row (skipped and reported, or named under on_bad_row=error) before
+    it is decoded, parsed or tokenised."""
+    from megaprm.tasks import datasets
+
+    big = "x" * (datasets.MAX_ROW_BYTES + 10)
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (
+        {"problem": "1+1", "answer": "2"}, {"problem": big, "answer": "3"},
+        {"problem": "2+2", "answer": "4"})) + "\n")
+
+    class Counting:  # a tokenizer that records what it was given
+        seen = 0
+
+        def __call__(self, text, **kw):
+            Counting.seen = max(Counting.seen, len(text))
+            return {"input_ids": list(range(len(text)))}
+
+    records, report = datasets.load_prompts(path, max_prompt_tokens=10 ** 7,
+                                            long_prompt="truncate", tokenizer=Counting())
+    assert [r.answer for r in records] == ["2", "4"] and report.skip_kinds["too big"] == 1
+    assert "line 2: row is 1.0 MiB > 1 MiB" in report.summary() and Counting.seen < 10
+    with pytest.raises(datasets.DataError, match=r"p.jsonl line 2: row is 1.0 MiB"):
+        datasets.load_prompts(path, on_bad_row="error")
+
+
+def _fake_step(root, step, state) -> str:
+    """A step directory holding only trainer.json, sealed by a MANIFEST as the trainer does."""
+    from checkpoint_tools import manifest
+
+    d = os.path.join(root, f"step_{step:06d}")
+    os.makedirs(d)
+    with open(os.path.join(d, "trainer.json"), "w") as f:
+        json.dump({"step": step, "next_step": step + 1, **state}, f)
+    manifest.write(d)
+    return d
+
+
+def test_preflight_reads_only_verified_trainer_json_and_falls_back(tmp_path):
+    """Issue 35.7: a torn trainer.json in the newest checkpoint failed preflight with a bare JSON
+    error and the fallback to the previous intact checkpoint was never tried."""
+    from megaprm.trainer import checkpoint
+    from megaprm.trainer.loop import config_digest_fields
+    from megaprm.trainer.preflight import check_resume
+
+    run = tmp_path / "run"
+    cfg = _cfg(run)
+    root = str(run / "checkpoints")
+    # the previous checkpoint has another layout: a refusal naming it proves preflight read it
+    _fake_step(root, 1, {"world_size": 2, "tp": 1, "pp": 1, "config": config_digest_fields(cfg)})
+    newest = _fake_step(root, 2, {"world_size": 1, "tp": 1, "pp": 1,
+                                  "config": config_digest_fields(cfg)})
+    check_resume(cfg, 1)  # intact newest: same layout, same config
+    with open(os.path.join(newest, "trainer.json"), "r+") as f:
+        f.truncate(10)  # torn
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_000001 was written with "
+                       r"\(world, tp, pp\) = \(2, 1, 1\)"):
+        check_resume(cfg, 1)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        check_resume(_cfg(run, "trainer.resume_fallback=false"), 1)
+    assert "step_000002 is damaged" in str(e.value) and "trainer.resume_fallback" in str(e.value)
+    with open(os.path.join(newest, "trainer.json"), "w") as f:  # edited, valid JSON
+        json.dump({"step": 2, "world_size": 2, "tp": 1, "pp": 1}, f)
+    with pytest.raises(checkpoint.CheckpointError, match="step_000001"):
+        check_resume(cfg, 1)
+
+
 if __name__ == "__main__":
     _victim(*sys.argv[1:5])

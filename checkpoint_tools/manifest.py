@@ -1,0 +1,100 @@
+"""MANIFEST.json: size + crc32 of every file of a checkpoint, written last; every reader checks it.
+
+An `import-hf` checkpoint holds its own `DIR/MANIFEST.json`. A trainer step holds one for the
+whole step (`step_N/MANIFEST.json`, megaprm.trainer.checkpoint), so its model `step_N/actor/`
+is checked against the entries under `actor/`. The format is the trainer's:
+`{"checksum": "crc32", "total_bytes": N, "files": {relative path: [size, "crc32 hex"]}}`.
+A checkpoint written before manifests existed has none; it is read with a warning.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+
+MANIFEST = "MANIFEST.json"
+_CHUNK = 8 << 20
+
+
+def crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def write(root: str, **header) -> None:
+    """Write `root/MANIFEST.json` over every other file below `root` (call after the last write)."""
+    files = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            rel = os.path.relpath(os.path.join(d, n), root)
+            if rel != MANIFEST:
+                full = os.path.join(root, rel)
+                files[rel] = [os.path.getsize(full), crc32(full)]
+    with open(os.path.join(root, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump({**header, "checksum": "crc32",
+                   "total_bytes": sum(n for n, _ in files.values()), "files": files}, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read(path: str):
+    with open(path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    files = manifest["files"]
+    if not isinstance(files, dict) or not files:
+        raise ValueError("no files listed")
+    return files
+
+
+def problems(ckpt_dir: str) -> list | None:
+    """What is wrong with checkpoint `ckpt_dir` against its manifest ([] when intact), or None
+    when no manifest covers it (written by an older megaprm). Single process."""
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    own, parent = os.path.join(ckpt_dir, MANIFEST), os.path.join(os.path.dirname(ckpt_dir),
+                                                                  MANIFEST)
+    if os.path.isfile(own):
+        mpath, base, prefix = own, ckpt_dir, ""
+    elif os.path.isfile(parent):  # a model of a trainer step
+        mpath, base = parent, os.path.dirname(ckpt_dir)
+        prefix = os.path.basename(ckpt_dir) + "/"
+    else:
+        return None
+    try:
+        files = _read(mpath)
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        return [f"{mpath} is unreadable ({type(e).__name__}: {' '.join(str(e).split())[:200]})"]
+    mine = {rel: v for rel, v in files.items() if rel.startswith(prefix)}
+    if not mine:
+        return [f"{mpath} lists no file of {ckpt_dir}"]
+    out = []
+    for rel, entry in sorted(mine.items()):
+        full = os.path.join(base, rel)
+        try:
+            size, crc = entry
+            if not os.path.isfile(full):
+                out.append(f"{full} is missing")
+            elif os.path.getsize(full) != size:
+                out.append(f"{full} has {os.path.getsize(full)} bytes, {MANIFEST} says {size}")
+            elif crc32(full) != crc:
+                out.append(f"{full} fails its checksum (its bytes changed)")
+        except (OSError, ValueError, TypeError) as e:
+            out.append(f"{full} cannot be checked ({type(e).__name__}: {e})")
+    return out
+
+
+def check(ckpt_dir: str, error=ValueError) -> None:
+    """Raise `error` (one line) when checkpoint `ckpt_dir` does not match its manifest; warn on
+    stderr when it has none."""
+    found = problems(ckpt_dir)
+    if found is None:
+        print(f"warning: checkpoint {ckpt_dir} has no {MANIFEST} (written by an older megaprm); "
+              "its files cannot be verified", file=sys.stderr)
+        return
+    if found:
+        more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
+        raise error(f"checkpoint {ckpt_dir} is damaged: {found[0]}{more}; re-create it (import-hf) "
+                    "or use an earlier trainer checkpoint")

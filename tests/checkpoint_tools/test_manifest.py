@@ -1,0 +1,143 @@
+"""Every reader of a megaprm checkpoint checks its MANIFEST.json (checkpoint_tools.manifest), and
+checkpoint_tools' faults (a damaged checkpoint, a truncated file, a full disk) are one line
+naming the file. One tiny import-hf checkpoint (one process) is the subject; each case damages
+a copy of it."""
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from checkpoint_tools import ConversionError, export_hf, import_hf, manifest, verify
+from megaprm.models.tiny import save_tiny_model
+from megaprm.tasks.tokenizer import build_char_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    root = tmp_path_factory.mktemp("m")
+    hf = save_tiny_model("qwen2", str(root / "hf"), **TINY)
+    build_char_tokenizer(hf)
+    ck = str(root / "ck")
+    import_hf(hf, ck, verify=False)
+    return hf, ck
+
+
+def _copy(ck, tmp_path) -> str:
+    dst = str(tmp_path / "copy")
+    shutil.copytree(ck, dst)
+    return dst
+
+
+def _distcp(ck) -> str:
+    d = os.path.join(ck, "model")
+    return os.path.join(d, sorted(f for f in os.listdir(d) if f.endswith(".distcp"))[0])
+
+
+def _flip(path, at=0.5):
+    with open(path, "r+b") as f:
+        f.seek(int(os.path.getsize(path) * at))
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_import_writes_a_manifest_of_every_file(made):
+    """Independent reference: the files on disk, their sizes and zlib crc32s."""
+    import zlib
+
+    _, ck = made
+    with open(os.path.join(ck, "MANIFEST.json")) as f:
+        files = json.load(f)["files"]
+    on_disk = sorted(os.path.relpath(os.path.join(d, n), ck) for d, _, ns in os.walk(ck)
+                     for n in ns if n != "MANIFEST.json")
+    assert sorted(files) == on_disk and "megaprm_checkpoint.json" in files
+    for rel, (size, crc) in files.items():
+        data = open(os.path.join(ck, rel), "rb").read()
+        assert size == len(data) and crc == f"{zlib.crc32(data):08x}"
+    assert manifest.problems(ck) == []
+
+
+def test_export_and_verify_refuse_a_damaged_checkpoint(made, tmp_path):
+    """Issue 35.1: a flipped byte in the weights made export-hf report passed: true."""
+    hf, ck = made
+    bad = _copy(ck, tmp_path)
+    _flip(_distcp(bad))
+    for call in (lambda: export_hf(bad, str(tmp_path / "out")),
+                 lambda: verify(hf, bad)):
+        with pytest.raises(ConversionError, match=r"is damaged: .*\.distcp fails its checksum"):
+            call()
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_model_path_refuses_a_damaged_checkpoint(made, tmp_path):
+    """Issue 35.1: `model.path` = a damaged checkpoint trained from corrupted weights."""
+    from megaprm.trainer import model_source
+
+    _, ck = made
+    assert model_source.resolve(ck).megatron_dir == os.path.join(ck, "model")
+    bad = _copy(ck, tmp_path)
+    _flip(_distcp(bad))
+    with pytest.raises(ValueError, match=r"^model.path=.*is damaged: .*fails its checksum"):
+        model_source.resolve(bad, "model.path")
+    os.remove(os.path.join(bad, "hf", "config.json"))
+    with pytest.raises(ValueError, match=r"hf/config.json is missing"):
+        model_source.resolve(bad, "model.path")
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", "checkpoint_tools", *args],
+                          check=False, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+
+
+def _one_line(r, *needles):
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_cli_truncated_distcp_and_safetensors_are_one_line(made, tmp_path):
+    """Issue 35.11: export of a truncated .distcp (71-line EOFError) and verify against a
+    truncated safetensors (a traceback without the file)."""
+    hf, ck = made
+    bad = _copy(ck, tmp_path)
+    part = _distcp(bad)
+    with open(part, "r+b") as f:
+        f.truncate(os.path.getsize(part) // 2)
+    _one_line(_cli("export-hf", "--ckpt", bad, "--out", str(tmp_path / "o")),
+              os.path.basename(part), "bytes")
+    hf_bad = str(tmp_path / "hf_bad")
+    shutil.copytree(hf, hf_bad)
+    st = os.path.join(hf_bad, "model.safetensors")
+    with open(st, "r+b") as f:
+        f.truncate(os.path.getsize(st) // 2)
+    _one_line(_cli("verify", "--hf", hf_bad, "--ckpt", ck), "model.safetensors")
+
+
+def test_no_space_is_one_line_naming_enospc(made, tmp_path, monkeypatch, capsys):
+    """Issue 35.11: a full disk during import-hf / export-hf was a traceback."""
+    from checkpoint_tools import __main__ as cli
+    from checkpoint_tools import layout
+
+    hf, ck = made
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "somefile")
+
+    monkeypatch.setattr(layout, "copy_side_files", full)  # both commands copy side files
+    for argv in (["import-hf", "--hf", hf, "--out", str(tmp_path / "i"), "--no-verify"],
+                 ["export-hf", "--ckpt", ck, "--out", str(tmp_path / "e"), "--no-verify"]):
+        capsys.readouterr()
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "no space left on device" in err[0] and "somefile" in err[0]
+    assert not any(n.startswith(("i.tmp", "e.tmp")) for n in os.listdir(tmp_path))
