@@ -17,7 +17,6 @@ check fall back, as released, to comparing the raw strings.
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 
 class _RuleFailed(ValueError):
@@ -26,7 +25,7 @@ class _RuleFailed(ValueError):
 
 # ----------------------------------------------------------------------------- boxed answers
 
-def _balanced_from(text: str, start: int) -> Optional[int]:
+def _balanced_from(text: str, start: int) -> int | None:
     """Index of the brace closing the first "{" at or after `start` (None if unclosed)."""
     depth = 0
     for j in range(start, len(text)):
@@ -39,7 +38,7 @@ def _balanced_from(text: str, start: int) -> Optional[int]:
     return None
 
 
-def pure_boxed_answer(response: str) -> Optional[str]:
+def pure_boxed_answer(response: str) -> str | None:
     """PURE's last-boxed rule: `\\boxed <x>` (a space form: up to the next "$") wins when present
     anywhere; else the last `\\boxed{...}` (balanced); a `\\fbox{}` or an unclosed box gives None
     (released: its remove_boxed asserts a `\\boxed{` prefix, the exception scores 0)."""
@@ -158,7 +157,7 @@ _TAIL_MARKERS = ("be ", "is ", "are ", "=", ": ", "get ", "be\n", "is\n", "are\n
                  "get\n")
 
 
-def _prime_boxed(text: str) -> Optional[str]:
+def _prime_boxed(text: str) -> str | None:
     """Content of the last `\\boxed` (else `\\fbox`): from its first "{" to the matching "}",
     stripped; None when there is none or it is unclosed."""
     start = text.rfind("\\boxed")
@@ -218,4 +217,4 @@ def prime_normalize(s: str) -> str:
         x = float(s)
     except ValueError:
         return s
-    return str(int(round(x))) if abs(x - round(x)) <= 1e-7 else s
+    return str(round(x)) if abs(x - round(x)) <= 1e-7 else s

@@ -360,7 +360,7 @@ class RLTrainer:
         per = P // g.dp_size
         lo = g.dp_rank * per
         local = prompts.shard(lo, lo + per)
-        ids = [self.tok.encode(p, add_special_tokens=False) for p in local.texts]
+        ids = encode_prompts(self.tok, local.texts)
         params = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature,
                                 top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_tokens,
                                 stop_token_ids=(self.eos,),
@@ -487,7 +487,8 @@ class RLTrainer:
         else:
             from megaprm.rewards.verifiers import score_outcomes
 
-            outcome = score_outcomes(texts, truths_b, kind="math")
+            outcome = score_outcomes(texts, truths_b, kind="math",
+                                     verifier=self.cfg.reward.verifier)
         outcome = self._fault_hook("outcome", outcome)
         if not torch.isfinite(outcome).all():
             raise FloatingPointError("verifier returned non-finite rewards")
@@ -907,14 +908,18 @@ class RLTrainer:
 
             problems = generate_problems(cfg.data.arithmetic, n, seed=HELD_OUT_SEED)
             r = evaluate.evaluate_arithmetic(self.engine, self.tok, self.groups, problems,
-                                             max_tokens=cfg.rollout.max_tokens)
+                                             max_tokens=cfg.rollout.max_tokens,
+                                             fmt=prompt_formatter(cfg.data, self.tok))
         else:
             from megaprm.tasks.datasets import load_prompts
 
             records, _ = load_prompts(cfg.data.eval_path, limit=n)
+            fmt = prompt_formatter(cfg.data, self.tok)  # the training prompts' format
             r = evaluate.evaluate_math(self.engine, self.tok, self.groups,
-                                       [x.prompt for x in records], [x.answer for x in records],
-                                       max_tokens=cfg.rollout.max_tokens)
+                                       [fmt(x.prompt, x.meta.get("messages")) for x in records],
+                                       [x.answer for x in records],
+                                       max_tokens=cfg.rollout.max_tokens,
+                                       verifier=cfg.reward.verifier)
         self.engine.sleep()
         return {f"eval/{k}": float(v) for k, v in r.items()}
 
@@ -1102,12 +1107,39 @@ HELD_OUT_SEED = 987_654_321  # arithmetic eval problems; training draws seed*100
 LOGPROB_DIFF_WARN = 1e-2     # fp32 engines agree to ~1e-6; bf16 vLLM vs Megatron ~1e-2 typical
 
 
+def encode_prompts(tokenizer, texts: list) -> list:
+    """The token ids the engine is given: each prompt text encoded without added special tokens
+    (a chat template's markers are in the text and parse as the special tokens they name), as
+    verl's tokenize_and_postprocess_data and OpenRLHF's tokenizer call do."""
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def prompt_formatter(d, tokenizer):
+    """(question, messages=None) -> the policy's prompt text under `data.prompt_format` (and
+    data.prompt_template / system_prompt; tasks.datasets.policy_prompt). A chat format needs
+    the policy tokenizer's chat template: refused here, before any model is built."""
+    from megaprm.tasks.datasets import policy_prompt
+
+    if d.prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("data.prompt_format='chat' needs a chat template in the policy's "
+                          "tokenizer (tokenizer_config.json chat_template); this one has none. "
+                          "Use data.prompt_format=raw or a tokenizer with a template")
+
+    def fmt(question, messages=None):
+        return policy_prompt(question, messages, fmt=d.prompt_format,
+                             template=d.prompt_template, system=d.system_prompt,
+                             tokenizer=tokenizer)
+    return fmt
+
+
 def _make_data(cfg: Config, tokenizer=None, log=None):
     """block -> `Prompts`: the global prompt batch number `block`, deterministic in it (a step
     without refill uses block = step, so resume needs nothing else; with refill the next block
     is saved trainer state). A prompt file is read once, with its load report printed (`log`)
     and `data.*` row rules applied; it is walked in order, block after block."""
     P = cfg.data.prompts_per_step
+    d = cfg.data
+    fmt = prompt_formatter(d, tokenizer)
     if cfg.data.task == "arithmetic":
         from megaprm.tasks.arithmetic import generate_problems, reference_solution
 
@@ -1115,11 +1147,11 @@ def _make_data(cfg: Config, tokenizer=None, log=None):
             probs = generate_problems(cfg.data.arithmetic, P,
                                       seed=cfg.trainer.seed * 100_003 + block)
             texts = [p.prompt for p in probs]
-            return Prompts(texts, probs, texts, [reference_solution(p) for p in probs])
+            return Prompts([fmt(t) for t in texts], probs, texts,
+                           [reference_solution(p) for p in probs])
         return arithmetic
     from megaprm.tasks.datasets import load_prompts
 
-    d = cfg.data
     records, report = load_prompts(d.path, on_bad_row=d.on_bad_row,
                                    keep_unanswered=d.keep_unanswered,
                                    max_prompt_tokens=d.max_prompt_tokens,
@@ -1130,7 +1162,8 @@ def _make_data(cfg: Config, tokenizer=None, log=None):
 
     def math(block):
         rows = [records[(block * P + i) % len(records)] for i in range(P)]
-        return Prompts([r.prompt for r in rows], [r.answer for r in rows],
+        return Prompts([fmt(r.prompt, r.meta.get("messages")) for r in rows],
+                       [r.answer for r in rows],
                        [r.question or r.prompt for r in rows], [r.reference for r in rows])
     math.report = report
     return math

@@ -2,8 +2,12 @@
 value is worked out by hand from the release's rules (PURE math_score.py, PRIME match_answer)."""
 import pytest
 
-from megaprm.rewards.answer_rules import (hendrycks_math_equal, prime_extract_answer,
-                                          prime_normalize, pure_boxed_answer)
+from megaprm.rewards.answer_rules import (
+    hendrycks_math_equal,
+    prime_extract_answer,
+    prime_normalize,
+    pure_boxed_answer,
+)
 from megaprm.rewards.verifiers import math_scores
 
 
