@@ -14,8 +14,11 @@ Rules the phases keep:
   else (rollout batches, rewards, advantages, metrics) on the CPU; `pipeline.run` is the one
   crossing into the model, `Policy.logprobs` returns host tensors.
 * Sampling distribution: the actor's old/new log-probs, entropy and KL and the reference's
-  log-probs are taken at the rollout temperature (`RLTrainer.temperature`, the one place that
-  decides it), as verl's actor does, so the PPO ratio of the first mini-batch is exactly 1.
+  log-probs are taken at one temperature (`RLTrainer.temperature`, the one place that decides
+  it, from `actor.logprob_temperature`): the rollout's by default, as verl's actor does, or
+  PURE's released T = 1 while sampling at 0.5. Old and new share it, so the PPO ratio of the
+  first mini-batch is exactly 1 either way; the sampler-vs-trainer guard always compares at the
+  sampling temperature.
 * Faults: a non-finite reward on any rank is agreed on by every rank (`agree`) before the next
   collective, so all skip the step; a non-finite loss or grad norm in any mini-batch rolls the
   whole update back (`Optimizer.snapshot/restore`), so a step is applied wholly or not at all
@@ -138,22 +141,30 @@ def targets_to_response(values: torch.Tensor, rp: RightPadded, width: int) -> to
     return rp.to_response(padded, width)
 
 
-def logprob_post(spec, groups: Groups, temperature: float, with_entropy: bool = False):
+def logprob_post(spec, groups: Groups, temperature: float, with_entropy: bool = False,
+                 also_at: Optional[float] = None):
     """`post` for pipeline.run: token log-probs [n, L-1] (and entropy) at `temperature`, one row
-    per sequence of the micro-batch (packed rows unpacked)."""
+    per sequence of the micro-batch (packed rows unpacked). `also_at` (no entropy): the same
+    logits' log-probs at a second temperature too, stacked last: [n, L-1, 2]."""
+    def logprobs(mb, logits, t, entropy=False):
+        return vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=groups.tp,
+                                       tp_rank=groups.tp_rank, vocab_size=spec.vocab_size,
+                                       with_entropy=entropy, temperature=t)
+
     def post(mb, logits):
-        out = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=groups.tp,
-                                      tp_rank=groups.tp_rank, vocab_size=spec.vocab_size,
-                                      with_entropy=with_entropy, temperature=temperature)
+        out = logprobs(mb, logits, temperature, with_entropy)
         if with_entropy:
             return None, (microbatch.unpack(mb, out[0]), microbatch.unpack(mb, out[1]))
+        if also_at is not None:
+            out = torch.stack([out, logprobs(mb, logits, also_at)], dim=-1)
         return None, microbatch.unpack(mb, out)
     return post
 
 
 class Policy:
     """A Megatron causal LM on this rank (actor, reference or implicit PRM) + its optimiser.
-    `temperature`: the distribution its log-probs describe (the rollout's, for actor and ref)."""
+    `temperature`: the distribution its log-probs describe (actor and ref: `logprob_temperature`,
+    the rollout's unless a recipe says otherwise)."""
 
     def __init__(self, spec, groups: Groups, src: model_source.ModelSource, *, trainable: bool,
                  optim=None, dtype=torch.float32, temperature: float = 1.0, batching=None,
@@ -171,17 +182,21 @@ class Policy:
                 p.requires_grad_(False)
 
     @torch.no_grad()
-    def logprobs(self, input_ids: torch.Tensor, lengths: Optional[torch.Tensor] = None
-                 ) -> torch.Tensor:
+    def logprobs(self, input_ids: torch.Tensor, lengths: Optional[torch.Tensor] = None,
+                 also_at: Optional[float] = None):
         """log p_T(input_ids[:, t+1] | <=t) [B, L-1] on every rank, on the host (forward only).
-        `lengths` [B]: real tokens per row (needed to pack; 0 past them when packed)."""
+        `lengths` [B]: real tokens per row (needed to pack; 0 past them when packed).
+        `also_at`: a second temperature (the sampler's, for the monitor) from the same forward:
+        returns (log-probs at T, log-probs at also_at)."""
         B = input_ids.shape[0]
         mbs = self.batching.split(input_ids, torch.zeros(input_ids.shape[0],
                                                          input_ids.shape[1] - 1), None, lengths)
         parts = pipeline.run(self.model, mbs, groups=self.groups, forward_only=True,
-                             post=logprob_post(self.spec, self.groups, self.temperature))
+                             post=logprob_post(self.spec, self.groups, self.temperature,
+                                               also_at=also_at))
         out = to_host(microbatch.to_rows(mbs, parts, B)) if parts else None
-        return pipeline.broadcast_from_last_stage(out, self.groups)
+        out = pipeline.broadcast_from_last_stage(out, self.groups)
+        return out if also_at is None else (out[..., 0], out[..., 1])
 
 
 @dataclass(frozen=True)
@@ -233,7 +248,7 @@ class RLTrainer:
         self.src = model_source.resolve(cfg.model.path, "model.path")
         self.spec = spec_from_hf(self.src.hf_dir)
         self.spec.check_parallel(groups.tp_size, groups.pp_size)
-        self.temperature = cfg.rollout.temperature  # the one place: actor, ref, PURE's KL
+        self.temperature = logprob_temperature(cfg)  # the one place: actor, ref, PURE's KL
         dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
         self.batching = Batching(cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch,
                                  groups.pp_size)
@@ -804,7 +819,14 @@ class RLTrainer:
         rp = batch.to_right_padded(self.pad)
         lengths = rp.attention_mask.long().sum(1)
         with t("old_logprobs"):
-            logp_old_t = self.actor.logprobs(rp.input_ids, lengths)
+            # the monitor compares with the sampler at its own temperature (PURE: T=0.5 while
+            # the update's log-probs are at T=1), from the same forward
+            sampler_t = cfg.rollout.temperature
+            if self.temperature == sampler_t:
+                logp_old_t = logp_sampler_t = self.actor.logprobs(rp.input_ids, lengths)
+            else:
+                logp_old_t, logp_sampler_t = self.actor.logprobs(rp.input_ids, lengths,
+                                                                 also_at=sampler_t)
             logp_ref_t = (self.ref.logprobs(rp.input_ids, lengths) if self.ref is not None
                           else None)
         R = batch.response_ids.shape[1]
@@ -819,7 +841,8 @@ class RLTrainer:
         with t("advantages"):
             adv = self.advantages(sb, logp_old, logp_ref)
         adv_t = response_to_targets(adv.advantages, rp)
-        metrics = {**self._rollout_metrics(sb, adv, logp_old), **prm_metrics,
+        logp_sampler = targets_to_response(logp_sampler_t, rp, R)
+        metrics = {**self._rollout_metrics(sb, adv, logp_old, logp_sampler), **prm_metrics,
                    **refill_metrics, **self._judge_metrics}
         # refill's top-up groups (the cap was hit) did not pass: no gradient from them
         keep = adv.keep if sb.passed is None else adv.keep & sb.passed
@@ -838,12 +861,16 @@ class RLTrainer:
         self._log_samples(step, sb)
         return metrics
 
-    def _rollout_metrics(self, sb: ScoredBatch, adv: AdvantageOutputs, logp_old) -> dict:
-        """Rank-local means (averaged over dp by `fit`) and the sampler-vs-trainer guard."""
+    def _rollout_metrics(self, sb: ScoredBatch, adv: AdvantageOutputs, logp_old,
+                         logp_sampler) -> dict:
+        """Rank-local means (averaged over dp by `fit`) and the sampler-vs-trainer guard.
+        logp_old [B, R]: the actor's at the log-prob temperature (what the update uses);
+        logp_sampler [B, R]: the actor's at the sampling temperature (what the guard compares
+        with the engine's; the same tensor when the two temperatures agree)."""
         b = sb.rollout
         lens = b.response_lengths.float()
         mask = b.response_mask.float()
-        diff = (b.sampler_logprobs - logp_old).abs() * mask
+        diff = (b.sampler_logprobs - logp_sampler).abs() * mask
         m = {"reward/outcome_mean": float(sb.outcome.mean()),
              "response/length_mean": float(lens.mean()),
              "response/length_max": float(lens.max()),
@@ -855,8 +882,13 @@ class RLTrainer:
              "filter/keep_frac": float(adv.keep.float().mean()),
              "rollout/sampler_logprob_mean": float((b.sampler_logprobs * mask).sum()
                                                    / mask.sum().clamp(min=1)),
-             "rollout/trainer_logprob_mean": float((logp_old * mask).sum()
+             "rollout/trainer_logprob_mean": float((logp_sampler * mask).sum()
                                                    / mask.sum().clamp(min=1)),
+             # the two temperatures: sampling (engine, guard) and log-probs (the update)
+             "rollout/sampling_temperature": float(self.cfg.rollout.temperature),
+             "rollout/logprob_temperature": float(self.temperature),
+             "rollout/update_logprob_mean": float((logp_old * mask).sum()
+                                                  / mask.sum().clamp(min=1)),
              # verl's training/rollout_probs_diff: the engine and the trainer must agree
              "rollout/logprob_diff_mean": float(diff.sum() / mask.sum().clamp(min=1)),
              "rollout/logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
@@ -1105,6 +1137,13 @@ def _lock_run_dir(run_dir: str, groups: Groups):
 LOCK_ENV = "MEGAPRM_RUN_DIR_LOCKED"  # set by the launcher that holds the run directory's lock
 HELD_OUT_SEED = 987_654_321  # arithmetic eval problems; training draws seed*100_003 + step
 LOGPROB_DIFF_WARN = 1e-2     # fp32 engines agree to ~1e-6; bf16 vLLM vs Megatron ~1e-2 typical
+
+
+def logprob_temperature(cfg: Config) -> float:
+    """The temperature of every log-prob the update uses (`actor.logprob_temperature`):
+    rollout.temperature unless a number is set (PURE's release: T = 1 while sampling at 0.5)."""
+    t = cfg.actor.logprob_temperature
+    return float(cfg.rollout.temperature if t == "rollout" else t)
 
 
 def encode_prompts(tokenizer, texts: list) -> list:
