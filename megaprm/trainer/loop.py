@@ -309,7 +309,9 @@ class RLTrainer:
         src = model_source.resolve(self.cfg.prm.path, "prm.path")
         g = self.groups
         spec = spec_from_hf(src.hf_dir)
-        model = build_prm(spec, tp=g.tp_size, pp=g.pp_size, pp_rank=g.pp_rank)
+        # prm.forward=released also runs it in bf16 (prof_dp_rm.py:255 autocast)
+        dtype = torch.bfloat16 if self.cfg.prm.forward == "released" else torch.float32
+        model = build_prm(spec, tp=g.tp_size, pp=g.pp_size, pp_rank=g.pp_rank, dtype=dtype)
         model_source.load_weights(model, src, spec, g)
         self.prm, self.prm_spec = model.eval(), spec
         self.prm_fmt = resolve_prm_input_format(self.cfg.prm.input_format, src.hf_dir,
@@ -541,7 +543,8 @@ class RLTrainer:
             scores, _ = score_rollouts(self.prm, self.groups, b.prompt_ids, b.prompt_mask,
                                        b.response_ids, b.response_mask, sep_ids=self.sep_ids,
                                        fmt=self.prm_fmt, head=self.prm_spec.head,
-                                       micro_batch_size=mbs, pad_id=self.pad)
+                                       micro_batch_size=mbs, pad_id=self.pad,
+                                       forward=self.cfg.prm.forward)
             s = to_host(scores.scores)
             if self.prm_spec.head == "token_cls":  # PURE's PR = 2p - 1 -> p
                 s = torch.where(to_host(scores.step_mask), (s + 1) / 2, torch.zeros_like(s))
