@@ -310,6 +310,9 @@ class Config:
             raise ConfigError("reward.llm_fallback asks the grader LLM of prm.kind=judge; set "
                               f"prm.kind=judge or reward.llm_fallback=false (got prm.kind="
                               f"{self.prm.kind!r})")
+        if self.reward.llm_fallback and self.data.task != "math":
+            raise ConfigError("reward.llm_fallback re-grades math answers; data.task="
+                              f"{self.data.task!r} is checked exactly. Set it to false")
         needs_steps = self.advantage.method in ("pure", "prof_grpo", "papo", "blend")
         if needs_steps and self.prm.kind not in ("discriminative", "oracle", "judge"):
             raise ConfigError(f"advantage.method={self.advantage.method!r} needs per-step scores: "

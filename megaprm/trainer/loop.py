@@ -506,12 +506,33 @@ class RLTrainer:
 
             outcome = score_outcomes(texts, truths_b, kind="math",
                                      verifier=self.cfg.reward.verifier)
+            if self.cfg.reward.llm_fallback:
+                outcome = self._llm_fallback(texts, truths_b,
+                                             [prompts.problems[i] for i in rows], outcome)
         outcome = self._fault_hook("outcome", outcome)
         if not torch.isfinite(outcome).all():
             raise FloatingPointError("verifier returned non-finite rewards")
         return ScoredBatch(batch, outcome, group_ids, seg, correct_with_wrong_step=wrong_step,
                            problems=[prompts.problems[i] for i in rows],
                            references=[prompts.references[i] for i in rows])
+
+    def _llm_fallback(self, texts, truths, problems, outcome):
+        """reward.llm_fallback (PAPO): the prm.kind=judge grader re-grades the answers the
+        verifier called wrong (rewards.judge.llm_answer_fallback); its shares are logged."""
+        import dataclasses
+
+        from megaprm.rewards.judge import llm_answer_fallback
+
+        jc = self.cfg.prm.judge
+        jc = dataclasses.replace(jc, seed=(jc.seed + 7919 * self._step + 104_729
+                                           * self.groups.dp_rank + 1) % (2**31))
+        if self.grader.asleep:
+            self.grader.wake()
+        outcome, m = llm_answer_fallback(self.grader, self.grader_tok, problems, truths, texts,
+                                         outcome, jc)
+        self.grader.sleep()
+        self._fallback_metrics = m
+        return outcome
 
     def _fault_hook(self, where: str, t: torch.Tensor) -> torch.Tensor:
         """Fault injection for the reliability tests: MEGAPRM_FAULT=where:rank:step puts a NaN
@@ -802,6 +823,7 @@ class RLTrainer:
         fault = None
         refill_metrics: dict = {}
         self._judge_metrics = {}
+        self._fallback_metrics = {}
         try:
             if cfg.rollout.refill == "none":
                 self.next_block = step + 1
@@ -846,7 +868,7 @@ class RLTrainer:
         adv_t = response_to_targets(adv.advantages, rp)
         logp_sampler = targets_to_response(logp_sampler_t, rp, R)
         metrics = {**self._rollout_metrics(sb, adv, logp_old, logp_sampler), **prm_metrics,
-                   **refill_metrics, **self._judge_metrics}
+                   **refill_metrics, **self._judge_metrics, **self._fallback_metrics}
         # refill's top-up groups (the cap was hit) did not pass: no gradient from them
         keep = adv.keep if sb.passed is None else adv.keep & sb.passed
         with t("update"):
