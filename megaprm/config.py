@@ -59,6 +59,9 @@ class ModelConfig:
                "te, sdpa, local or null (automatic)")
 
 
+PROMPT_FORMATS = ("raw", "chat", "first_message")
+
+
 @dataclass
 class DataConfig:
     """`task`: arithmetic (embedded, exact step checker) or math (a jsonl/parquet prompt file,
@@ -73,9 +76,28 @@ class DataConfig:
     keep_unanswered: bool = False       # keep rows without an answer, reward 0 (PURE does)
     max_prompt_tokens: Optional[int] = None
     long_prompt: str = "error"          # over max_prompt_tokens: truncate | drop | error
+    # the text the policy is given (tasks.datasets.policy_prompt, docs/estimators.md): raw (the
+    # question, through prompt_template) | chat (the tokenizer's chat template, generation
+    # prompt added, over the row's messages or [system_prompt, user: the templated question]) |
+    # first_message (the row's first message as is: PAPO's pass-through template)
+    prompt_format: str = "raw"
+    prompt_template: str = "{question}"  # a plain question -> the user text (PURE's, PROF's)
+    system_prompt: Optional[str] = None  # chat: a system message for rows that carry none
 
     def __post_init__(self):
         _check(self.task in ("arithmetic", "math"), "data.task", self.task, "arithmetic or math")
+        _check(self.prompt_format in PROMPT_FORMATS, "data.prompt_format", self.prompt_format,
+               "raw, chat or first_message")
+        _check(isinstance(self.prompt_template, str) and "{question}" in self.prompt_template,
+               "data.prompt_template", self.prompt_template,
+               "a string holding {question} (where the problem text goes)")
+        try:
+            self.prompt_template.format(question="")
+        except (KeyError, IndexError, ValueError):
+            _check(False, "data.prompt_template", self.prompt_template,
+                   "only the {question} field; write other braces doubled ({{ }})")
+        _check(self.system_prompt is None or self.prompt_format == "chat", "data.system_prompt",
+               self.system_prompt, "a system message needs data.prompt_format=chat")
         _check(self.on_bad_row in ("skip", "error"), "data.on_bad_row", self.on_bad_row,
                "skip or error")
         _check(self.long_prompt in ("truncate", "drop", "error"), "data.long_prompt",
@@ -162,8 +184,16 @@ class ActorConfig:
     # PURE's guard (released models/loss.py:81-84): a micro-batch whose mean PPO ratio exceeds
     # this contributes no gradient (loss x 0); None: off
     skip_ratio_above: Optional[float] = None
+    # the temperature of every log-prob the update uses (actor old/new, entropy, reference,
+    # KL): "rollout" (rollout.temperature, as verl does) or a number (PURE: 1.0 while sampling
+    # at 0.5, its actor's log-probs take no temperature)
+    logprob_temperature: Any = "rollout"
 
     def __post_init__(self):
+        t = self.logprob_temperature
+        _check(t == "rollout" or (isinstance(t, (int, float)) and not isinstance(t, bool)
+                                  and t > 0), "actor.logprob_temperature", t,
+               "rollout (the sampling temperature) or a number > 0")
         _check(self.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                  "seq-mean-token-sum-norm"),
                "actor.loss_agg", self.loss_agg, "token-mean, seq-mean-token-mean, "
@@ -202,6 +232,10 @@ class PRMConfig:
     mini_batches: int = 1
     update: str = "after"
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # prm.kind=judge: the grader's sampling
+    # the discriminative PRM's forward: compact (rows compacted, right-padded, causal mask:
+    # exact) | released (PROF-GRPO's prof_dp_rm.py: the batch left-padded to its longest row
+    # and run with no attention mask, so real tokens attend to the padding)
+    forward: str = "compact"
 
     def __post_init__(self):
         _check(self.kind in ("discriminative", "implicit", "oracle", "judge", "none"), "prm.kind",
@@ -213,8 +247,30 @@ class PRMConfig:
                self.mini_batches, "an integer >= 1")
         _check(self.update in ("after", "none"), "prm.update", self.update,
                "after (released PRIME) or none")
+        _check(self.forward in ("compact", "released"), "prm.forward", self.forward,
+               "compact (exact) or released (left-padded, no attention mask, as PROF-GRPO)")
         _check(self.input_format in ("auto", "qwen25_math_prm", "pure", "raw", "megaprm"),
                "prm.input_format", self.input_format, "auto, qwen25_math_prm, pure, raw or megaprm")
+
+
+VERIFIERS = ("math_verify", "hendrycks_math", "prime_math")
+
+
+@dataclass
+class RewardConfig:
+    """The outcome verifier of data.task=math (rewards.verifiers, docs/estimators.md):
+    math_verify (PROF-GRPO: LaTeX/symbolic equivalence), hendrycks_math (PURE: the last \\boxed{}
+    equals the answer as a string after the MATH normalisation), prime_math (PRIME and PAPO:
+    PRIME's answer extraction, normalised string equality, else math-verify on the extracted
+    answer). `llm_fallback` (PAPO's USE_LLM_VERIFIER): a response the rules call wrong is
+    asked again of the prm.kind=judge grader, which may flip it to correct."""
+
+    verifier: str = "math_verify"
+    llm_fallback: bool = False
+
+    def __post_init__(self):
+        _check(self.verifier in VERIFIERS, "reward.verifier", self.verifier,
+               "math_verify, hendrycks_math or prime_math")
 
 
 @dataclass
@@ -264,8 +320,16 @@ class Config:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     prm: PRMConfig = field(default_factory=PRMConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
     def __post_init__(self):
+        if self.reward.llm_fallback and self.prm.kind != "judge":
+            raise ConfigError("reward.llm_fallback asks the grader LLM of prm.kind=judge; set "
+                              f"prm.kind=judge or reward.llm_fallback=false (got prm.kind="
+                              f"{self.prm.kind!r})")
+        if self.reward.llm_fallback and self.data.task != "math":
+            raise ConfigError("reward.llm_fallback re-grades math answers; data.task="
+                              f"{self.data.task!r} is checked exactly. Set it to false")
         needs_steps = self.advantage.method in ("pure", "prof_grpo", "papo", "blend")
         if needs_steps and self.prm.kind not in ("discriminative", "oracle", "judge"):
             raise ConfigError(f"advantage.method={self.advantage.method!r} needs per-step scores: "

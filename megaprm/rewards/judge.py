@@ -19,6 +19,8 @@ GPU, the transformers engine on CPU. The prompt is one user message through the 
 template (the released code calls an OpenAI-compatible chat endpoint); a gpt-oss "final"
 channel, when the decoded text has one, is what gets parsed (the endpoint returns only it).
 
+`llm_answer_fallback` is PAPO's other grader call (its outcome checker's LLM fallback, below).
+
 The rubric is written here in our own words; it keeps the released template's structure
 (task, three-level scale, the rule on cited results, problem / reference / student sections,
 analysis then `Score: \\boxed{}`) and its grade scale.
@@ -232,3 +234,81 @@ def _drop_special(tokenizer, text: str) -> str:
     for tok in getattr(tokenizer, "all_special_tokens", []):
         text = text.replace(tok, "")
     return text
+
+
+# ----------------------------------------------------------------------------- answer fallback
+# PAPO's LLM answer fallback (reward_score/__init__.py:84-110 and 136-148, llm_answer_grading.py;
+# `reward.llm_fallback`): a response the rule-based checker calls wrong is shown, as its
+# extracted answer, to the same grader next to the reference answer; "Final Grade: CORRECT"
+# flips its outcome to 1. The prompt is in our own words with the released structure (question,
+# student answer, reference answer, four notes, the verdict line).
+
+ANSWER_TEMPLATE = """Question: {question}
+
+Student's Answer: {student}
+
+Reference Answer: {reference}
+
+Decide whether the student's answer means the same as the reference answer; it may be written differently and still be right.
+
+Note 1: Do not solve the problem. Compare the student's answer with the reference answer only.
+
+Note 2: When the reference answer is an interval or range, the student's answer must be exactly the same, open and closed ends included.
+
+Note 3: When the reference answer is an expression that seems equivalent to the student's, show the derivation that checks it.
+
+Note 4: When the reference answer lists several solutions, the student's answer must give all of them.
+
+Explain your grading briefly (a few sentences), then give the grade in this form:
+
+Final Grade: CORRECT or INCORRECT
+"""
+_VERDICT = re.compile(r"Final\s+Grade:\s*(CORRECT|INCORRECT)", re.IGNORECASE)
+
+
+def student_answer(response: str) -> str:
+    """The answer the released fallback grades: think spans removed, the text after a stray
+    `</think>`, then the last boxed content, else the whole remaining response."""
+    text = strip_think(response)
+    if "</think>" in text:
+        text = text.split("</think>")[-1].strip()
+    return last_boxed(text) or text
+
+
+def parse_verdict(text: str) -> bool:
+    """CORRECT per the verdict line; without one, a bare CORRECT with no INCORRECT anywhere."""
+    if not text:
+        return False
+    m = _VERDICT.search(text)
+    if m:
+        return m.group(1).upper() == "CORRECT"
+    return (re.search(r"\bCORRECT\b", text, re.IGNORECASE) is not None
+            and re.search(r"\bINCORRECT\b", text, re.IGNORECASE) is None)
+
+
+def llm_answer_fallback(engine, tokenizer, problems: Sequence[str], truths: Sequence[str],
+                        responses: Sequence[str], outcome: torch.Tensor,
+                        cfg: JudgeConfig = JudgeConfig()) -> tuple[torch.Tensor, dict]:
+    """(outcome [B] with the grader's flips, metrics): every response with outcome 0 and a
+    non-empty answer is graded once; a CORRECT verdict sets its outcome to 1."""
+    B = len(responses)
+    assert len(problems) == len(truths) == B and outcome.shape == (B,)
+    rows = [i for i in range(B) if outcome[i] == 0 and student_answer(responses[i])]
+    out = outcome.clone()
+    if rows:
+        prompts = [_encode(tokenizer, ANSWER_TEMPLATE.format(
+            question=problems[i], student=student_answer(responses[i]), reference=truths[i]))
+            for i in rows]
+        eos = tokenizer.eos_token_id
+        params = SamplingParams(n=1, temperature=cfg.temperature, top_p=cfg.top_p,
+                                max_tokens=cfg.max_tokens, seed=cfg.seed,
+                                stop_token_ids=() if eos is None else (int(eos),))
+        answers = engine.generate(prompts, params).decode_responses(tokenizer,
+                                                                    skip_special_tokens=False)
+        for i, raw in zip(rows, answers):
+            text = _drop_special(tokenizer, strip_think(final_channel(raw))).strip()
+            if parse_verdict(text):
+                out[i] = 1.0
+    flipped = float((out != outcome).sum())
+    return out, {"reward/llm_fallback_asked_frac": len(rows) / max(B, 1),
+                 "reward/llm_fallback_flipped_frac": flipped / max(B, 1)}

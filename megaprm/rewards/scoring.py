@@ -274,6 +274,28 @@ def chat_batch_from_rollouts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     return build_chat_prm_batch(prompts, responses, fmt)
 
 
+def left_padded_like_release(batch: PRMBatch, micro_batch_size: int, pad_id: int) -> PRMBatch:
+    """PROF-GRPO's released PRM forward (prof_dp_rm.py:282-295, `prm.forward=released`): each
+    micro-batch of `micro_batch_size` rows left-padded to its longest row and run with no
+    attention mask, so every real token also attends to the padding before it and positions
+    count from the first pad. Here: rows moved right by their padding inside a micro-batch's
+    width (the causal mask then sees the pads as tokens, as the release's model does), score
+    positions moved with them, every position of the width counted as a token."""
+    B, L = batch.input_ids.shape
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    index = batch.score_index.clone()
+    lengths = batch.lengths.clone()
+    for start in range(0, B, micro_batch_size):
+        rows = range(start, min(B, start + micro_batch_size))
+        width = int(batch.lengths[start:start + micro_batch_size].max())
+        for i in rows:
+            n = int(batch.lengths[i])
+            ids[i, width - n:width] = batch.input_ids[i, :n]
+            index[i] = torch.where(batch.step_mask[i], index[i] + width - n, 0)
+            lengths[i] = width
+    return PRMBatch(ids, lengths, index, batch.step_mask)
+
+
 def micro_batches(batch: PRMBatch, size: int, pp: int,
                   labels: Optional[torch.Tensor] = None,
                   loss_mask: Optional[torch.Tensor] = None) -> List[pipeline.TokenBatch]:
@@ -320,18 +342,24 @@ def run_prm(model, groups: Groups, batch: PRMBatch, *, head: str, micro_batch_si
 
 def score_rollouts(model, groups: Groups, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                    response_ids: torch.Tensor, response_mask: torch.Tensor, *, sep_ids,
-                   fmt: AnyPRMFormat, head: str, micro_batch_size: int, pad_id: int = 0):
+                   fmt: AnyPRMFormat, head: str, micro_batch_size: int, pad_id: int = 0,
+                   forward: str = "compact"):
     """Per-step PRM scores of this rank's rollouts -> (StepScores [B, S], StepSegmentation).
 
     Step k of response i closes at response position seg.step_end_index[i, k] (where a
     per-token reward for it goes). A text-level `ChatStepFormat` has no token map: the
     segmentation is None and the steps are PROF's text steps (scores.step_mask; their count is
-    `steps.prof_num_steps` of the decoded texts unless max_length truncated the input)."""
+    `steps.prof_num_steps` of the decoded texts unless max_length truncated the input).
+    `forward` (prm.forward): compact (exact), or released (`left_padded_like_release`)."""
+    seg = None
     if isinstance(fmt, ChatStepFormat):
         batch = chat_batch_from_rollouts(prompt_ids, prompt_mask, response_ids, response_mask, fmt)
-        return run_prm(model, groups, batch, head=head, micro_batch_size=micro_batch_size), None
-    batch, seg = batch_from_rollouts(prompt_ids, prompt_mask, response_ids, response_mask,
-                                     sep_ids, fmt, pad_id)
+        pad_id = fmt.tokenizer.pad_token_id if fmt.tokenizer.pad_token_id is not None else 0
+    else:
+        batch, seg = batch_from_rollouts(prompt_ids, prompt_mask, response_ids, response_mask,
+                                         sep_ids, fmt, pad_id)
+    if forward == "released":
+        batch = left_padded_like_release(batch, micro_batch_size, pad_id)
     return run_prm(model, groups, batch, head=head, micro_batch_size=micro_batch_size), seg
 
 

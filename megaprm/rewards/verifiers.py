@@ -1,4 +1,10 @@
-"""Outcome rewards: math answers with math-verify, arithmetic answers exactly.
+"""Outcome rewards: math answers by `reward.verifier`, arithmetic answers exactly.
+
+Verifiers (`VERIFIERS`, each paper's checker; the string rules are in `rewards.answer_rules`):
+math_verify (PROF-GRPO; the default), hendrycks_math (PURE: last boxed answer, MATH string
+normalisation, no symbolic check), prime_math (PRIME, and PAPO through verl's prime_math:
+PRIME's answer extraction, mathd-normalised equality, else math-verify on the extracted answer,
+where the release runs PRM800K's sympy check and Qwen's math_equal; docs/estimators.md).
 
 math-verify bounds its own work with `signal.alarm`, which (a) only works on the main thread
 (it raises elsewhere, e.g. in a rollout thread), (b) takes whole seconds, and (c) cannot stop
@@ -204,20 +210,66 @@ def _arithmetic_truth_reward(response: str, truth: Problem | str | int) -> float
     return 1.0 if extract_boxed_int(response) == expected else 0.0
 
 
+VERIFIERS = ("math_verify", "hendrycks_math", "prime_math")
+
+
+def prime_math_scores(responses: Sequence[str], truths: Sequence[str],
+                      timeout_s: float = DEFAULT_TIMEOUT_S,
+                      verifier: MathVerifier | None = None) -> list[float]:
+    """PRIME's check: the extracted answer (answer_rules.prime_extract_answer) equals the truth
+    after the mathd normalisation, else math-verify decides on `\\boxed{answer}`; an empty
+    answer is wrong."""
+    from megaprm.rewards.answer_rules import prime_extract_answer, prime_normalize
+
+    scores = [0.0] * len(responses)
+    ask: list[tuple[int, str, str]] = []
+    for i, (response, truth) in enumerate(zip(responses, truths)):
+        answer = prime_extract_answer(response)[1]
+        if not answer.strip():
+            continue
+        if prime_normalize(answer) == prime_normalize(truth):
+            scores[i] = 1.0
+        else:
+            ask.append((i, "\\boxed{" + answer + "}", truth))
+    if ask:
+        verdicts = (verifier or _DEFAULT).score([a for _, a, _ in ask], [t for _, _, t in ask],
+                                                timeout_s)
+        for (i, _, _), v in zip(ask, verdicts):
+            scores[i] = v
+    return scores
+
+
+def math_scores(responses: Sequence[str], truths: Sequence[str], verifier: str = "math_verify",
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> list[float]:
+    """1.0 / 0.0 per response under `verifier` (module docstring)."""
+    from megaprm.rewards.answer_rules import hendrycks_math_equal
+
+    if verifier == "math_verify":
+        return _DEFAULT.score(responses, truths, timeout_s)
+    if verifier == "hendrycks_math":
+        return [float(hendrycks_math_equal(r, t)) for r, t in zip(responses, truths)]
+    if verifier == "prime_math":
+        return prime_math_scores(responses, truths, timeout_s)
+    raise ValueError(f"verifier={verifier!r}; valid verifiers are {VERIFIERS}")
+
+
 def score_outcomes(
     responses: Sequence[str],
     ground_truths: Sequence[str | Problem | int],
     kind: str = "math",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    verifier: str = "math_verify",
 ) -> torch.Tensor:
-    """Outcome rewards r_out in {0, 1}, float32 [B]. kind "math": math-verify (ground truths are
-    answer strings); kind "arithmetic": exact (ground truths are `Problem`s or integer answers)."""
+    """Outcome rewards r_out in {0, 1}, float32 [B]. kind "math": `verifier` (ground truths are
+    answer strings); kind "arithmetic": exact (ground truths are `Problem`s or integer
+    answers)."""
     import torch  # here, not at module level: the verifier worker process imports this module
 
     if len(responses) != len(ground_truths):
         raise ValueError(f"score_outcomes: {len(responses)} responses but {len(ground_truths)} ground truths")
     if kind == "math":
-        scores = _DEFAULT.score(responses, [str(g) for g in ground_truths], timeout_s)
+        scores = math_scores(list(responses), [str(g) for g in ground_truths], verifier,
+                             timeout_s)
     elif kind == "arithmetic":
         scores = [_arithmetic_truth_reward(r, g) for r, g in zip(responses, ground_truths)]
     else:

@@ -17,6 +17,11 @@ as PAPO's released grader does (llm_proof_grading.py:171-173), from
 problem statement it is shown (`PromptRecord.question`) from `extra_info.question` /
 `extra_info.problem`, else the prompt.
 
+What the policy is given is built from a record by `policy_prompt` (`data.prompt_format`): the
+question as is or through an instruction template (PURE), the tokenizer's chat template over
+the row's messages or over [system, user] (PRIME, PROF-GRPO), or the first message as is (PAPO's
+pass-through template).
+
 A row that cannot be read is skipped, counted by reason and reported (`LoadReport`: file,
 1-based line or row number, reason; `LoadReport.text()` is the printable report with the first
 examples), or with `on_bad_row="error"` stops the load with a DataError naming the row.
@@ -58,6 +63,41 @@ class PromptRecord:
     meta: dict = field(default_factory=dict, compare=False)
     reference: Optional[str] = None  # reference solution text (module docstring), or None
     question: Optional[str] = None   # problem statement for a judge; None: the prompt
+
+
+PROMPT_FORMATS = ("raw", "chat", "first_message")
+
+
+def policy_prompt(question: str, messages: Optional[list] = None, *, fmt: str = "raw",
+                  template: str = "{question}", system: Optional[str] = None,
+                  tokenizer=None) -> str:
+    """The policy's prompt text for one row (encoded without special tokens, as verl's
+    tokenize_and_postprocess_data and OpenRLHF's tokenizer call do).
+
+    A plain question (`messages` None) first goes through `template` ("{question}" = as is;
+    PURE's input_template, PROF-GRPO's instruction suffix). A row that carries chat messages
+    (verl's parquet layout) is its release's prompt already: the template does not touch it.
+
+    fmt raw: the user text (for a message row: its last user message, `question`);
+    first_message: the first message's content (PAPO's pass-through chat template), else the
+    user text; chat: `tokenizer.apply_chat_template(messages, add_generation_prompt=True)`
+    over the row's messages or [system, user], `system` added where the row has no system
+    message (without one, the template's own default system text applies, as released)."""
+    if fmt not in PROMPT_FORMATS:
+        raise ValueError(f"prompt format {fmt!r}: expected one of {PROMPT_FORMATS}")
+    if messages is None:
+        user = template.format(question=question)
+        if fmt != "chat":
+            return user
+        messages = [{"role": "user", "content": user}]
+    elif fmt == "raw":
+        return question
+    elif fmt == "first_message":
+        return messages[0]["content"]
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if system is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def _reference_of(row: dict, extra: dict) -> tuple[Optional[str], Optional[str]]:

@@ -11,10 +11,11 @@ from megaprm.rollout.engine import SamplingParams
 
 def evaluate_arithmetic(engine, tokenizer, groups: Groups, problems: list,
                         max_tokens: int = 64, *, temperature: float = 0.0, n: int = 1,
-                        seed: int = 0) -> dict:
+                        seed: int = 0, fmt=None) -> dict:
     """accuracy, the share of correct answers resting on a wrong step, fully-correct share.
     Greedy by default; `temperature > 0` draws `n` samples per problem (seeded per dp rank, so
-    the result does not depend on the order of evaluations) and counts every sample."""
+    the result does not depend on the order of evaluations) and counts every sample. `fmt`:
+    question -> the policy's prompt text (the trainer's data.prompt_format; None: as is)."""
     from megaprm.tasks.arithmetic import check_steps
 
     per = len(problems) // groups.dp_size
@@ -22,8 +23,9 @@ def evaluate_arithmetic(engine, tokenizer, groups: Groups, problems: list,
     params = SamplingParams(n=n if temperature > 0 else 1, temperature=temperature,
                             max_tokens=max_tokens, stop_token_ids=(tokenizer.eos_token_id,),
                             seed=(seed + 1_000_003 * groups.dp_rank) % 2**31)
-    batch = engine.generate([tokenizer.encode(p.prompt, add_special_tokens=False) for p in local],
-                            params)
+    fmt = fmt or (lambda q: q)
+    batch = engine.generate([tokenizer.encode(fmt(p.prompt), add_special_tokens=False)
+                             for p in local], params)
     texts = batch.decode_responses(tokenizer)
     checks = [check_steps(local[g], t, ends_with_eos=r == "stop")
               for g, t, r in zip(batch.group_index.tolist(), texts, batch.finish_reason)]
@@ -40,7 +42,9 @@ def evaluate_arithmetic(engine, tokenizer, groups: Groups, problems: list,
 
 
 def evaluate_math(engine, tokenizer, groups: Groups, prompts: list, answers: list,
-                  max_tokens: int) -> dict:
+                  max_tokens: int, verifier: str = "math_verify") -> dict:
+    """Greedy accuracy of `prompts` (the policy's prompt texts) graded by `verifier`
+    (reward.verifier)."""
     from megaprm.rewards.verifiers import score_outcomes
 
     per = len(prompts) // groups.dp_size
@@ -49,7 +53,8 @@ def evaluate_math(engine, tokenizer, groups: Groups, prompts: list, answers: lis
                              for p in prompts[lo:lo + per]],
                             SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens,
                                            stop_token_ids=(tokenizer.eos_token_id,)))
-    scores = score_outcomes(batch.decode_responses(tokenizer), answers[lo:lo + per], kind="math")
+    scores = score_outcomes(batch.decode_responses(tokenizer), answers[lo:lo + per], kind="math",
+                            verifier=verifier)
     counts = dp_reduce({"total": len(scores), "correct": float(scores.sum())}, groups)
     return {"accuracy": counts["correct"] / max(counts["total"], 1),
             "problems": int(counts["total"])}

@@ -14,8 +14,11 @@ Rules the phases keep:
   else (rollout batches, rewards, advantages, metrics) on the CPU; `pipeline.run` is the one
   crossing into the model, `Policy.logprobs` returns host tensors.
 * Sampling distribution: the actor's old/new log-probs, entropy and KL and the reference's
-  log-probs are taken at the rollout temperature (`RLTrainer.temperature`, the one place that
-  decides it), as verl's actor does, so the PPO ratio of the first mini-batch is exactly 1.
+  log-probs are taken at one temperature (`RLTrainer.temperature`, the one place that decides
+  it, from `actor.logprob_temperature`): the rollout's by default, as verl's actor does, or
+  PURE's released T = 1 while sampling at 0.5. Old and new share it, so the PPO ratio of the
+  first mini-batch is exactly 1 either way; the sampler-vs-trainer guard always compares at the
+  sampling temperature.
 * Faults: a non-finite reward on any rank is agreed on by every rank (`agree`) before the next
   collective, so all skip the step; a non-finite loss or grad norm in any mini-batch rolls the
   whole update back (`Optimizer.snapshot/restore`), so a step is applied wholly or not at all
@@ -140,22 +143,30 @@ def targets_to_response(values: torch.Tensor, rp: RightPadded, width: int) -> to
     return rp.to_response(padded, width)
 
 
-def logprob_post(spec, groups: Groups, temperature: float, with_entropy: bool = False):
+def logprob_post(spec, groups: Groups, temperature: float, with_entropy: bool = False,
+                 also_at: Optional[float] = None):
     """`post` for pipeline.run: token log-probs [n, L-1] (and entropy) at `temperature`, one row
-    per sequence of the micro-batch (packed rows unpacked)."""
+    per sequence of the micro-batch (packed rows unpacked). `also_at` (no entropy): the same
+    logits' log-probs at a second temperature too, stacked last: [n, L-1, 2]."""
+    def logprobs(mb, logits, t, entropy=False):
+        return vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=groups.tp,
+                                       tp_rank=groups.tp_rank, vocab_size=spec.vocab_size,
+                                       with_entropy=entropy, temperature=t)
+
     def post(mb, logits):
-        out = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=groups.tp,
-                                      tp_rank=groups.tp_rank, vocab_size=spec.vocab_size,
-                                      with_entropy=with_entropy, temperature=temperature)
+        out = logprobs(mb, logits, temperature, with_entropy)
         if with_entropy:
             return None, (microbatch.unpack(mb, out[0]), microbatch.unpack(mb, out[1]))
+        if also_at is not None:
+            out = torch.stack([out, logprobs(mb, logits, also_at)], dim=-1)
         return None, microbatch.unpack(mb, out)
     return post
 
 
 class Policy:
     """A Megatron causal LM on this rank (actor, reference or implicit PRM) + its optimiser.
-    `temperature`: the distribution its log-probs describe (the rollout's, for actor and ref)."""
+    `temperature`: the distribution its log-probs describe (actor and ref: `logprob_temperature`,
+    the rollout's unless a recipe says otherwise)."""
 
     def __init__(self, spec, groups: Groups, src: model_source.ModelSource, *, trainable: bool,
                  optim=None, dtype=torch.float32, temperature: float = 1.0, batching=None,
@@ -173,17 +184,21 @@ class Policy:
                 p.requires_grad_(False)
 
     @torch.no_grad()
-    def logprobs(self, input_ids: torch.Tensor, lengths: Optional[torch.Tensor] = None
-                 ) -> torch.Tensor:
+    def logprobs(self, input_ids: torch.Tensor, lengths: Optional[torch.Tensor] = None,
+                 also_at: Optional[float] = None):
         """log p_T(input_ids[:, t+1] | <=t) [B, L-1] on every rank, on the host (forward only).
-        `lengths` [B]: real tokens per row (needed to pack; 0 past them when packed)."""
+        `lengths` [B]: real tokens per row (needed to pack; 0 past them when packed).
+        `also_at`: a second temperature (the sampler's, for the monitor) from the same forward:
+        returns (log-probs at T, log-probs at also_at)."""
         B = input_ids.shape[0]
         mbs = self.batching.split(input_ids, torch.zeros(input_ids.shape[0],
                                                          input_ids.shape[1] - 1), None, lengths)
         parts = pipeline.run(self.model, mbs, groups=self.groups, forward_only=True,
-                             post=logprob_post(self.spec, self.groups, self.temperature))
+                             post=logprob_post(self.spec, self.groups, self.temperature,
+                                               also_at=also_at))
         out = to_host(microbatch.to_rows(mbs, parts, B)) if parts else None
-        return pipeline.broadcast_from_last_stage(out, self.groups)
+        out = pipeline.broadcast_from_last_stage(out, self.groups)
+        return out if also_at is None else (out[..., 0], out[..., 1])
 
 
 @dataclass(frozen=True)
@@ -239,7 +254,7 @@ class RLTrainer:
         self.src = model_source.resolve(cfg.model.path, "model.path")
         self.spec = spec_from_hf(self.src.hf_dir)
         self.spec.check_parallel(groups.tp_size, groups.pp_size)
-        self.temperature = cfg.rollout.temperature  # the one place: actor, ref, PURE's KL
+        self.temperature = logprob_temperature(cfg)  # the one place: actor, ref, PURE's KL
         dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
         self.batching = Batching(cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch,
                                  groups.pp_size)
@@ -300,7 +315,9 @@ class RLTrainer:
         src = model_source.resolve(self.cfg.prm.path, "prm.path")
         g = self.groups
         spec = spec_from_hf(src.hf_dir)
-        model = build_prm(spec, tp=g.tp_size, pp=g.pp_size, pp_rank=g.pp_rank)
+        # prm.forward=released also runs it in bf16 (prof_dp_rm.py:255 autocast)
+        dtype = torch.bfloat16 if self.cfg.prm.forward == "released" else torch.float32
+        model = build_prm(spec, tp=g.tp_size, pp=g.pp_size, pp_rank=g.pp_rank, dtype=dtype)
         model_source.load_weights(model, src, spec, g)
         self.prm, self.prm_spec = model.eval(), spec
         self.prm_fmt = resolve_prm_input_format(self.cfg.prm.input_format, src.hf_dir,
@@ -366,7 +383,7 @@ class RLTrainer:
         per = P // g.dp_size
         lo = g.dp_rank * per
         local = prompts.shard(lo, lo + per)
-        ids = [self.tok.encode(p, add_special_tokens=False) for p in local.texts]
+        ids = encode_prompts(self.tok, local.texts)
         params = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature,
                                 top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_tokens,
                                 stop_token_ids=(self.eos,),
@@ -493,13 +510,35 @@ class RLTrainer:
         else:
             from megaprm.rewards.verifiers import score_outcomes
 
-            outcome = score_outcomes(texts, truths_b, kind="math")
+            outcome = score_outcomes(texts, truths_b, kind="math",
+                                     verifier=self.cfg.reward.verifier)
+            if self.cfg.reward.llm_fallback:
+                outcome = self._llm_fallback(texts, truths_b,
+                                             [prompts.problems[i] for i in rows], outcome)
         outcome = self._fault_hook("outcome", outcome)
         if not torch.isfinite(outcome).all():
             raise FloatingPointError("verifier returned non-finite rewards")
         return ScoredBatch(batch, outcome, group_ids, seg, correct_with_wrong_step=wrong_step,
                            problems=[prompts.problems[i] for i in rows],
                            references=[prompts.references[i] for i in rows])
+
+    def _llm_fallback(self, texts, truths, problems, outcome):
+        """reward.llm_fallback (PAPO): the prm.kind=judge grader re-grades the answers the
+        verifier called wrong (rewards.judge.llm_answer_fallback); its shares are logged."""
+        import dataclasses
+
+        from megaprm.rewards.judge import llm_answer_fallback
+
+        jc = self.cfg.prm.judge
+        jc = dataclasses.replace(jc, seed=(jc.seed + 7919 * self._step + 104_729
+                                           * self.groups.dp_rank + 1) % (2**31))
+        if self.grader.asleep:
+            self.grader.wake()
+        outcome, m = llm_answer_fallback(self.grader, self.grader_tok, problems, truths, texts,
+                                         outcome, jc)
+        self.grader.sleep()
+        self._fallback_metrics = m
+        return outcome
 
     def _fault_hook(self, where: str, t: torch.Tensor) -> torch.Tensor:
         """Fault injection for the reliability tests: MEGAPRM_FAULT=where:rank:step puts a NaN
@@ -531,7 +570,8 @@ class RLTrainer:
             scores, _ = score_rollouts(self.prm, self.groups, b.prompt_ids, b.prompt_mask,
                                        b.response_ids, b.response_mask, sep_ids=self.sep_ids,
                                        fmt=self.prm_fmt, head=self.prm_spec.head,
-                                       micro_batch_size=mbs, pad_id=self.pad)
+                                       micro_batch_size=mbs, pad_id=self.pad,
+                                       forward=self.cfg.prm.forward)
             s = to_host(scores.scores)
             if self.prm_spec.head == "token_cls":  # PURE's PR = 2p - 1 -> p
                 s = torch.where(to_host(scores.step_mask), (s + 1) / 2, torch.zeros_like(s))
@@ -789,6 +829,7 @@ class RLTrainer:
         fault = None
         refill_metrics: dict = {}
         self._judge_metrics = {}
+        self._fallback_metrics = {}
         try:
             if cfg.rollout.refill == "none":
                 self.next_block = step + 1
@@ -809,7 +850,14 @@ class RLTrainer:
         rp = batch.to_right_padded(self.pad)
         lengths = rp.attention_mask.long().sum(1)
         with t("old_logprobs"):
-            logp_old_t = self.actor.logprobs(rp.input_ids, lengths)
+            # the monitor compares with the sampler at its own temperature (PURE: T=0.5 while
+            # the update's log-probs are at T=1), from the same forward
+            sampler_t = cfg.rollout.temperature
+            if self.temperature == sampler_t:
+                logp_old_t = logp_sampler_t = self.actor.logprobs(rp.input_ids, lengths)
+            else:
+                logp_old_t, logp_sampler_t = self.actor.logprobs(rp.input_ids, lengths,
+                                                                 also_at=sampler_t)
             logp_ref_t = (self.ref.logprobs(rp.input_ids, lengths) if self.ref is not None
                           else None)
         R = batch.response_ids.shape[1]
@@ -824,8 +872,9 @@ class RLTrainer:
         with t("advantages"):
             adv = self.advantages(sb, logp_old, logp_ref)
         adv_t = response_to_targets(adv.advantages, rp)
-        metrics = {**self._rollout_metrics(sb, adv, logp_old), **prm_metrics,
-                   **refill_metrics, **self._judge_metrics}
+        logp_sampler = targets_to_response(logp_sampler_t, rp, R)
+        metrics = {**self._rollout_metrics(sb, adv, logp_old, logp_sampler), **prm_metrics,
+                   **refill_metrics, **self._judge_metrics, **self._fallback_metrics}
         # refill's top-up groups (the cap was hit) did not pass: no gradient from them
         keep = adv.keep if sb.passed is None else adv.keep & sb.passed
         with t("update"):
@@ -843,12 +892,16 @@ class RLTrainer:
         self._log_samples(step, sb)
         return metrics
 
-    def _rollout_metrics(self, sb: ScoredBatch, adv: AdvantageOutputs, logp_old) -> dict:
-        """Rank-local means (averaged over dp by `fit`) and the sampler-vs-trainer guard."""
+    def _rollout_metrics(self, sb: ScoredBatch, adv: AdvantageOutputs, logp_old,
+                         logp_sampler) -> dict:
+        """Rank-local means (averaged over dp by `fit`) and the sampler-vs-trainer guard.
+        logp_old [B, R]: the actor's at the log-prob temperature (what the update uses);
+        logp_sampler [B, R]: the actor's at the sampling temperature (what the guard compares
+        with the engine's; the same tensor when the two temperatures agree)."""
         b = sb.rollout
         lens = b.response_lengths.float()
         mask = b.response_mask.float()
-        diff = (b.sampler_logprobs - logp_old).abs() * mask
+        diff = (b.sampler_logprobs - logp_sampler).abs() * mask
         m = {"reward/outcome_mean": float(sb.outcome.mean()),
              "response/length_mean": float(lens.mean()),
              "response/length_max": float(lens.max()),
@@ -860,8 +913,13 @@ class RLTrainer:
              "filter/keep_frac": float(adv.keep.float().mean()),
              "rollout/sampler_logprob_mean": float((b.sampler_logprobs * mask).sum()
                                                    / mask.sum().clamp(min=1)),
-             "rollout/trainer_logprob_mean": float((logp_old * mask).sum()
+             "rollout/trainer_logprob_mean": float((logp_sampler * mask).sum()
                                                    / mask.sum().clamp(min=1)),
+             # the two temperatures: sampling (engine, guard) and log-probs (the update)
+             "rollout/sampling_temperature": float(self.cfg.rollout.temperature),
+             "rollout/logprob_temperature": float(self.temperature),
+             "rollout/update_logprob_mean": float((logp_old * mask).sum()
+                                                  / mask.sum().clamp(min=1)),
              # verl's training/rollout_probs_diff: the engine and the trainer must agree
              "rollout/logprob_diff_mean": float(diff.sum() / mask.sum().clamp(min=1)),
              "rollout/logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
@@ -913,14 +971,18 @@ class RLTrainer:
 
             problems = generate_problems(cfg.data.arithmetic, n, seed=HELD_OUT_SEED)
             r = evaluate.evaluate_arithmetic(self.engine, self.tok, self.groups, problems,
-                                             max_tokens=cfg.rollout.max_tokens)
+                                             max_tokens=cfg.rollout.max_tokens,
+                                             fmt=prompt_formatter(cfg.data, self.tok))
         else:
             from megaprm.tasks.datasets import load_prompts
 
             records, _ = load_prompts(cfg.data.eval_path, limit=n)
+            fmt = prompt_formatter(cfg.data, self.tok)  # the training prompts' format
             r = evaluate.evaluate_math(self.engine, self.tok, self.groups,
-                                       [x.prompt for x in records], [x.answer for x in records],
-                                       max_tokens=cfg.rollout.max_tokens)
+                                       [fmt(x.prompt, x.meta.get("messages")) for x in records],
+                                       [x.answer for x in records],
+                                       max_tokens=cfg.rollout.max_tokens,
+                                       verifier=cfg.reward.verifier)
         self.engine.sleep()
         return {f"eval/{k}": float(v) for k, v in r.items()}
 
@@ -1109,12 +1171,46 @@ HELD_OUT_SEED = 987_654_321  # arithmetic eval problems; training draws seed*100
 LOGPROB_DIFF_WARN = 1e-2     # fp32 engines agree to ~1e-6; bf16 vLLM vs Megatron ~1e-2 typical
 
 
+def logprob_temperature(cfg: Config) -> float:
+    """The temperature of every log-prob the update uses (`actor.logprob_temperature`):
+    rollout.temperature unless a number is set (PURE's release: T = 1 while sampling at 0.5)."""
+    t = cfg.actor.logprob_temperature
+    return float(cfg.rollout.temperature if t == "rollout" else t)
+
+
+def encode_prompts(tokenizer, texts: list) -> list:
+    """The token ids the engine is given: each prompt text encoded without added special tokens
+    (a chat template's markers are in the text and parse as the special tokens they name), as
+    verl's tokenize_and_postprocess_data and OpenRLHF's tokenizer call do."""
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def prompt_formatter(d, tokenizer):
+    """(question, messages=None) -> the policy's prompt text under `data.prompt_format` (and
+    data.prompt_template / system_prompt; tasks.datasets.policy_prompt). A chat format needs
+    the policy tokenizer's chat template: refused here, before any model is built."""
+    from megaprm.tasks.datasets import policy_prompt
+
+    if d.prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("data.prompt_format='chat' needs a chat template in the policy's "
+                          "tokenizer (tokenizer_config.json chat_template); this one has none. "
+                          "Use data.prompt_format=raw or a tokenizer with a template")
+
+    def fmt(question, messages=None):
+        return policy_prompt(question, messages, fmt=d.prompt_format,
+                             template=d.prompt_template, system=d.system_prompt,
+                             tokenizer=tokenizer)
+    return fmt
+
+
 def _make_data(cfg: Config, tokenizer=None, log=None):
     """block -> `Prompts`: the global prompt batch number `block`, deterministic in it (a step
     without refill uses block = step, so resume needs nothing else; with refill the next block
     is saved trainer state). A prompt file is read once, with its load report printed (`log`)
     and `data.*` row rules applied; it is walked in order, block after block."""
     P = cfg.data.prompts_per_step
+    d = cfg.data
+    fmt = prompt_formatter(d, tokenizer)
     if cfg.data.task == "arithmetic":
         from megaprm.tasks.arithmetic import generate_problems, reference_solution
 
@@ -1122,11 +1218,11 @@ def _make_data(cfg: Config, tokenizer=None, log=None):
             probs = generate_problems(cfg.data.arithmetic, P,
                                       seed=cfg.trainer.seed * 100_003 + block)
             texts = [p.prompt for p in probs]
-            return Prompts(texts, probs, texts, [reference_solution(p) for p in probs])
+            return Prompts([fmt(t) for t in texts], probs, texts,
+                           [reference_solution(p) for p in probs])
         return arithmetic
     from megaprm.tasks.datasets import load_prompts
 
-    d = cfg.data
     records, report = load_prompts(d.path, on_bad_row=d.on_bad_row,
                                    keep_unanswered=d.keep_unanswered,
                                    max_prompt_tokens=d.max_prompt_tokens,
@@ -1137,7 +1233,8 @@ def _make_data(cfg: Config, tokenizer=None, log=None):
 
     def math(block):
         rows = [records[(block * P + i) % len(records)] for i in range(P)]
-        return Prompts([r.prompt for r in rows], [r.answer for r in rows],
+        return Prompts([fmt(r.prompt, r.meta.get("messages")) for r in rows],
+                       [r.answer for r in rows],
                        [r.question or r.prompt for r in rows], [r.reference for r in rows])
     math.report = report
     return math

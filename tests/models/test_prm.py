@@ -93,6 +93,10 @@ def _rank_work(dirs, tp, pp):
             scores, seg = score_rollouts(model, g, *rollouts, sep_ids={SEP}, fmt=fmt, head=head,
                                          micro_batch_size=2)
             out[(head, fmt_name)] = scores
+        # prm.forward=released: PROF's left-padded micro-batches with no attention mask
+        out[(head, "released")] = score_rollouts(model, g, *rollouts, sep_ids={SEP},
+                                                 fmt=PRMInputFormat(), head=head,
+                                                 micro_batch_size=2, forward="released")[0]
         # the HF export of the PRM stage-by-stage (weight sync) gives the checkpoint back
         out[(head, "weights")] = dict(weight_sync.iter_hf_weights(model, g))
         out["step_end_index"] = seg.step_end_index
@@ -164,6 +168,18 @@ def hf_reference(model_dirs):
                     p = torch.softmax(logits[ends], -1)
                     per_row.append(p[:, 1] - p[:, 0] if head == "token_cls" else p[:, 1])
                 ref[(head, fmt_name)] = per_row
+        # PROF-GRPO's released forward (prof_dp_rm.py:282-295): two rows at a time, left-padded
+        # with pad id 0 to the longer one, called with input_ids only (no attention mask)
+        rows, released = _rows(), []
+        for a in range(0, len(rows), 2):
+            pair = rows[a:a + 2]
+            width = max(len(ids) for ids, _, _ in pair)
+            x = torch.tensor([[0] * (width - len(ids)) + ids for ids, _, _ in pair])
+            hidden = trunk(x).last_hidden_state
+            for j, (ids, ends, _) in enumerate(pair):
+                p = torch.softmax(mlp_head(hidden[j])[[e + width - len(ids) for e in ends]], -1)
+                released.append(p[:, 1])
+        ref[("prm_mlp", "released")] = released
         lms = [tf.AutoModelForCausalLM.from_pretrained(model_dirs[n], dtype=torch.float32).eval()
                for n in ("lm_prm", "lm_ref")]
         qs, steps = [], []
@@ -209,6 +225,15 @@ def _check_against_reference(result, ref):
 def test_single_process_matches_transformers(model_dirs, hf_reference):
     (result,) = _results(model_dirs, (1, 1))
     _check_against_reference(result, hf_reference)
+    # prm.forward=released equals the left-padded, unmasked HF forward, and differs from the
+    # exact (compact) scores in rows that were padded
+    released, compact = result[("prm_mlp", "released")], result[("prm_mlp", "raw")]
+    differ = 0
+    for i, expected in enumerate(hf_reference[("prm_mlp", "released")]):
+        n = len(expected)
+        assert torch.allclose(released.scores[i, :n], expected, atol=TOL, rtol=0), i
+        differ += not torch.allclose(released.scores[i, :n], compact.scores[i, :n], atol=1e-4)
+    assert differ > 0
     # exported weights: the checkpoint back, under HF names (score.* included, no lm_head)
     from safetensors.torch import load_file
 

@@ -195,3 +195,38 @@ def test_prompt_goes_through_the_graders_chat_template():
     assert all(isinstance(t, int) for t in eng.prompts[0])
     assert tok.decode(eng.prompts[0]) == want
     assert res.scores.tolist() == [1.0]
+
+
+# ------------------------------------------------------------------ PAPO's answer fallback
+
+@pytest.mark.parametrize("text,verdict", [
+    ("Same value.\nFinal Grade: CORRECT", True),
+    ("final grade: incorrect", False),
+    ("Final Grade: INCORRECT, though CORRECT in form", False),   # the verdict line decides
+    ("This is CORRECT.", True),                                  # no line: a bare CORRECT
+    ("Not CORRECT; INCORRECT.", False),
+    ("", False),
+])
+def test_parse_verdict(text, verdict):
+    assert J.parse_verdict(text) is verdict
+
+
+def test_llm_fallback_asks_only_rule_failures_and_flips_on_correct():
+    tok = _printable_tokenizer()
+    outcome = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0])
+    responses = ["\\boxed{4}", "so \\boxed{2^2}", "<think>x</think>four", "<think>a</think>",
+                 "\\boxed{5}"]
+    eng = _CannedEngine(tok, ["Final Grade: CORRECT", "Final Grade: INCORRECT",
+                              "<think>Final Grade: INCORRECT</think>CORRECT"])
+    out, m = J.llm_answer_fallback(eng, tok, ["What is 2+2?"] * 5, ["4"] * 5, responses, outcome,
+                                   J.JudgeConfig(max_tokens=8))
+    # rows 1, 2, 4 asked (rule said wrong, non-empty answer); row 3's answer is empty
+    assert len(eng.prompts) == 3
+    assert tok.decode(eng.prompts[0]) == J.ANSWER_TEMPLATE.format(
+        question="What is 2+2?", student="2^2", reference="4")
+    assert tok.decode(eng.prompts[1]).startswith("Question: What is 2+2?\n\nStudent's Answer: "
+                                                 "four\n")
+    assert out.tolist() == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert m == {"reward/llm_fallback_asked_frac": 3 / 5,
+                 "reward/llm_fallback_flipped_frac": 2 / 5}
+    assert outcome.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]  # the input is not modified

@@ -200,6 +200,67 @@ def test_trainer_logprobs_are_the_samplers_at_the_rollout_temperature(models, tm
     assert metrics["actor/entropy_token_mean"] > 0
 
 
+def _logprob_temperature_work(run_dir, policy, prm):
+    from megaprm.parallel import pipeline
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer import loop
+
+    g = init_distributed()
+    cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=1", "rollout.temperature=0.5",
+                                                 "actor.logprob_temperature=1.0",
+                                                 "actor.mini_batches=1"])
+    tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
+    tr._step = 0
+    batch, _, _ = tr.rollout(0)  # the batch fit's step 0 draws again (same block, same seed)
+    rp = batch.to_right_padded(tr.pad)
+    mask = rp.loss_mask[:, :-1].bool()
+    # the reference: one plain forward of the whole batch, log-probs and entropy at T = 1/0.5
+    refs = {}
+    for t in (1.0, 0.5):
+        with torch.no_grad():
+            refs[t] = pipeline.run(tr.actor.model, loop._split(rp.input_ids, mask.float(), None,
+                                                               10_000, 1),
+                                   groups=g, post=loop.logprob_post(tr.spec, g, t, True),
+                                   forward_only=True)[0]
+    sampler = loop.response_to_targets(batch.sampler_logprobs, rp)
+    lp1, lp_half = tr.actor.logprobs(rp.input_ids, also_at=0.5)
+    out = {"old_vs_t1": float((lp1 - refs[1.0][0])[mask].abs().max()),
+           "half_vs_sampler": float((lp_half - sampler)[mask].abs().max()),
+           "t1_vs_sampler": float((lp1 - sampler)[mask].abs().max()),
+           "entropy_t1": float(refs[1.0][1][mask].mean()),
+           "entropy_half": float(refs[0.5][1][mask].mean())}
+    tr.engine.wake()
+    return out, tr.fit()[0]
+
+
+def test_pure_logprobs_at_t1_while_sampling_at_half(models, tmp_path):
+    """actor.logprob_temperature=1 with rollout.temperature=0.5 (PURE's release): the update's
+    log-probs and entropy are the T = 1 ones of a plain forward, the guard still compares with
+    the sampler at 0.5 (and passes), and the metrics name both temperatures."""
+    policy, prm = models
+    ref, metrics = launch.spawn(_logprob_temperature_work, 1, str(tmp_path), policy, prm)[0]
+    assert ref["old_vs_t1"] <= 1e-6
+    assert ref["half_vs_sampler"] <= 1e-5
+    assert ref["t1_vs_sampler"] > 1e-2  # the two distributions do differ on this model
+    assert metrics["rollout/sampling_temperature"] == 0.5
+    assert metrics["rollout/logprob_temperature"] == 1.0
+    assert metrics["rollout/logprob_diff_max"] <= 1e-5
+    assert metrics["actor/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["actor/entropy_token_mean"] == pytest.approx(ref["entropy_t1"], rel=1e-4)
+    assert abs(ref["entropy_t1"] - ref["entropy_half"]) > 1e-2
+
+
+def test_logprob_temperature_is_checked():
+    with pytest.raises(ConfigError, match="actor.logprob_temperature"):
+        load_config(DEMO_YAML, ["actor.logprob_temperature=0"])
+    with pytest.raises(ConfigError, match="actor.logprob_temperature"):
+        load_config(DEMO_YAML, ["actor.logprob_temperature=sampler"])
+    pure = load_config(os.path.join(os.path.dirname(DEMO_YAML), "..", "..", "configs",
+                                    "pure.yaml"))
+    assert (pure.rollout.temperature, pure.actor.logprob_temperature) == (0.5, 1.0)
+
+
 # ------------------------------------------------------------------ metrics are global means
 
 def _metrics_work(run_dir, policy, prm, micro_batch_size, packed=False):
