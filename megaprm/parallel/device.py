@@ -4,6 +4,10 @@
 * Host-side work - tokenising, verifiers, estimators' Python bookkeeping, metrics - stays on the
   CPU. Tensors cross between the two only at phase boundaries, through `to_device` (host ->
   model) and `to_host` (model -> host), so a test can check the rule by looking at devices.
+  Host values (`.item()`, `.tolist()`, `.numpy()`, `float()`) are read from host tensors only:
+  a value the model's device computed is first brought over by `to_host`.
+* Every tensor that changes device goes through `_cross`, one function, so that the CPU
+  stand-in test (tests/parallel/test_device.py, model on `meta`) can intercept the crossing.
 * Collectives run on the process group's device: CUDA tensors for NCCL, CPU tensors for gloo
   (`comm_device`).
 """
@@ -37,7 +41,7 @@ def to_device(obj, device: torch.device):
     """Move every tensor inside `obj` (tensors, dataclasses, dicts, lists, tuples) to `device`;
     other values pass through. Returns a new container; tensors already there are not copied."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=device.type == "cuda")
+        return _cross(obj, device)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)
                                            for f in dataclasses.fields(obj) if f.init})
@@ -49,4 +53,14 @@ def to_device(obj, device: torch.device):
 
 
 def to_host(obj):
+    """`to_device(obj, cpu)`: results of the model's device, made readable on the host."""
     return to_device(obj, torch.device("cpu"))
+
+
+def _cross(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The one place a tensor changes device. Host -> GPU copies are asynchronous (pinned or
+    not, stream-ordered before any kernel that reads them); GPU -> host ones are synchronous,
+    so the host can read the values right after."""
+    if t.device == device:
+        return t
+    return t.to(device, non_blocking=device.type == "cuda")

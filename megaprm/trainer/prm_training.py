@@ -39,6 +39,7 @@ from megaprm.models.logprobs import vocab_parallel_logprobs
 from megaprm.models.prm import (PRM_HEADS, as_prm_spec, build_prm, gather_positions,
                                 hf_prm_config, load_trunk_from_hf)
 from megaprm.parallel import pipeline, weight_sync
+from megaprm.parallel.device import to_host
 from megaprm.parallel.groups import Groups
 from megaprm.rewards import scoring
 from megaprm.rewards.steps import STEP_SEP, segment_steps, separator_token_ids
@@ -393,7 +394,7 @@ def prm_train_step(model, optimizer, groups: Groups, data: EncodedSteps, rows: t
         z = gather_positions(logits[..., :2], index).float()  # [b, S, 2]
         ce = F.cross_entropy(z.reshape(-1, 2), labels.reshape(-1), reduction="none")
         loss = (ce.view(mask.shape) * mask).sum() / denom
-        lm = torch.zeros((), dtype=loss.dtype)
+        lm = loss.new_zeros(())  # on the loss's device: the two are stacked below
         if lm_loss_weight:
             target = torch.roll(mb.input_ids, -1, dims=1)  # masked where it wraps around
             logp = vocab_parallel_logprobs(logits[..., 2:], target, tp_group=groups.tp,
@@ -406,7 +407,7 @@ def prm_train_step(model, optimizer, groups: Groups, data: EncodedSteps, rows: t
                                 loss_mask=lm_mask)
     parts = pipeline.run(model, mbs, groups=groups, post=post, forward_only=False)
     grad_norm, _ = optimizer.step()
-    totals = (sum(parts) if parts else torch.zeros(2)).double().cpu()  # host side
+    totals = to_host(sum(parts)).double() if parts else torch.zeros(2, dtype=torch.float64)
     if groups.dp_size > 1:
         dist.all_reduce(totals, group=groups.host_dp)
     loss, lm = pipeline.broadcast_from_last_stage(totals, groups).tolist()
@@ -552,7 +553,7 @@ def save_prm(model, groups: Groups, spec, output_dir: str, *, tokenizer=None,
              fmt: scoring.PRMInputFormat = scoring.PRMInputFormat(), extra=None) -> None:
     """Write the PRM in the HF format: every rank joins the gather, global rank 0 writes, and
     every rank returns once the directory is complete."""
-    tensors = {name: t.detach().cpu().contiguous()
+    tensors = {name: to_host(t.detach()).contiguous()
                for name, t in weight_sync.iter_hf_weights(model, groups, spec)}
     if groups.rank == 0:
         _write_hf_dir(tensors, spec, output_dir, tokenizer, fmt, extra)
