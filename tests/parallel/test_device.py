@@ -177,10 +177,20 @@ def _meta_prm_and_conversion(rank, world_size, lm_dir, out_dir):
     _prm_phase("sequence_logprobs", seen, sequence_logprobs)
     _prm_phase("prm_loss", seen, prm_loss)
 
-    # failure 3: conversion on a node whose torch sees an accelerator; in-process as one
-    # torchrun rank (RANK/WORLD_SIZE), so the stand-in applies to its rank half too
+    # from here torch sees an accelerator (the stand-in's): defaults follow it
     torch.cuda.is_available = lambda: True
     torch.cuda.set_device = lambda d: None
+
+    def prm_training_dtype():  # train-prm's default dtype on CUDA: bf16, trunk and head
+        model, _ = pt.build_trainable_prm(pt.PRMTrainConfig(model_dir=lm_dir), g)
+        fp32, _ = pt.build_trainable_prm(pt.PRMTrainConfig(model_dir=lm_dir, dtype="fp32"), g)
+        return ({str(p.dtype) for p in model.parameters()}, str(model.score.weight.dtype),
+                {str(p.dtype) for p in fp32.parameters()})
+
+    _prm_phase("prm_training_dtype", seen, prm_training_dtype)
+
+    # failure 3: conversion on a node whose torch sees an accelerator; in-process as one
+    # torchrun rank (RANK/WORLD_SIZE), so the stand-in applies to its rank half too
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
     def conversion():
@@ -229,3 +239,29 @@ def test_conversion_runs_on_the_host_where_an_accelerator_is_present(meta_prm_wo
     with `.numpy()` and compared device logits with host ones. Conversion is host work: import,
     export and verify all run and agree with transformers with an accelerator present."""
     assert meta_prm_world["conversion"] == [True, True, True], meta_prm_world["conversion"]
+
+
+def test_prm_training_defaults_to_bf16_where_cuda_is_present(meta_prm_world):
+    """Issue 26 item 5: train-prm's PRM (trunk and head) is bf16 on CUDA; fp32 on request."""
+    assert meta_prm_world["prm_training_dtype"] == (
+        {"torch.bfloat16"}, "torch.bfloat16", {"torch.float32"}), meta_prm_world
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_auto_dtype_is_bf16_on_cuda_and_fp32_on_the_cpu(monkeypatch, cuda):
+    """model.dtype / PRMTrainConfig.dtype "auto" (the default) resolve where the run starts;
+    explicit names stay as written; a bad one is a config error naming the field; TF32 is on
+    exactly where CUDA is."""
+    from megaprm.config import ConfigError, ModelConfig
+    from megaprm.parallel import device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    precision_calls = []
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", precision_calls.append)
+    assert ModelConfig().dtype == ("bf16" if cuda else "fp32")
+    assert device.resolve_dtype("auto") == (torch.bfloat16 if cuda else torch.float32)
+    assert ModelConfig(dtype="fp32").dtype == "fp32" and ModelConfig(dtype="bf16").dtype == "bf16"
+    with pytest.raises(ConfigError, match="model.dtype='fp16'"):
+        ModelConfig(dtype="fp16")
+    device.configure_cuda_math()
+    assert precision_calls == (["high"] if cuda else [])
