@@ -44,7 +44,7 @@ from typing import Any, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megaprm.models.logprobs import vocab_parallel_logprobs
+from megaprm.models.logprobs import next_token_logprobs
 from megaprm.models.prm import (StepScores, gather_positions, head_step_scores,
                                 implicit_step_scores, implicit_token_rewards)
 from megaprm.parallel import pipeline
@@ -354,8 +354,8 @@ def sequence_logprobs(model, groups: Groups, batch: PRMBatch, *, vocab_size: int
     B, L = batch.input_ids.shape
 
     def post(mb, logits):  # [b, L, V/tp], vocab-parallel
-        lp = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=groups.tp,
-                                     tp_rank=groups.tp_rank, vocab_size=vocab_size)
+        lp = next_token_logprobs(logits, mb.input_ids, tp_group=groups.tp,
+                                 tp_rank=groups.tp_rank, vocab_size=vocab_size)
         return None, torch.nn.functional.pad(lp, (1, 0))
 
     parts = pipeline.run(model, micro_batches(batch, micro_batch_size, groups.pp_size),
