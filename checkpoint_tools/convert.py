@@ -113,8 +113,13 @@ def _shared_tmp(tmp_dir: str | None, out_dir: str):
 
 
 def _init(tp: int, pp: int) -> Groups:
+    """This rank's groups. Conversion is host work on a GPU node too: the stages live in host
+    memory (file bytes are read into and written from the parameters' storage), gloo connects
+    the ranks, and the check forward runs on the CPU (`cpu.host_only`)."""
+    from megaprm.parallel import cpu
     from megaprm.parallel.init import init_distributed
 
+    cpu.host_only()
     return _agree("parallel layout", lambda: init_distributed(tp=tp, pp=pp))
 
 

@@ -21,6 +21,8 @@ import threading
 
 import torch
 
+from megaprm.parallel.device import to_host
+
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                 torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
                 torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -273,7 +275,10 @@ class ShardWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue a tensor for the current shard. It is written as given, not copied: a caller
-        that reuses its buffer must pass a copy."""
+        that reuses its buffer must pass a copy. A tensor on the model's device is queued as
+        its host copy (`to_host`: the writer reads bytes from host memory)."""
+        if isinstance(tensor, torch.Tensor):
+            tensor = to_host(tensor)
         if name in self._pending or any(name in s for s in self._shards):
             raise AssertionError(f"tensor {name} written twice")
         if tensor.dtype not in _DTYPE_NAMES:

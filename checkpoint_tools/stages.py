@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megaprm.models.hf_spec import ModelSpec
 from megaprm.parallel import pipeline
+from megaprm.parallel.device import to_host
 from megaprm.parallel.groups import Groups
 
 
@@ -42,7 +43,7 @@ def sharded_state_dict(model) -> dict:
 
 def full_outputs(model, spec: ModelSpec, groups: Groups, input_ids: torch.Tensor) -> torch.Tensor:
     """Forward a [b, s] batch; every rank gets fp32 [b, s, vocab] logits (LM, tp shards gathered,
-    padding rows cut) or [b, s, num_labels] head logits (PRM, replicated over tp)."""
+    padding rows cut) or [b, s, num_labels] head logits (PRM, replicated over tp), on the host."""
     mb = pipeline.TokenBatch(input_ids, torch.ones_like(input_ids, dtype=torch.float32))
 
     def post(_mb, out):
@@ -57,4 +58,4 @@ def full_outputs(model, spec: ModelSpec, groups: Groups, input_ids: torch.Tensor
     model.eval()
     with torch.no_grad():
         outs = pipeline.run(model, [mb], groups=groups, post=post, forward_only=True)
-    return pipeline.broadcast_from_last_stage(outs[0] if outs else None, groups)
+    return pipeline.broadcast_from_last_stage(to_host(outs[0]) if outs else None, groups)

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import yaml
 
 from megaprm.algorithms.registry import AdvantageConfig
+from megaprm.parallel.device import DTYPE_CHOICES, resolve_dtype_name
 from megaprm.parallel.pipeline import OptimConfig
 from megaprm.rewards.judge import JudgeConfig
 from megaprm.tasks.arithmetic import ArithmeticConfig
@@ -48,13 +49,17 @@ class ModelConfig:
     """`path`: an HF directory (config.json + safetensors). The demo writes its own."""
 
     path: Optional[str] = None
-    dtype: str = "fp32"
+    dtype: str = "auto"          # auto: bf16 on CUDA, fp32 on the CPU (resolved here); fp32 | bf16
     impl: Optional[str] = None   # layer spec te | sdpa | local; None: TE if it imports, else sdpa
     compile: bool = False        # torch.compile the layers (docs/actor.md)
     recompute: bool = False      # Megatron's full activation recompute, one layer at a time
 
     def __post_init__(self):
-        _check(self.dtype in ("fp32", "bf16"), "model.dtype", self.dtype, "fp32 or bf16")
+        _check(self.dtype in DTYPE_CHOICES, "model.dtype", self.dtype,
+               "auto (bf16 on CUDA, fp32 on the CPU), fp32 or bf16")
+        # resolved once, where the run starts: the run dir's config.yaml and the checkpoints
+        # name the dtype the models were built in
+        self.dtype = resolve_dtype_name(self.dtype)
         _check(self.impl in (None, "te", "sdpa", "local"), "model.impl", self.impl,
                "te, sdpa, local or null (automatic)")
 

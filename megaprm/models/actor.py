@@ -18,13 +18,14 @@ from megaprm.models.hf_spec import ModelSpec, decoder_spec, llama3_inv_freq, tra
 
 
 def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
-              dtype: torch.dtype = torch.float32, impl: Optional[str] = None,
+              dtype: Optional[torch.dtype] = None, impl: Optional[str] = None,
               seq_length: Optional[int] = None, model_cls: Optional[Callable] = None,
               compile=False, recompute: bool = False, **config_overrides):
     """Build this rank's stage of a GPTModel equal to the HF model `spec` describes.
 
     Megatron's own init fills the weights; load real ones with `models.mapping.load_hf_weights`.
     `model_cls` builds a GPTModel subclass with the same arguments (the PRM: `models.prm`).
+    `dtype`: of the parameters (default: bf16 on CUDA, fp32 on the CPU: `device.resolve_dtype`).
     `impl`: "te" | "sdpa" | "local" (default: "te" where TE imports with CUDA, else "sdpa").
     `recompute`: recompute each layer's activations in backward (less memory, ~1/3 more
     compute). `compile`: torch.compile each transformer layer (first steps pay the compile);
@@ -32,6 +33,9 @@ def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
     """
     from megatron.core.models.gpt import GPTModel
 
+    from megaprm.parallel.device import resolve_dtype
+
+    dtype = dtype if dtype is not None else resolve_dtype("auto")
     if recompute:
         config_overrides = {"recompute_granularity": "full", "recompute_method": "uniform",
                             "recompute_num_layers": 1, **config_overrides}

@@ -11,7 +11,7 @@ which picks flash / cuDNN / memory-efficient kernels on GPU and a fused kernel o
 * GQA: `enable_gqa=True`, K/V are not repeated;
 * packed rows (`packed_seq_params.qkv_format == "thd"`, cu_seqlens over one row):
   block-diagonal causal attention without a mask tensor: torch's varlen flash kernel on CUDA
-  where it exists, else one causal SDPA call per sequence.
+  in bf16/fp16 (GQA included, `varlen_call`), else one causal SDPA call per sequence.
 
 `RMSNorm` holds its weight in the model's params dtype (Megatron's local spec wraps
 `torch.nn.RMSNorm`, whose weight stays fp32 in a bf16 model) and calls torch's fused
@@ -31,17 +31,28 @@ _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 @functools.lru_cache(maxsize=None)
-def _varlen_attn(gqa: bool):
-    """torch's varlen flash attention as f(q, k, v, cu, max_len, scale) (CUDA), or None.
-
-    Its keyword arguments moved between torch releases (is_causal vs window_size=(-1, 0));
-    the signature is read once here, and None means "use the per-sequence SDPA loop"."""
+def _varlen_attn():
+    """torch's varlen flash attention (CUDA) as `varlen_call`'s f(q, k, v, cu, max_len, scale),
+    or None where this torch has none (then one SDPA call per sequence)."""
     try:
-        import inspect
-
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
+    return varlen_call(varlen_attn)
+
+
+def varlen_call(varlen_attn):
+    """Causal block-diagonal attention f(q [t, np, hn], k/v [t, ng, hn], cu_seqlens int32,
+    max_len, scale) -> [t, np, hn] through a torch `varlen_attn`, whatever its release's
+    keywords (read once with inspect), or None if it cannot be made causal.
+
+    * causal: `window_size=(-1, 0)` (torch >= 2.12) or `is_causal=True` (earlier);
+    * GQA: `enable_gqa=True` where it exists, else K/V heads repeated to np here (flash's own
+      GQA needs no copy; the copy is still one kernel call per layer, not one per sequence);
+    * scale: passed where it exists; else q is pre-scaled so that the kernel's 1/sqrt(hn)
+      gives `scale` (the same product up to rounding)."""
+    import inspect
+
     params = inspect.signature(varlen_attn).parameters
     kw = {}
     if "window_size" in params:
@@ -50,11 +61,24 @@ def _varlen_attn(gqa: bool):
         kw["is_causal"] = True
     else:
         return None
-    if gqa:
-        if "enable_gqa" not in params:
-            return None
-        kw["enable_gqa"] = True
-    return lambda q, k, v, cu, n, scale: varlen_attn(q, k, v, cu, cu, n, n, scale=scale, **kw)
+    has_gqa, has_scale = "enable_gqa" in params, "scale" in params
+
+    def call(q, k, v, cu, max_len, scale):
+        extra = dict(kw)
+        if q.shape[1] != k.shape[1]:
+            if has_gqa:
+                extra["enable_gqa"] = True
+            else:
+                rep = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if scale is not None:
+            if has_scale:
+                extra["scale"] = scale
+            else:
+                q = q * (scale * q.shape[-1] ** 0.5)
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
+
+    return call
 
 
 def _sdpa(q, k, v, *, mask=None, causal=False, scale=None, dropout=0.0):
@@ -103,7 +127,7 @@ class SDPAttention(DotProductAttention):
         t = query.shape[0]
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None \
             else params.cu_seqlens_q
-        varlen = _varlen_attn(query.shape[1] != key.shape[1]) if query.is_cuda else None
+        varlen = _varlen_attn() if query.is_cuda else None
         if varlen is not None and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0:
             out = varlen(query, key, value, cu.to(torch.int32), int(params.max_seqlen_q),
                          self.softmax_scale)

@@ -10,6 +10,7 @@ By default the computation is chunked over tokens (`_ChunkedLogProb`): the fp32 
 fp32 copy of the [b, s, V/tp] logits nor its exp / probabilities are kept; the collectives are
 batched over all chunks (one MAX and one SUM all-reduce per call). `chunk_tokens=0` is the
 unchunked path, kept as the reference the tests and the benchmark compare with.
+`next_token_logprobs` is the causal-LM call: full logits, rolled targets (no sliced copy).
 
 The tp group is passed in (None or size 1 = no communication); this module never reads
 Megatron's globals.
@@ -145,7 +146,10 @@ class _ChunkedLogProb(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent):
         logits, z_max, sum_exp, e_z, local_idx, in_shard = ctx.saved_tensors
         n_valid, with_entropy, temperature, blocks = ctx.args
-        grad = torch.zeros_like(logits)
+        # every [row, token, :n_valid] block is written below: only the padded vocabulary
+        # columns need zeros (no full-size memset)
+        grad = torch.empty_like(logits)
+        grad[..., n_valid:] = 0
         for rows, toks in blocks:
             if not n_valid:
                 break
@@ -189,6 +193,18 @@ def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, *, tp_gr
     logits = _mask_padding(logits, vocab_start, vocab_size)
     logp, ent = _VocabParallelLogProb.apply(logits, target, vocab_start, tp_group, with_entropy)
     return (logp, ent) if with_entropy else logp
+
+
+def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, **kw):
+    """log p(input_ids[:, t + 1] | input_ids[:, <= t]) [b, s - 1] (and entropy [b, s - 1]) from
+    the full logits [b, s, V/tp]; keywords as `vocab_parallel_logprobs`.
+
+    The targets are rolled rather than the logits sliced: backward then produces one gradient
+    of the logits' own shape. `logits[:, :-1]` would make autograd's slice backward allocate a
+    second full-size, zero-filled gradient and copy the first into it. The last position's
+    value (its target wraps around) is computed and dropped: one token of work."""
+    out = vocab_parallel_logprobs(logits, torch.roll(input_ids, -1, dims=1), **kw)
+    return tuple(o[:, :-1] for o in out) if isinstance(out, tuple) else out[:, :-1]
 
 
 def reference_logprobs(full_logits: torch.Tensor, target: torch.Tensor, temperature=1.0):

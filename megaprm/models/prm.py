@@ -129,12 +129,13 @@ def as_prm_spec(spec: ModelSpec, head: str) -> ModelSpec:
 
 
 def build_prm(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
-              dtype: torch.dtype = torch.float32, head_seed: int = 0, aux_lm: bool = False,
+              dtype: Optional[torch.dtype] = None, head_seed: int = 0, aux_lm: bool = False,
               **kw) -> PRMModel:
     """This rank's stage of the PRM `spec` describes (spec.head in PRM_HEADS). Weights: Megatron's
     init for the trunk, `build_head`'s for the head; load real ones with `mapping.load_hf_weights`
     (a PRM checkpoint) or `load_trunk_from_hf` (an LM checkpoint). `aux_lm` keeps GPTModel's
-    vocab-parallel output layer on the last stage for an auxiliary LM loss (training only)."""
+    vocab-parallel output layer on the last stage for an auxiliary LM loss (training only).
+    `dtype`: trunk and head (default: bf16 on CUDA, fp32 on the CPU, like `build_gpt`)."""
     if spec.head not in PRM_HEADS:
         raise PRMHeadError(f"{spec.architecture} has head {spec.head!r}; build a PRM from "
                            f"as_prm_spec(spec, head) with head in {PRM_HEADS}")

@@ -37,7 +37,7 @@ class _CudaToCpuMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
-            return args[0]
+            return args[0].to(_CPU)
         if func is torch.Tensor.to:
             if args[1:] and _is_cuda(args[1]) and not isinstance(args[1], int):
                 args = (args[0], _CPU, *args[2:])
@@ -62,6 +62,13 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED or torch.cuda.is_available():
         return
+    _redirect_entry_points()
+    # 4. Literal device="cuda" allocations and .cuda() calls inside megatron-core.
+    _CudaToCpuMode().__enter__()
+    _INSTALLED = True
+
+
+def _redirect_entry_points() -> None:
     # 1. Layers and schedules ask for the current CUDA device: answer "cpu".
     torch.cuda.current_device = lambda: _CPU
     # 2. Seeding / sync / device queries: the CPU generator stands in for the CUDA one.
@@ -77,9 +84,19 @@ def install() -> None:
 
     mp_random._get_cuda_rng_state = _cpu_rng_state
     mp_random._set_cuda_rng_state = _set_cpu_rng_state
-    # 4. Literal device="cuda" allocations and .cuda() calls inside megatron-core.
-    _CudaToCpuMode().__enter__()
-    _INSTALLED = True
+
+
+def host_only() -> None:
+    """Make this process a CPU-only one, on a GPU node too: megaprm's `torch.cuda.is_available()`
+    branches (device, backend, initialisation, layer implementation) and megatron-core's CUDA
+    entry points (`install`) all take the CPU path. For host work that runs megatron-core in a
+    process of its own: checkpoint conversion, whose reads and writes go through the
+    parameters' host memory. Call before `init_distributed` builds anything."""
+    global _CPU
+    torch.cuda.is_available = lambda: False
+    _CPU = torch.device("cpu")  # CUDA requests land on the host (whatever the stand-in set)
+    _redirect_entry_points()  # again where `install` ran before: every one to the host
+    install()
 
 
 def installed() -> bool:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megaprm.parallel import cpu
+from megaprm.parallel.device import configure_cuda_math
 from megaprm.parallel.groups import Groups
 
 
@@ -60,6 +61,7 @@ def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] =
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    configure_cuda_math()
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=timeout_minutes)
         if "MASTER_ADDR" not in os.environ and world_size == 1:

@@ -310,8 +310,9 @@ def _torch_optimizers(impl) -> list:
     return [inner] if isinstance(inner, torch.optim.Optimizer) else []
 
 
-def build_stage(spec, groups: Groups, *, dtype=torch.float32, **kw):
-    """Build this rank's GPTModel stage for `spec` under `groups`."""
+def build_stage(spec, groups: Groups, *, dtype=None, **kw):
+    """Build this rank's GPTModel stage for `spec` under `groups` (dtype None: bf16 on CUDA,
+    fp32 on the CPU)."""
     from megaprm.models.actor import build_gpt
 
     return build_gpt(spec, tp=groups.tp_size, pp=groups.pp_size, pp_rank=groups.pp_rank,

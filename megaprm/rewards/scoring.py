@@ -44,10 +44,11 @@ from typing import Any, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megaprm.models.logprobs import vocab_parallel_logprobs
+from megaprm.models.logprobs import next_token_logprobs
 from megaprm.models.prm import (StepScores, gather_positions, head_step_scores,
                                 implicit_step_scores, implicit_token_rewards)
 from megaprm.parallel import pipeline
+from megaprm.parallel.device import to_host
 from megaprm.parallel.groups import Groups
 from megaprm.rewards.steps import PROF_MAX_STEPS, StepSegmentation, prof_steps, segment_steps
 
@@ -333,7 +334,8 @@ def run_prm(model, groups: Groups, batch: PRMBatch, *, head: str, micro_batch_si
 
     parts = pipeline.run(model, micro_batches(batch, micro_batch_size, groups.pp_size),
                          groups=groups, post=post, forward_only=True)
-    step_logits = torch.cat(parts)[:B] if parts else None
+    # host side from here: the step mask, the scores and everything after them are host tensors
+    step_logits = to_host(torch.cat(parts)[:B]) if parts else None
     step_logits = pipeline.broadcast_from_last_stage(step_logits, groups)
     if step_logits is None:  # B == 0
         step_logits = torch.zeros(0, S, 2)
@@ -380,13 +382,13 @@ def sequence_logprobs(model, groups: Groups, batch: PRMBatch, *, vocab_size: int
     B, L = batch.input_ids.shape
 
     def post(mb, logits):  # [b, L, V/tp], vocab-parallel
-        lp = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=groups.tp,
-                                     tp_rank=groups.tp_rank, vocab_size=vocab_size)
+        lp = next_token_logprobs(logits, mb.input_ids, tp_group=groups.tp,
+                                 tp_rank=groups.tp_rank, vocab_size=vocab_size)
         return None, torch.nn.functional.pad(lp, (1, 0))
 
     parts = pipeline.run(model, micro_batches(batch, micro_batch_size, groups.pp_size),
                          groups=groups, post=post, forward_only=True)
-    lp = torch.cat(parts)[:B] if parts else None
+    lp = to_host(torch.cat(parts)[:B]) if parts else None  # host side, like the batch
     lp = pipeline.broadcast_from_last_stage(lp, groups)
     return lp if lp is not None else torch.zeros(0, L)
 

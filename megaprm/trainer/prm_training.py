@@ -39,6 +39,7 @@ from megaprm.models.logprobs import vocab_parallel_logprobs
 from megaprm.models.prm import (PRM_HEADS, as_prm_spec, build_prm, gather_positions,
                                 hf_prm_config, load_trunk_from_hf)
 from megaprm.parallel import pipeline, weight_sync
+from megaprm.parallel.device import DTYPE_CHOICES, DTYPES, resolve_dtype_name, to_host
 from megaprm.parallel.groups import Groups
 from megaprm.rewards import scoring
 from megaprm.rewards.steps import STEP_SEP, segment_steps, separator_token_ids
@@ -78,6 +79,7 @@ class PRMTrainConfig:
     # the solution while the head learns to judge it: a tiny PRM trained from scratch on the
     # arithmetic task reaches AUROC >= 0.9 with it and stays near 0.7 without (docs/prm.md).
     lm_loss_weight: float = 0.0
+    dtype: str = "auto"                 # parameters: auto = bf16 on CUDA, fp32 on the CPU; fp32 | bf16
     seed: int = 0
     log_every: int = 20
 
@@ -120,6 +122,9 @@ class PRMTrainConfig:
         if not (isinstance(self.lm_loss_weight, (int, float)) and self.lm_loss_weight >= 0
                 and math.isfinite(self.lm_loss_weight)):
             bad("lm_loss_weight", "must be a finite number >= 0 (0 disables the auxiliary LM loss)")
+        if self.dtype not in DTYPE_CHOICES:
+            bad("dtype", f"valid values are {DTYPE_CHOICES} (auto: bf16 on CUDA, fp32 on the CPU)")
+        self.dtype = resolve_dtype_name(self.dtype)
         if self.lr_decay not in ("constant", "cosine"):
             bad("lr_decay", "valid values are 'constant' and 'cosine'")
         if self.weight_decay < 0:
@@ -393,7 +398,7 @@ def prm_train_step(model, optimizer, groups: Groups, data: EncodedSteps, rows: t
         z = gather_positions(logits[..., :2], index).float()  # [b, S, 2]
         ce = F.cross_entropy(z.reshape(-1, 2), labels.reshape(-1), reduction="none")
         loss = (ce.view(mask.shape) * mask).sum() / denom
-        lm = torch.zeros((), dtype=loss.dtype)
+        lm = loss.new_zeros(())  # on the loss's device: the two are stacked below
         if lm_loss_weight:
             target = torch.roll(mb.input_ids, -1, dims=1)  # masked where it wraps around
             logp = vocab_parallel_logprobs(logits[..., 2:], target, tp_group=groups.tp,
@@ -406,7 +411,7 @@ def prm_train_step(model, optimizer, groups: Groups, data: EncodedSteps, rows: t
                                 loss_mask=lm_mask)
     parts = pipeline.run(model, mbs, groups=groups, post=post, forward_only=False)
     grad_norm, _ = optimizer.step()
-    totals = (sum(parts) if parts else torch.zeros(2)).double().cpu()  # host side
+    totals = to_host(sum(parts)).double() if parts else torch.zeros(2, dtype=torch.float64)
     if groups.dp_size > 1:
         dist.all_reduce(totals, group=groups.host_dp)
     loss, lm = pipeline.broadcast_from_last_stage(totals, groups).tolist()
@@ -452,7 +457,8 @@ def build_trainable_prm(cfg: PRMTrainConfig, groups: Groups):
     spec = spec_from_hf(cfg.model_dir)
     prm_spec = as_prm_spec(spec, cfg.head)
     model = build_prm(prm_spec, tp=groups.tp_size, pp=groups.pp_size, pp_rank=groups.pp_rank,
-                      head_seed=cfg.seed, aux_lm=cfg.lm_loss_weight > 0)
+                      head_seed=cfg.seed, aux_lm=cfg.lm_loss_weight > 0,
+                      dtype=DTYPES[cfg.dtype])
     load = load_trunk_from_hf if spec.head == "lm" else mapping.load_hf_weights
     load(model, cfg.model_dir, prm_spec, tp_rank=groups.tp_rank, tp_size=groups.tp_size,
          pp=groups.pp_size, pp_rank=groups.pp_rank)
@@ -552,7 +558,7 @@ def save_prm(model, groups: Groups, spec, output_dir: str, *, tokenizer=None,
              fmt: scoring.PRMInputFormat = scoring.PRMInputFormat(), extra=None) -> None:
     """Write the PRM in the HF format: every rank joins the gather, global rank 0 writes, and
     every rank returns once the directory is complete."""
-    tensors = {name: t.detach().cpu().contiguous()
+    tensors = {name: to_host(t.detach()).contiguous()
                for name, t in weight_sync.iter_hf_weights(model, groups, spec)}
     if groups.rank == 0:
         _write_hf_dir(tensors, spec, output_dir, tokenizer, fmt, extra)
@@ -566,6 +572,11 @@ def _write_hf_dir(tensors, spec, output_dir, tokenizer, fmt, extra) -> None:
     os.makedirs(output_dir, exist_ok=True)
     save_file(tensors, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
     cfg = hf_prm_config(spec, **fmt.to_hf(), **(extra or {}))
+    # config.json names the dtype the weights are saved in (the trained one, bf16 on CUDA)
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) == 1:
+        name = str(dtypes.pop()).removeprefix("torch.")
+        cfg.update({k: name for k in ("dtype", "torch_dtype") if k in cfg or k == "dtype"})
     with open(os.path.join(output_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2, default=str)
     if tokenizer is not None:

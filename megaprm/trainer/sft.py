@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megaprm.models.logprobs import vocab_parallel_logprobs
+from megaprm.models.logprobs import next_token_logprobs
 from megaprm.parallel import pipeline
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.host import dp_sum
@@ -49,8 +49,8 @@ def sft_step(model, optimizer, groups: Groups, input_ids: torch.Tensor,
     mbs = micro_batches(input_ids, loss_mask, micro_batch_size, pad)
 
     def post(mb, logits):
-        logp = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=groups.tp,
-                                       tp_rank=groups.tp_rank, vocab_size=vocab_size)
+        logp = next_token_logprobs(logits, mb.input_ids, tp_group=groups.tp,
+                                   tp_rank=groups.tp_rank, vocab_size=vocab_size)
         loss = -(logp * mb.loss_mask[:, :-1]).sum() / denom
         return loss, loss.detach()
 

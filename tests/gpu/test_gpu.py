@@ -20,7 +20,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA on this machine: the GPU tier did not run")]
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-GPU = ["rollout.max_tokens=16", "actor.micro_batch_size=8", "actor.mini_batches=1"]
+# fp32: the checks below compare the trainer with the engine and transformers at 1e-4 (CUDA's
+# default, model.dtype auto, is bf16; test_actor_logprobs_equal_transformers_on_cuda covers it)
+GPU = ["rollout.max_tokens=16", "actor.micro_batch_size=8", "actor.mini_batches=1",
+       "model.dtype=fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +82,7 @@ def _one_adam_step(policy):
     g = init_distributed()
     src = model_source.resolve(policy)
     spec = spec_from_hf(src.hf_dir)
-    model = pipeline.build_stage(spec, g)
+    model = pipeline.build_stage(spec, g, dtype=torch.float32)  # compared with the CPU's fp32
     model_source.load_weights(model, src, spec, g)
     ddp = pipeline.wrap_ddp(model, g)
     opt = pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-3, clip_grad=1.0), g)
@@ -169,7 +172,7 @@ def _prm_score_and_train(policy, prm, out_dir):
     g = init_distributed()
     src = model_source.resolve(prm)
     spec = spec_from_hf(src.hf_dir)
-    model = build_prm(spec, tp=1, pp=1, pp_rank=0)
+    model = build_prm(spec, tp=1, pp=1, pp_rank=0, dtype=torch.float32)  # vs fp32 transformers
     model_source.load_weights(model, src, spec, g)
     ids = torch.randint(0, spec.vocab_size, (2, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -179,6 +182,7 @@ def _prm_score_and_train(policy, prm, out_dir):
         hf = AutoModelForTokenClassification.from_pretrained(prm).cuda().eval()
         ref = hf(ids.cuda()).logits.float().cpu()
     diff = float((ours.reshape(ref.shape) - ref).abs().max())
+    # PRM training in CUDA's default dtype (auto: bf16)
     result = train_prm(PRMTrainConfig(model_dir=policy, output_dir=out_dir, num_train=64,
                                       num_eval=32, stage1_steps=1, stage2_steps=1,
                                       global_batch_size=8, micro_batch_size=4), g)

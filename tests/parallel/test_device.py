@@ -95,3 +95,173 @@ def test_rank_device_is_the_local_gpu():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA on this machine: the GPU tier did not run")
     assert rank_device() == torch.device("cuda", torch.cuda.current_device())
+
+
+# ------------------------------------------------------------------ PRM phases and conversion
+# The stand-in extended to every phase that reads values: the model sits on `meta`, "cuda"
+# means meta (megatron-core's CUDA allocations and `.cuda()` land there, as on the GPU), and
+# the one crossing helper (`device._cross`) brings a meta tensor to the host as zeros of its
+# shape and dtype. A host value read from a model-device tensor without the crossing raises.
+
+def _stand_in():
+    from megaprm.parallel import cpu, device
+
+    meta = torch.device("meta")
+    cpu._CPU, torch.cuda.current_device = meta, lambda: meta
+    cross = device._cross if hasattr(device, "_cross") else None
+
+    def stand_in_cross(t, to):
+        if t.device.type == "meta" and to.type == "cpu":
+            return torch.zeros(t.shape, dtype=t.dtype)
+        return cross(t, to)
+    device._cross = stand_in_cross
+    return meta
+
+
+def _prm_phase(name, seen, fn):
+    """Run one phase; record its result or the error it raised (each phase is one test)."""
+    try:
+        seen[name] = fn()
+    except Exception:  # noqa: BLE001 - reported to the test that owns the phase
+        import traceback
+
+        seen[name] = traceback.format_exc(limit=-4)
+
+
+def _meta_prm_and_conversion(rank, world_size, lm_dir, out_dir):
+    import os
+
+    from checkpoint_tools import convert
+    from megaprm.models.hf_spec import spec_from_hf
+    from megaprm.models.prm import as_prm_spec, build_prm
+    from megaprm.parallel import pipeline
+    from megaprm.parallel.init import init_distributed
+    from megaprm.rewards import scoring
+    from megaprm.trainer import prm_training as pt
+    from megaprm.tasks.arithmetic import ArithmeticConfig
+
+    g = init_distributed()
+    meta = _stand_in()
+    spec = spec_from_hf(lm_dir)
+    prm_spec = as_prm_spec(spec, "token_cls")
+    enc, _ = pt.encode_examples(pt.arithmetic_examples(ArithmeticConfig(), 4, 0),
+                                pt.load_tokenizer(lm_dir), scoring.PRMInputFormat())
+    seen = {}
+    prm = build_prm(prm_spec, tp=1, pp=1, pp_rank=0).to(meta)
+    lm = pipeline.build_stage(spec, g).to(meta)
+
+    def run_prm():  # failure 1: the head's step logits met the host step mask
+        s = scoring.run_prm(prm, g, enc.batch, head="token_cls", micro_batch_size=2,
+                            keep_logits=True)
+        return {s.scores.device.type, s.logits.device.type, s.step_mask.device.type}
+
+    def sequence_logprobs():
+        lp = scoring.sequence_logprobs(lm, g, enc.batch, vocab_size=spec.vocab_size,
+                                       micro_batch_size=2)
+        return {lp.device.type}
+
+    class NoStep:  # the trainer's optimiser is not what this checks
+        def zero_grad(self):
+            for p in prm.parameters():
+                p.grad = None
+
+        def step(self):
+            return 0.0, True
+
+    def prm_loss():  # failure 2: the LM term's zeros (host) stacked with the loss (device)
+        out = pt.prm_train_step(prm, NoStep(), g, enc, torch.arange(4), micro_batch_size=2)
+        grads = {p.grad.device.type for p in prm.parameters() if p.grad is not None}
+        return {"values": [type(v).__name__ for v in out], "grads": grads}
+
+    _prm_phase("run_prm", seen, run_prm)
+    _prm_phase("sequence_logprobs", seen, sequence_logprobs)
+    _prm_phase("prm_loss", seen, prm_loss)
+
+    # from here torch sees an accelerator (the stand-in's): defaults follow it
+    torch.cuda.is_available = lambda: True
+    torch.cuda.set_device = lambda d: None
+
+    def prm_training_dtype():  # train-prm's default dtype on CUDA: bf16, trunk and head
+        model, _ = pt.build_trainable_prm(pt.PRMTrainConfig(model_dir=lm_dir), g)
+        fp32, _ = pt.build_trainable_prm(pt.PRMTrainConfig(model_dir=lm_dir, dtype="fp32"), g)
+        return ({str(p.dtype) for p in model.parameters()}, str(model.score.weight.dtype),
+                {str(p.dtype) for p in fp32.parameters()})
+
+    _prm_phase("prm_training_dtype", seen, prm_training_dtype)
+
+    # failure 3: conversion on a node whose torch sees an accelerator; in-process as one
+    # torchrun rank (RANK/WORLD_SIZE), so the stand-in applies to its rank half too
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+    def conversion():
+        ck, hf = os.path.join(out_dir, "ckpt"), os.path.join(out_dir, "hf")
+        imp = convert.import_hf(lm_dir, ck)
+        exp = convert.export_hf(ck, hf)
+        ver = convert.verify(lm_dir, ck)
+        return [imp["verify"]["passed"], exp["verify"]["passed"], ver["passed"]]
+
+    _prm_phase("conversion", seen, conversion)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def meta_prm_world(tmp_path_factory):
+    from megaprm.models.tiny import save_tiny_model
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from tests.distributed_utils import run_distributed
+
+    root = tmp_path_factory.mktemp("meta_prm")
+    tok = build_char_tokenizer()
+    lm = save_tiny_model("qwen2", str(root / "lm"), tokenizer=tok, vocab_size=len(tok),
+                         hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         intermediate_size=64)
+    return run_distributed(_meta_prm_and_conversion, 1, lm, str(root))[0]
+
+
+def test_prm_scoring_returns_host_scores_with_the_prm_on_another_device(meta_prm_world):
+    """Failure 1 of issue 26: `run_prm`'s step logits stayed on the model's device and met the
+    host step mask in `head_step_scores`; `sequence_logprobs` returned device log-probs that
+    meet host positions in `implicit_prm_rewards`."""
+    assert meta_prm_world["run_prm"] == {"cpu"}, meta_prm_world["run_prm"]
+    assert meta_prm_world["sequence_logprobs"] == {"cpu"}, meta_prm_world["sequence_logprobs"]
+
+
+def test_prm_training_loss_with_the_prm_on_another_device(meta_prm_world):
+    """Failure 2: with lm_loss_weight = 0 the LM term was a host zero stacked with the device
+    loss. The step runs, its backward reaches the device's parameters, values come back host."""
+    out = meta_prm_world["prm_loss"]
+    assert isinstance(out, dict), out
+    assert out["values"] == ["float", "float", "float"] and out["grads"] == {"meta"}
+
+
+def test_conversion_runs_on_the_host_where_an_accelerator_is_present(meta_prm_world):
+    """Failure 3: checkpoint_tools built its stages on the accelerator, then read their bytes
+    with `.numpy()` and compared device logits with host ones. Conversion is host work: import,
+    export and verify all run and agree with transformers with an accelerator present."""
+    assert meta_prm_world["conversion"] == [True, True, True], meta_prm_world["conversion"]
+
+
+def test_prm_training_defaults_to_bf16_where_cuda_is_present(meta_prm_world):
+    """Issue 26 item 5: train-prm's PRM (trunk and head) is bf16 on CUDA; fp32 on request."""
+    assert meta_prm_world["prm_training_dtype"] == (
+        {"torch.bfloat16"}, "torch.bfloat16", {"torch.float32"}), meta_prm_world
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_auto_dtype_is_bf16_on_cuda_and_fp32_on_the_cpu(monkeypatch, cuda):
+    """model.dtype / PRMTrainConfig.dtype "auto" (the default) resolve where the run starts;
+    explicit names stay as written; a bad one is a config error naming the field; TF32 is on
+    exactly where CUDA is."""
+    from megaprm.config import ConfigError, ModelConfig
+    from megaprm.parallel import device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    precision_calls = []
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", precision_calls.append)
+    assert ModelConfig().dtype == ("bf16" if cuda else "fp32")
+    assert device.resolve_dtype("auto") == (torch.bfloat16 if cuda else torch.float32)
+    assert ModelConfig(dtype="fp32").dtype == "fp32" and ModelConfig(dtype="bf16").dtype == "bf16"
+    with pytest.raises(ConfigError, match="model.dtype='fp16'"):
+        ModelConfig(dtype="fp16")
+    device.configure_cuda_math()
+    assert precision_calls == (["high"] if cuda else [])
