@@ -129,13 +129,18 @@ def broadcast_from_last_stage(obj: Any, groups: Groups) -> Any:
 
 # --------------------------------------------------------------------------------- training
 
-def wrap_ddp(model, groups: Groups):
-    """Megatron DDP: contiguous grad buffers in fp32, grads summed (not averaged) over dp."""
+def wrap_ddp(model, groups: Groups, *, distributed_optimizer: Optional[bool] = None):
+    """Megatron DDP: contiguous grad buffers in fp32, grads summed (not averaged) over dp.
+
+    distributed_optimizer: shard the optimiser state over dp (Megatron's DistributedOptimizer);
+    default: on CUDA with dp > 1 (Megatron's optimizer refuses CPU tensors)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    if distributed_optimizer is None:
+        distributed_optimizer = torch.cuda.is_available() and groups.dp_size > 1
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        use_distributed_optimizer=torch.cuda.is_available() and groups.dp_size > 1,
+        use_distributed_optimizer=distributed_optimizer,
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
@@ -164,36 +169,25 @@ class Optimizer:
     grad norm reduced over the model-parallel group (tp duplicates counted once).
     """
 
-    def __init__(self, ddp_model, cfg: OptimConfig, groups: Groups, params=None):
+    def __init__(self, ddp_model, cfg: OptimConfig, groups: Groups, params=None,
+                 megatron: Optional[bool] = None):
         """`params`: the parameters to train (default: all that require grad), e.g. a PRM's head
         alone; may be empty on a pp stage that holds none of them: its `step` still joins the
-        collectives (grad sync, grad norm) and updates nothing."""
+        collectives (grad sync, grad norm) and updates nothing. `megatron`: use Megatron's
+        optimizer (default: on CUDA; the CPU tests force it to exercise the DistributedOptimizer).
+        """
         self.model, self.cfg, self.groups = ddp_model, cfg, groups
         trainable = [p for p in ddp_model.parameters() if p.requires_grad]
         self.params = trainable if params is None else list(params)
-        if torch.cuda.is_available():
-            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-            oc = OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                 adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
-                                 adam_eps=cfg.eps, clip_grad=cfg.clip_grad,
-                                 bf16=ddp_model.config.bf16, use_distributed_optimizer=
-                                 ddp_model.ddp_config.use_distributed_optimizer)
-            # Megatron's optimizer takes every param that requires grad: hide the others meanwhile
-            chosen = {id(p) for p in self.params}
-            hidden = [p for p in trainable if id(p) not in chosen]
-            for p in hidden:
-                p.requires_grad_(False)
-            try:
-                self.impl = get_megatron_optimizer(oc, [ddp_model])
-            finally:
-                for p in hidden:
-                    p.requires_grad_(True)
-            self.megatron = True
+        chosen = {id(p) for p in self.params}
+        # Parameters DDP holds but this optimiser must not move (stage 1 of PRM training).
+        self.frozen = [p for p in trainable if id(p) not in chosen]
+        self.megatron = torch.cuda.is_available() if megatron is None else megatron
+        if self.megatron:
+            self.impl = _megatron_optimizer(ddp_model, cfg, chosen)
         else:
             self.impl = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                           weight_decay=cfg.weight_decay) if self.params else None
-            self.megatron = False
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -205,7 +199,7 @@ class Optimizer:
 
     def set_lr(self, lr: float) -> None:
         for g in (self.impl.param_groups if self.impl is not None else []):
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_mult", 1.0)  # 0 for the frozen group (_megatron_optimizer)
 
     def grad_norm(self) -> float:
         """L2 norm of the full model's grads: tp duplicates once, shared embedding once."""
@@ -228,6 +222,8 @@ class Optimizer:
 
         finalize_model_grads([self.model])
         if self.megatron:
+            for p in self.frozen:  # not trained here: out of the grad norm, Adam sees zeros
+                p.main_grad.zero_()
             # bf16 without a grad scaler: Megatron reports success on a NaN grad norm, so check
             # the grads ourselves (agreed over all ranks) before any parameter moves
             if not self.grads_finite():
@@ -289,12 +285,88 @@ class Optimizer:
             for p in [p for p in opt.state if id(p) not in had]:
                 del opt.state[p]
 
-    def state_dict(self):
-        return self.impl.state_dict() if self.impl is not None else {}
+    def state_dict(self) -> dict:
+        """Everything a resume needs, on the host. Megatron's DistributedOptimizer keeps the
+        fp32 master weights and the Adam moments out of its `state_dict()` (a load allocates them
+        with torch.empty and expects `load_parameter_state`): its part of them, this dp rank's
+        shard, rides along as `param_state` (the rank files are per rank, and a resume needs the
+        same world/tp/pp)."""
+        if self.impl is None:
+            return {}
+        sd = self.impl.state_dict()
+        dist_opts = _distributed_optimizers(self.impl)
+        if not dist_opts:
+            return sd
+        return {"optimizer": sd, "param_state": [_param_state(o) for o in dist_opts]}
 
-    def load_state_dict(self, sd):
-        if self.impl is not None:
+    def load_state_dict(self, sd) -> None:
+        if self.impl is None:
+            return
+        dist_opts = _distributed_optimizers(self.impl)
+        if not dist_opts:
             self.impl.load_state_dict(sd)
+            return
+        if not (isinstance(sd, dict) and "param_state" in sd):
+            raise ValueError("this checkpoint holds no fp32 master weights or Adam moments for "
+                             "the distributed optimizer (written by an older megaprm): resume "
+                             "from a newer checkpoint or start the run afresh")
+        self.impl.load_state_dict(sd["optimizer"])
+        # Without apex/TE, Megatron's load gives every parameter's torch-Adam state one shared
+        # `step` tensor, which each parameter's update then increments: one tensor each.
+        for opt in _torch_optimizers(self.impl):
+            for st in opt.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()
+        with torch.no_grad():  # fp32 masters are views of the (leaf) model parameters
+            for opt, state in zip(dist_opts, sd["param_state"], strict=True):
+                opt.load_parameter_state_from_dp_reshardable(state)
+
+
+def _megatron_optimizer(ddp_model, cfg: OptimConfig, chosen: set):
+    """Megatron's (chained) optimiser over every parameter DDP holds. The DistributedOptimizer
+    maps each grad-buffer slot to a param group, so a parameter DDP holds cannot be left out
+    (KeyError in `_build_optimizer_group_ranges`): those not in `chosen` go to a group with
+    lr_mult 0 (`set_lr`) and get zero grads (`step`), so they never move."""
+    from megatron.core.optimizer import (OptimizerConfig, get_megatron_optimizer,
+                                         get_standard_config_overrides)
+    from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+    from megatron.core.optimizer_param_scheduler import ParamGroupOverride
+
+    oc = OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
+                         adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
+                         clip_grad=cfg.clip_grad, bf16=ddp_model.config.bf16,
+                         use_distributed_optimizer=ddp_model.ddp_config.use_distributed_optimizer)
+    overrides = get_standard_config_overrides(oc)
+    frozen = ParamPredicate(name="megaprm_frozen", fn=lambda p: id(p) not in chosen)
+    overrides[ParamKey(predicate=frozen)] = ParamGroupOverride(lr_mult=0.0)
+    impl = get_megatron_optimizer(oc, [ddp_model], config_overrides=overrides)
+    for g in impl.param_groups:
+        g["lr"] = cfg.lr * g.get("lr_mult", 1.0)
+    return impl
+
+
+def _distributed_optimizers(impl) -> list:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(impl, "chained_optimizers", [impl])
+    return [o for o in inner if isinstance(o, DistributedOptimizer)]
+
+
+def _param_state(opt) -> dict:
+    """This dp rank's shard of fp32 masters, Adam moments and step counts, as host copies, in
+    Megatron's bucket-space layout (`get_parameter_state_dp_reshardable`; each entry marked
+    unpadded, which `load_parameter_state_from_dp_reshardable` filters on)."""
+    state = opt.get_parameter_state_dp_reshardable()
+    for gbuf_idx, per_dtype in state.items():
+        if not isinstance(gbuf_idx, int):
+            continue
+        for buckets in per_dtype.values():
+            for bucket in buckets:
+                for i, entry in enumerate(bucket):
+                    bucket[i] = {k: v.detach().to("cpu", copy=True)
+                                 if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+                    bucket[i]["padding"] = False
+    return state
 
 
 def _torch_optimizers(impl) -> list:
