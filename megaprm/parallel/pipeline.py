@@ -14,6 +14,7 @@ Micro-batches may differ in length when pp == 1; with pp > 1 Megatron's p2p exch
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
@@ -183,6 +184,7 @@ class Optimizer:
         # Parameters DDP holds but this optimiser must not move (stage 1 of PRM training).
         self.frozen = [p for p in trainable if id(p) not in chosen]
         self.megatron = torch.cuda.is_available() if megatron is None else megatron
+        self._rollback = None  # set inside `all_or_nothing`
         if self.megatron:
             self.impl = _megatron_optimizer(ddp_model, cfg, chosen)
         else:
@@ -229,6 +231,7 @@ class Optimizer:
             if not self.grads_finite():
                 self.zero_grad()
                 return float("nan"), False
+            self._before_apply()
             ok, norm, _ = self.impl.step()
             return float(norm or 0.0), bool(ok)
         for p in self.params:
@@ -242,6 +245,7 @@ class Optimizer:
                 if p.grad is not None:
                     p.grad.mul_(scale)
         if self.impl is not None:
+            self._before_apply()
             self.impl.step()
         return norm, True
 
@@ -257,10 +261,38 @@ class Optimizer:
             dist.all_reduce(bad)
         return float(bad) == 0.0
 
-    def snapshot(self) -> dict:
-        """Host copies of everything a step changes: the model's parameters and the optimiser's
-        (main) parameters and state tensors. `restore(snapshot)` undoes any number of steps,
-        including the lazy creation of optimiser state on a first step."""
+    @contextlib.contextmanager
+    def all_or_nothing(self, enabled: bool = True):
+        """Several `step`s applied wholly or not at all: on an exception inside, every parameter
+        and optimiser tensor is put back as it was on entry (lazily created optimiser state is
+        dropped) and the exception propagates.
+
+        The copy is taken lazily, by the first `step` that is about to apply (its grads already
+        agreed finite), and on the tensors' own device: nothing is copied when no step applies,
+        nothing crosses to the host (a pageable host copy of params, fp32 masters and moments on
+        every update was ~19 GB per rank at tp2 dp4), and no host read is needed."""
+        if not enabled:
+            yield
+            return
+        self._rollback = {"snapshot": None}
+        try:
+            yield
+        except BaseException:
+            snap = self._rollback["snapshot"]
+            if snap is not None:
+                _restore(snap)
+            raise
+        finally:
+            self._rollback = None
+
+    def _before_apply(self) -> None:
+        rb = self._rollback
+        if rb is not None and rb["snapshot"] is None:
+            rb["snapshot"] = self._snapshot()
+
+    def _snapshot(self) -> dict:
+        """Device copies of everything a step changes: the model's parameters and the
+        optimiser's (main) parameters and state tensors."""
         opts = _torch_optimizers(self.impl)
         tensors = [p.data for p in self.model.parameters()]
         for opt in opts:
@@ -272,18 +304,9 @@ class Optimizer:
         for t in tensors:
             if id(t) not in seen:
                 seen.add(id(t))
-                saved.append((t, t.detach().to("cpu", copy=True)))
+                saved.append((t, t.detach().clone()))
         had_state = [set(map(id, opt.state)) for opt in opts]
         return {"tensors": saved, "opts": opts, "had_state": had_state}
-
-    @staticmethod
-    def restore(snapshot: dict) -> None:
-        with torch.no_grad():
-            for t, saved in snapshot["tensors"]:
-                t.copy_(saved)
-        for opt, had in zip(snapshot["opts"], snapshot["had_state"]):
-            for p in [p for p in opt.state if id(p) not in had]:
-                del opt.state[p]
 
     def state_dict(self) -> dict:
         """Everything a resume needs, on the host. Megatron's DistributedOptimizer keeps the
@@ -367,6 +390,15 @@ def _param_state(opt) -> dict:
                                  if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
                     bucket[i]["padding"] = False
     return state
+
+
+def _restore(snapshot: dict) -> None:
+    with torch.no_grad():
+        for t, saved in snapshot["tensors"]:
+            t.copy_(saved)
+    for opt, had in zip(snapshot["opts"], snapshot["had_state"]):
+        for p in [p for p in opt.state if id(p) not in had]:
+            del opt.state[p]
 
 
 def _torch_optimizers(impl) -> list:

@@ -18,7 +18,7 @@ Rules the phases keep:
   decides it), as verl's actor does, so the PPO ratio of the first mini-batch is exactly 1.
 * Faults: a non-finite reward on any rank is agreed on by every rank (`agree`) before the next
   collective, so all skip the step; a non-finite loss or grad norm in any mini-batch rolls the
-  whole update back (`Optimizer.snapshot/restore`), so a step is applied wholly or not at all
+  whole update back (`Optimizer.all_or_nothing`), so a step is applied wholly or not at all
   and the rollout engine always holds the actor's weights.
 """
 from __future__ import annotations
@@ -596,30 +596,28 @@ class RLTrainer:
         lengths = rp.attention_mask.long().sum(1)
         B = rp.input_ids.shape[0]
         rows_per = B // cfg.mini_batches  # check_batch: mini_batches divides B
-        snap = self.actor.opt.snapshot() if cfg.mini_batches > 1 else None
         sums: dict = {}
         maxes = {"actor/ratio_max": 0.0, "actor/grad_norm_max": 0.0}
         updates = 0
-        try:
-            for k in range(cfg.mini_batches):
-                rows = slice(k * rows_per, (k + 1) * rows_per)
-                mb_metrics = self._update_minibatch(
-                    rp.input_ids[rows], mask_t[rows], adv_t[rows], logp_old_t[rows],
-                    None if logp_ref_t is None else logp_ref_t[rows],
-                    lengths=lengths[rows])
-                if mb_metrics is None:  # no valid token in this mini-batch on any rank
-                    continue
-                updates += 1
-                if updates == 1:  # the live guard: 1 when the trainer sees the sampler's policy
-                    first = mb_metrics["actor/ratio_mean"] / mb_metrics["tokens"]
-                for key, v in mb_metrics.items():
-                    if key in maxes:
-                        maxes[key] = max(maxes[key], v)
-                    else:
-                        sums[key] = sums.get(key, 0.0) + v
+        try:  # one mini-batch needs no rollback: its step is skipped before anything moves
+            with self.actor.opt.all_or_nothing(enabled=cfg.mini_batches > 1):
+                for k in range(cfg.mini_batches):
+                    rows = slice(k * rows_per, (k + 1) * rows_per)
+                    mb_metrics = self._update_minibatch(
+                        rp.input_ids[rows], mask_t[rows], adv_t[rows], logp_old_t[rows],
+                        None if logp_ref_t is None else logp_ref_t[rows],
+                        lengths=lengths[rows])
+                    if mb_metrics is None:  # no valid token in this mini-batch on any rank
+                        continue
+                    updates += 1
+                    if updates == 1:  # live guard: 1 when the trainer sees the sampler's policy
+                        first = mb_metrics["actor/ratio_mean"] / mb_metrics["tokens"]
+                    for key, v in mb_metrics.items():
+                        if key in maxes:
+                            maxes[key] = max(maxes[key], v)
+                        else:
+                            sums[key] = sums.get(key, 0.0) + v
         except StepSkipped:
-            if snap is not None:
-                self.actor.opt.restore(snap)
             self.actor.opt.zero_grad()
             raise
         out = {"actor/updates": float(updates), **maxes}

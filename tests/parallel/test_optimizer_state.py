@@ -130,3 +130,57 @@ def test_distributed_optimizer_resume_is_bit_exact_and_head_only_builds(tmp_path
         assert r["norms_a"] == r["norms_b"]
         assert r["same_weights"], "the resumed run diverged from the uninterrupted one"
         assert r["head_moved"] == ["decoder.final_layernorm.weight"]
+
+
+# ------------------------------------------------------------------ all or nothing (one process)
+
+def _steps_then_fail(ddp, opt, g, steps):
+    try:
+        with opt.all_or_nothing():
+            _train(ddp, opt, g, steps)
+            raise RuntimeError("a later mini-batch went NaN")
+    except RuntimeError:
+        pass
+
+
+def test_all_or_nothing_restores_lazily_on_the_device(tmp_path, monkeypatch):
+    """Two applied steps then a failure: parameters and AdamW state are as before, bit-exact,
+    and the state the steps created is gone; no copy is taken when no step applies."""
+    from megaprm.models.hf_spec import spec_from_hf
+    from megaprm.models.tiny import save_tiny_model
+    from megaprm.parallel import pipeline
+    from megaprm.parallel.init import destroy, init_distributed
+
+    hf = save_tiny_model("qwen2", str(tmp_path / "policy"), **TINY)
+    g = init_distributed()
+    try:
+        ddp = pipeline.wrap_ddp(pipeline.build_stage(spec_from_hf(hf), g), g)
+        opt = pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-2), g)
+        _train(ddp, opt, g, [0])  # AdamW state exists before the transaction
+        before = _weights(ddp)
+        state = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.impl.state.items()}
+        copies = []
+        real = opt._snapshot
+        monkeypatch.setattr(opt, "_snapshot", lambda: copies.append(1) or real())
+        _steps_then_fail(ddp, opt, g, [1, 2])
+        assert copies == [1]  # one copy, however many steps
+        after = _weights(ddp)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert {id(p) for p in opt.impl.state} == set(state)
+        for p, st in opt.impl.state.items():
+            assert all(torch.equal(v, state[id(p)][k]) for k, v in st.items())
+
+        fresh = pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-2), g)
+        real_fresh = fresh._snapshot
+        monkeypatch.setattr(fresh, "_snapshot", lambda: copies.append(2) or real_fresh())
+        try:
+            with fresh.all_or_nothing():
+                raise RuntimeError("the first mini-batch's loss is NaN")
+        except RuntimeError:
+            pass
+        assert copies == [1] and len(fresh.impl.state) == 0
+        _steps_then_fail(ddp, fresh, g, [1])
+        assert copies == [1, 2] and len(fresh.impl.state) == 0  # lazily created state of a rolled-back step dropped
+        assert all(torch.equal(before[k], v) for k, v in _weights(ddp).items())
+    finally:
+        destroy()
