@@ -237,6 +237,11 @@ class RLTrainer:
         dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
         self.batching = Batching(cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch,
                                  groups.pp_size)
+        # The engine first, then asleep: vLLM's start-up check wants utilisation x total memory
+        # free, which the actor, reference and PRM would no longer leave; the first
+        # `sync_weights` wakes it with the actor's weights.
+        self.engine = self._build_engine()
+        self.engine.sleep()
         kw = dict(dtype=dtype, batching=self.batching,
                   build={"impl": cfg.model.impl, "compile": cfg.model.compile,
                          "recompute": cfg.model.recompute})
@@ -257,7 +262,6 @@ class RLTrainer:
                                    optim=cfg.prm.optim, **kw)
             self.implicit_ref = (self.ref if self.temperature == 1.0 else
                                  Policy(self.spec, groups, self.src, trainable=False, **kw))
-        self.engine = self._build_engine()
         self.grader = self.grader_tok = None
         if cfg.prm.kind == "judge":
             self._build_grader()
