@@ -134,7 +134,12 @@ def wrap_ddp(model, groups: Groups, *, distributed_optimizer: Optional[bool] = N
     """Megatron DDP: contiguous grad buffers in fp32, grads summed (not averaged) over dp.
 
     distributed_optimizer: shard the optimiser state over dp (Megatron's DistributedOptimizer);
-    default: on CUDA with dp > 1 (Megatron's optimizer refuses CPU tensors)."""
+    default: on CUDA with dp > 1 (Megatron's optimizer refuses CPU tensors).
+
+    overlap_grad_reduce stays off: Megatron's overlapped hook asserts every parameter DDP holds
+    gets a grad in every backward, which megaprm's models break (the PRM's LM head when
+    lm_loss_weight = 0, a head-only PRM stage's frozen body), and the overlap only pays with the
+    schedule's no_sync/grad_sync hooks wired into the model config, untested without a GPU."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     if distributed_optimizer is None:
@@ -359,6 +364,7 @@ def _megatron_optimizer(ddp_model, cfg: OptimConfig, chosen: set):
                          adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
                          clip_grad=cfg.clip_grad, bf16=ddp_model.config.bf16,
                          use_distributed_optimizer=ddp_model.ddp_config.use_distributed_optimizer)
+    use_multi_tensor_l2norm()
     overrides = get_standard_config_overrides(oc)
     frozen = ParamPredicate(name="megaprm_frozen", fn=lambda p: id(p) not in chosen)
     overrides[ParamKey(predicate=frozen)] = ParamGroupOverride(lr_mult=0.0)
@@ -366,6 +372,25 @@ def _megatron_optimizer(ddp_model, cfg: OptimConfig, chosen: set):
     for g in impl.param_groups:
         g["lr"] = cfg.lr * g.get("lr_mult", 1.0)
     return impl
+
+
+def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for apex's `amp_C.multi_tensor_l2norm`: torch's foreach norms, no host read.
+    Returns ([1] float32 L2 norm of all tensors of tensor_lists[0], per-tensor norms or None)."""
+    norms = torch._foreach_norm(tensor_lists[0])
+    total = torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1)
+    return total, (torch.stack(norms) if per_tensor else None)
+
+
+def use_multi_tensor_l2norm() -> None:
+    """Without apex or Transformer Engine, Megatron's grad-norm falls back to
+    `local_multi_tensor_l2_norm`, which builds `torch.tensor([norm ...])` from 0-d device
+    tensors: one host read per parameter per step. Swap in `multi_tensor_l2norm` there."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    if clip_grads.l2_norm_impl is local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = multi_tensor_l2norm
 
 
 def _distributed_optimizers(impl) -> list:

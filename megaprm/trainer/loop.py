@@ -667,28 +667,36 @@ class RLTrainer:
                                    agg=cfg.loss_agg, entropy=ent, entropy_coef=cfg.entropy_coef,
                                    logp_ref=p.get("ref"), kl_coef=cfg.kl_coef,
                                    kl_kind=cfg.kl_kind, global_tokens=tokens, global_seqs=seqs,
-                                   norm_len=self.cfg.rollout.max_tokens)
-            n = float(p["m"].sum())
-            if cfg.skip_ratio_above is not None and met["actor/ratio_mean"] > cfg.skip_ratio_above:
-                loss = loss * 0.0  # PURE: this micro-batch moves nothing
-                met = {**met, "actor/ratio_skipped": 1.0}
+                                   norm_len=self.cfg.rollout.max_tokens, host=False)
+            # Metrics stay on the device: `_update_minibatch` reads the whole mini-batch's at once
+            n = p["m"].sum()
+            skipped = torch.zeros((), dtype=loss.dtype, device=loss.device)
+            if cfg.skip_ratio_above is not None:  # PURE: this micro-batch moves nothing
+                skipped = (met["actor/ratio_mean"] > cfg.skip_ratio_above).to(loss.dtype)
+                loss = loss * (1.0 - skipped)
             sums = {k: met[k] * n for k in ("actor/clip_frac", "actor/dual_clip_frac",
                                             "actor/approx_kl", "actor/ratio_mean")}
-            sums["actor/ratio_skipped_microbatches"] = met.get("actor/ratio_skipped", 0.0)
-            sums["actor/entropy_token_mean"] = float((ent.detach() * p["m"]).sum())
+            sums["actor/ratio_skipped_microbatches"] = skipped
+            sums["actor/entropy_token_mean"] = (ent.detach() * p["m"]).sum()
             for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
                 if k in met:
                     sums[k] = met[k]  # already divided by the global normaliser
-            sums["actor/loss"] = float(loss.detach())
-            return loss, {"sums": sums, "ratio_max": met["actor/ratio_max"]}
+            sums["actor/loss"] = loss.detach()
+            sums["ratio_max"] = met["actor/ratio_max"]
+            return loss, {"keys": list(sums), "values": torch.stack(
+                [v.to(torch.float32) for v in sums.values()])}
 
         self.actor.opt.zero_grad()
         parts = pipeline.run(self.actor.model, mbs, groups=g, post=post, forward_only=False)
-        local = {}
-        for part in parts:
-            for k, v in part["sums"].items():
-                local[k] = local.get(k, 0.0) + v
-        ratio_max = max((part["ratio_max"] for part in parts), default=0.0)
+        local, ratio_max = {}, 0.0
+        if parts:  # the one host read of the mini-batch's metrics (last stage)
+            keys = parts[0]["keys"]
+            rows = torch.stack([part["values"] for part in parts]).tolist()
+            for i, k in enumerate(keys):
+                if k == "ratio_max":
+                    ratio_max = max(r[i] for r in rows)
+                else:
+                    local[k] = sum(r[i] for r in rows)
         local = pipeline.broadcast_from_last_stage(local, g)
         ratio_max = pipeline.broadcast_from_last_stage(ratio_max, g)
         summed = dp_reduce(local, g)

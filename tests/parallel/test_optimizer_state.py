@@ -184,3 +184,29 @@ def test_all_or_nothing_restores_lazily_on_the_device(tmp_path, monkeypatch):
         assert all(torch.equal(before[k], v) for k, v in _weights(ddp).items())
     finally:
         destroy()
+
+
+def test_multi_tensor_l2norm_matches_megatrons_local_norm_without_host_reads():
+    """The grad norm Megatron computes without apex/TE: same value as its local fallback (which
+    reads every per-tensor norm to the host), from one stacked device tensor."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    from megaprm.parallel import pipeline
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [((7,), 1.0), ((3, 5), 1e-3), ((64,), 30.0), ((0,), 1.0)]
+    grads = [torch.randn(n, generator=gen) * s for n, s in shapes]
+    ref, _ = local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
+    got, per = pipeline.multi_tensor_l2norm(2048 * 32, None, [grads], True)
+    exact = torch.cat([g.double().flatten() for g in grads]).norm()
+    assert got.shape == (1,) and got.dtype == torch.float32
+    assert torch.allclose(got, ref, rtol=1e-6) and abs(float(got) - float(exact)) < 1e-4
+    assert torch.allclose(per, torch.stack([g.norm() for g in grads]))
+    real = clip_grads.l2_norm_impl
+    try:
+        clip_grads.l2_norm_impl = local_multi_tensor_l2_norm
+        pipeline.use_multi_tensor_l2norm()
+        assert clip_grads.l2_norm_impl is pipeline.multi_tensor_l2norm
+    finally:
+        clip_grads.l2_norm_impl = real
