@@ -137,9 +137,10 @@ def wrap_ddp(model, groups: Groups, *, distributed_optimizer: Optional[bool] = N
     default: on CUDA with dp > 1 (Megatron's optimizer refuses CPU tensors).
 
     overlap_grad_reduce stays off: Megatron's overlapped hook asserts every parameter DDP holds
-    gets a grad in every backward, which megaprm's models break (the PRM's LM head when
-    lm_loss_weight = 0, a head-only PRM stage's frozen body), and the overlap only pays with the
-    schedule's no_sync/grad_sync hooks wired into the model config, untested without a GPU."""
+    gets a grad in every backward, which a trainable PRM breaks (its LM head is unused when
+    lm_loss_weight = 0), and the overlap is only correct with the schedule's no_sync/grad_sync
+    hooks wired into the model config (else buckets reduce after the first micro-batch):
+    neither is tested without a GPU."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     if distributed_optimizer is None:
