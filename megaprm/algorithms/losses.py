@@ -7,7 +7,7 @@ are passed in, so the trainer normalises in one place and gradient accumulation 
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +73,8 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, kind: str = "low_var_
 
 @dataclass(frozen=True)
 class PolicyLossMetrics:
-    """Masked token means over this micro-batch (rank-local; the trainer averages them)."""
+    """Masked token means over this micro-batch (rank-local; the trainer averages them): floats,
+    or 0-d device tensors with `host=False` (the trainer reads a whole mini-batch's at once)."""
 
     clip_frac: float        # tokens where the clipped branch is active (eps_low / eps_high)
     dual_clip_frac: float   # tokens with A < 0 where the dual clip -A*c bounds the loss
@@ -82,14 +83,15 @@ class PolicyLossMetrics:
     ratio_max: float
 
     def as_dict(self, prefix: str = "actor/") -> dict[str, float]:
-        return {prefix + k: v for k, v in asdict(self).items()}
+        return {prefix + f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, *, eps_low: float = 0.2, eps_high: float = 0.2,
                   dual_clip_c: float | None = 3.0, agg: str = "token-mean",
                   global_tokens: float | None = None, global_seqs: float | None = None,
-                  norm_len: float | None = None) -> tuple[torch.Tensor, PolicyLossMetrics]:
+                  norm_len: float | None = None,
+                  host: bool = True) -> tuple[torch.Tensor, PolicyLossMetrics]:
     """PPO clipped surrogate with clip-higher and dual clip (§5.3) -> `(loss, metrics)`.
 
     `rho = exp(logp - logp_old)` (log-ratio clamped to [-20, 20]); per token
@@ -122,14 +124,12 @@ def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.
 
     with torch.no_grad():
         n = m.sum().clamp(min=1)
-        valid = m.bool()
-        metrics = PolicyLossMetrics(
-            clip_frac=float(((pg2 > pg1).to(m.dtype) * m).sum() / n),
-            dual_clip_frac=float((dual.to(m.dtype) * m).sum() / n),
-            approx_kl=float((-log_ratio * m).sum() / n),
-            ratio_mean=float((ratio * m).sum() / n),
-            ratio_max=float(ratio[valid].max()) if bool(valid.any()) else 0.0,
-        )
+        # ratio > 0, so the max over masked-out zeros is the max over valid tokens, or 0 if none
+        values = torch.stack([((pg2 > pg1).to(m.dtype) * m).sum() / n,
+                              (dual.to(m.dtype) * m).sum() / n, (-log_ratio * m).sum() / n,
+                              (ratio * m).sum() / n,
+                              torch.where(m.bool(), ratio, 0.0).max()])
+        metrics = PolicyLossMetrics(*(values.tolist() if host else values.unbind()))
     return loss, metrics
 
 
@@ -149,29 +149,31 @@ def actor_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Ten
                logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
                kl_kind: str = "low_var_kl", global_tokens: float | None = None,
                global_seqs: float | None = None,
-               norm_len: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+               norm_len: float | None = None, host: bool = True) -> tuple[torch.Tensor, dict]:
     """PPO loss `- entropy_coef * H + kl_coef * KL(pi || ref)` (KL as a loss, §5.5) -> `(loss, metrics)`.
 
     The entropy and KL terms use the same aggregation and global normalisers as the PPO term;
-    `norm_len` is seq-mean-token-sum-norm's constant (pass rollout.max_tokens).
+    `norm_len` is seq-mean-token-sum-norm's constant (pass rollout.max_tokens). `host=False`:
+    the metrics stay 0-d device tensors (no host read here).
     """
     norms = dict(global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
     loss, pm = ppo_clip_loss(logp, logp_old, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-                             dual_clip_c=dual_clip_c, agg=agg, **norms)
+                             dual_clip_c=dual_clip_c, agg=agg, host=host, **norms)
     metrics = pm.as_dict()
-    metrics["actor/pg_loss"] = float(loss.detach())
+    read = float if host else torch.Tensor.detach
+    metrics["actor/pg_loss"] = read(loss.detach())
     if entropy_coef:
         if entropy is None:
             raise ValueError("entropy_coef != 0 needs entropy[B, T]; pass it or set entropy_coef=0")
         ent = entropy_bonus(entropy, mask, agg, **norms)
         loss = loss - entropy_coef * ent
-        metrics["actor/entropy"] = float(ent.detach())
+        metrics["actor/entropy"] = read(ent.detach())
     if kl_coef:
         if logp_ref is None:
             raise ValueError("kl_coef != 0 needs logp_ref[B, T] (reference policy); pass it or set kl_coef=0")
         kl = aggregate_loss(kl_penalty(logp, logp_ref, kl_kind), mask.to(logp.dtype), agg, **norms)
         loss = loss + kl_coef * kl
-        metrics["actor/kl_loss"] = float(kl.detach())
+        metrics["actor/kl_loss"] = read(kl.detach())
     return loss, metrics
 
 

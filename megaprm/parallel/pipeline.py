@@ -14,6 +14,7 @@ Micro-batches may differ in length when pp == 1; with pp > 1 Megatron's p2p exch
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
@@ -129,13 +130,24 @@ def broadcast_from_last_stage(obj: Any, groups: Groups) -> Any:
 
 # --------------------------------------------------------------------------------- training
 
-def wrap_ddp(model, groups: Groups):
-    """Megatron DDP: contiguous grad buffers in fp32, grads summed (not averaged) over dp."""
+def wrap_ddp(model, groups: Groups, *, distributed_optimizer: Optional[bool] = None):
+    """Megatron DDP: contiguous grad buffers in fp32, grads summed (not averaged) over dp.
+
+    distributed_optimizer: shard the optimiser state over dp (Megatron's DistributedOptimizer);
+    default: on CUDA with dp > 1 (Megatron's optimizer refuses CPU tensors).
+
+    overlap_grad_reduce stays off: Megatron's overlapped hook asserts every parameter DDP holds
+    gets a grad in every backward, which a trainable PRM breaks (its LM head is unused when
+    lm_loss_weight = 0), and the overlap is only correct with the schedule's no_sync/grad_sync
+    hooks wired into the model config (else buckets reduce after the first micro-batch):
+    neither is tested without a GPU."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    if distributed_optimizer is None:
+        distributed_optimizer = torch.cuda.is_available() and groups.dp_size > 1
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        use_distributed_optimizer=torch.cuda.is_available() and groups.dp_size > 1,
+        use_distributed_optimizer=distributed_optimizer,
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
@@ -164,36 +176,26 @@ class Optimizer:
     grad norm reduced over the model-parallel group (tp duplicates counted once).
     """
 
-    def __init__(self, ddp_model, cfg: OptimConfig, groups: Groups, params=None):
+    def __init__(self, ddp_model, cfg: OptimConfig, groups: Groups, params=None,
+                 megatron: Optional[bool] = None):
         """`params`: the parameters to train (default: all that require grad), e.g. a PRM's head
         alone; may be empty on a pp stage that holds none of them: its `step` still joins the
-        collectives (grad sync, grad norm) and updates nothing."""
+        collectives (grad sync, grad norm) and updates nothing. `megatron`: use Megatron's
+        optimizer (default: on CUDA; the CPU tests force it to exercise the DistributedOptimizer).
+        """
         self.model, self.cfg, self.groups = ddp_model, cfg, groups
         trainable = [p for p in ddp_model.parameters() if p.requires_grad]
         self.params = trainable if params is None else list(params)
-        if torch.cuda.is_available():
-            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-            oc = OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                 adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
-                                 adam_eps=cfg.eps, clip_grad=cfg.clip_grad,
-                                 bf16=ddp_model.config.bf16, use_distributed_optimizer=
-                                 ddp_model.ddp_config.use_distributed_optimizer)
-            # Megatron's optimizer takes every param that requires grad: hide the others meanwhile
-            chosen = {id(p) for p in self.params}
-            hidden = [p for p in trainable if id(p) not in chosen]
-            for p in hidden:
-                p.requires_grad_(False)
-            try:
-                self.impl = get_megatron_optimizer(oc, [ddp_model])
-            finally:
-                for p in hidden:
-                    p.requires_grad_(True)
-            self.megatron = True
+        chosen = {id(p) for p in self.params}
+        # Parameters DDP holds but this optimiser must not move (stage 1 of PRM training).
+        self.frozen = [p for p in trainable if id(p) not in chosen]
+        self.megatron = torch.cuda.is_available() if megatron is None else megatron
+        self._rollback = None  # set inside `all_or_nothing`
+        if self.megatron:
+            self.impl = _megatron_optimizer(ddp_model, cfg, chosen)
         else:
             self.impl = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                           weight_decay=cfg.weight_decay) if self.params else None
-            self.megatron = False
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -205,7 +207,7 @@ class Optimizer:
 
     def set_lr(self, lr: float) -> None:
         for g in (self.impl.param_groups if self.impl is not None else []):
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_mult", 1.0)  # 0 for the frozen group (_megatron_optimizer)
 
     def grad_norm(self) -> float:
         """L2 norm of the full model's grads: tp duplicates once, shared embedding once."""
@@ -228,11 +230,14 @@ class Optimizer:
 
         finalize_model_grads([self.model])
         if self.megatron:
+            for p in self.frozen:  # not trained here: out of the grad norm, Adam sees zeros
+                p.main_grad.zero_()
             # bf16 without a grad scaler: Megatron reports success on a NaN grad norm, so check
             # the grads ourselves (agreed over all ranks) before any parameter moves
             if not self.grads_finite():
                 self.zero_grad()
                 return float("nan"), False
+            self._before_apply()
             ok, norm, _ = self.impl.step()
             return float(norm or 0.0), bool(ok)
         for p in self.params:
@@ -246,6 +251,7 @@ class Optimizer:
                 if p.grad is not None:
                     p.grad.mul_(scale)
         if self.impl is not None:
+            self._before_apply()
             self.impl.step()
         return norm, True
 
@@ -261,10 +267,38 @@ class Optimizer:
             dist.all_reduce(bad)
         return float(bad) == 0.0
 
-    def snapshot(self) -> dict:
-        """Host copies of everything a step changes: the model's parameters and the optimiser's
-        (main) parameters and state tensors. `restore(snapshot)` undoes any number of steps,
-        including the lazy creation of optimiser state on a first step."""
+    @contextlib.contextmanager
+    def all_or_nothing(self, enabled: bool = True):
+        """Several `step`s applied wholly or not at all: on an exception inside, every parameter
+        and optimiser tensor is put back as it was on entry (lazily created optimiser state is
+        dropped) and the exception propagates.
+
+        The copy is taken lazily, by the first `step` that is about to apply (its grads already
+        agreed finite), and on the tensors' own device: nothing is copied when no step applies,
+        nothing crosses to the host (a pageable host copy of params, fp32 masters and moments on
+        every update was ~19 GB per rank at tp2 dp4), and no host read is needed."""
+        if not enabled:
+            yield
+            return
+        self._rollback = {"snapshot": None}
+        try:
+            yield
+        except BaseException:
+            snap = self._rollback["snapshot"]
+            if snap is not None:
+                _restore(snap)
+            raise
+        finally:
+            self._rollback = None
+
+    def _before_apply(self) -> None:
+        rb = self._rollback
+        if rb is not None and rb["snapshot"] is None:
+            rb["snapshot"] = self._snapshot()
+
+    def _snapshot(self) -> dict:
+        """Device copies of everything a step changes: the model's parameters and the
+        optimiser's (main) parameters and state tensors."""
         opts = _torch_optimizers(self.impl)
         tensors = [p.data for p in self.model.parameters()]
         for opt in opts:
@@ -276,25 +310,121 @@ class Optimizer:
         for t in tensors:
             if id(t) not in seen:
                 seen.add(id(t))
-                saved.append((t, t.detach().to("cpu", copy=True)))
+                saved.append((t, t.detach().clone()))
         had_state = [set(map(id, opt.state)) for opt in opts]
         return {"tensors": saved, "opts": opts, "had_state": had_state}
 
-    @staticmethod
-    def restore(snapshot: dict) -> None:
-        with torch.no_grad():
-            for t, saved in snapshot["tensors"]:
-                t.copy_(saved)
-        for opt, had in zip(snapshot["opts"], snapshot["had_state"]):
-            for p in [p for p in opt.state if id(p) not in had]:
-                del opt.state[p]
+    def state_dict(self) -> dict:
+        """Everything a resume needs, on the host. Megatron's DistributedOptimizer keeps the
+        fp32 master weights and the Adam moments out of its `state_dict()` (a load allocates them
+        with torch.empty and expects `load_parameter_state`): its part of them, this dp rank's
+        shard, rides along as `param_state` (the rank files are per rank, and a resume needs the
+        same world/tp/pp)."""
+        if self.impl is None:
+            return {}
+        sd = self.impl.state_dict()
+        dist_opts = _distributed_optimizers(self.impl)
+        if not dist_opts:
+            return sd
+        return {"optimizer": sd, "param_state": [_param_state(o) for o in dist_opts]}
 
-    def state_dict(self):
-        return self.impl.state_dict() if self.impl is not None else {}
-
-    def load_state_dict(self, sd):
-        if self.impl is not None:
+    def load_state_dict(self, sd) -> None:
+        if self.impl is None:
+            return
+        dist_opts = _distributed_optimizers(self.impl)
+        if not dist_opts:
             self.impl.load_state_dict(sd)
+            return
+        if not (isinstance(sd, dict) and "param_state" in sd):
+            raise ValueError("this checkpoint holds no fp32 master weights or Adam moments for "
+                             "the distributed optimizer (written by an older megaprm): resume "
+                             "from a newer checkpoint or start the run afresh")
+        self.impl.load_state_dict(sd["optimizer"])
+        # Without apex/TE, Megatron's load gives every parameter's torch-Adam state one shared
+        # `step` tensor, which each parameter's update then increments: one tensor each.
+        for opt in _torch_optimizers(self.impl):
+            for st in opt.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()
+        with torch.no_grad():  # fp32 masters are views of the (leaf) model parameters
+            for opt, state in zip(dist_opts, sd["param_state"], strict=True):
+                opt.load_parameter_state_from_dp_reshardable(state)
+
+
+def _megatron_optimizer(ddp_model, cfg: OptimConfig, chosen: set):
+    """Megatron's (chained) optimiser over every parameter DDP holds. The DistributedOptimizer
+    maps each grad-buffer slot to a param group, so a parameter DDP holds cannot be left out
+    (KeyError in `_build_optimizer_group_ranges`): those not in `chosen` go to a group with
+    lr_mult 0 (`set_lr`) and get zero grads (`step`), so they never move."""
+    from megatron.core.optimizer import (OptimizerConfig, get_megatron_optimizer,
+                                         get_standard_config_overrides)
+    from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+    from megatron.core.optimizer_param_scheduler import ParamGroupOverride
+
+    oc = OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
+                         adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
+                         clip_grad=cfg.clip_grad, bf16=ddp_model.config.bf16,
+                         use_distributed_optimizer=ddp_model.ddp_config.use_distributed_optimizer)
+    use_multi_tensor_l2norm()
+    overrides = get_standard_config_overrides(oc)
+    frozen = ParamPredicate(name="megaprm_frozen", fn=lambda p: id(p) not in chosen)
+    overrides[ParamKey(predicate=frozen)] = ParamGroupOverride(lr_mult=0.0)
+    impl = get_megatron_optimizer(oc, [ddp_model], config_overrides=overrides)
+    for g in impl.param_groups:
+        g["lr"] = cfg.lr * g.get("lr_mult", 1.0)
+    return impl
+
+
+def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for apex's `amp_C.multi_tensor_l2norm`: torch's foreach norms, no host read.
+    Returns ([1] float32 L2 norm of all tensors of tensor_lists[0], per-tensor norms or None)."""
+    norms = torch._foreach_norm(tensor_lists[0])
+    total = torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1)
+    return total, (torch.stack(norms) if per_tensor else None)
+
+
+def use_multi_tensor_l2norm() -> None:
+    """Without apex or Transformer Engine, Megatron's grad-norm falls back to
+    `local_multi_tensor_l2_norm`, which builds `torch.tensor([norm ...])` from 0-d device
+    tensors: one host read per parameter per step. Swap in `multi_tensor_l2norm` there."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    if clip_grads.l2_norm_impl is local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = multi_tensor_l2norm
+
+
+def _distributed_optimizers(impl) -> list:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(impl, "chained_optimizers", [impl])
+    return [o for o in inner if isinstance(o, DistributedOptimizer)]
+
+
+def _param_state(opt) -> dict:
+    """This dp rank's shard of fp32 masters, Adam moments and step counts, as host copies, in
+    Megatron's bucket-space layout (`get_parameter_state_dp_reshardable`; each entry marked
+    unpadded, which `load_parameter_state_from_dp_reshardable` filters on)."""
+    state = opt.get_parameter_state_dp_reshardable()
+    for gbuf_idx, per_dtype in state.items():
+        if not isinstance(gbuf_idx, int):
+            continue
+        for buckets in per_dtype.values():
+            for bucket in buckets:
+                for i, entry in enumerate(bucket):
+                    bucket[i] = {k: v.detach().to("cpu", copy=True)
+                                 if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+                    bucket[i]["padding"] = False
+    return state
+
+
+def _restore(snapshot: dict) -> None:
+    with torch.no_grad():
+        for t, saved in snapshot["tensors"]:
+            t.copy_(saved)
+    for opt, had in zip(snapshot["opts"], snapshot["had_state"]):
+        for p in [p for p in opt.state if id(p) not in had]:
+            del opt.state[p]
 
 
 def _torch_optimizers(impl) -> list:

@@ -21,7 +21,7 @@ Rules the phases keep:
   sampling temperature.
 * Faults: a non-finite reward on any rank is agreed on by every rank (`agree`) before the next
   collective, so all skip the step; a non-finite loss or grad norm in any mini-batch rolls the
-  whole update back (`Optimizer.snapshot/restore`), so a step is applied wholly or not at all
+  whole update back (`Optimizer.all_or_nothing`), so a step is applied wholly or not at all
   and the rollout engine always holds the actor's weights.
 """
 from __future__ import annotations
@@ -258,6 +258,11 @@ class RLTrainer:
         dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
         self.batching = Batching(cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch,
                                  groups.pp_size)
+        # The engine first, then asleep: vLLM's start-up check wants utilisation x total memory
+        # free, which the actor, reference and PRM would no longer leave; the first
+        # `sync_weights` wakes it with the actor's weights.
+        self.engine = self._build_engine()
+        self.engine.sleep()
         kw = dict(dtype=dtype, batching=self.batching,
                   build={"impl": cfg.model.impl, "compile": cfg.model.compile,
                          "recompute": cfg.model.recompute})
@@ -278,7 +283,6 @@ class RLTrainer:
                                    optim=cfg.prm.optim, **kw)
             self.implicit_ref = (self.ref if self.temperature == 1.0 else
                                  Policy(self.spec, groups, self.src, trainable=False, **kw))
-        self.engine = self._build_engine()
         self.grader = self.grader_tok = None
         if cfg.prm.kind == "judge":
             self._build_grader()
@@ -642,30 +646,28 @@ class RLTrainer:
         lengths = rp.attention_mask.long().sum(1)
         B = rp.input_ids.shape[0]
         rows_per = B // cfg.mini_batches  # check_batch: mini_batches divides B
-        snap = self.actor.opt.snapshot() if cfg.mini_batches > 1 else None
         sums: dict = {}
         maxes = {"actor/ratio_max": 0.0, "actor/grad_norm_max": 0.0}
         updates = 0
-        try:
-            for k in range(cfg.mini_batches):
-                rows = slice(k * rows_per, (k + 1) * rows_per)
-                mb_metrics = self._update_minibatch(
-                    rp.input_ids[rows], mask_t[rows], adv_t[rows], logp_old_t[rows],
-                    None if logp_ref_t is None else logp_ref_t[rows],
-                    lengths=lengths[rows])
-                if mb_metrics is None:  # no valid token in this mini-batch on any rank
-                    continue
-                updates += 1
-                if updates == 1:  # the live guard: 1 when the trainer sees the sampler's policy
-                    first = mb_metrics["actor/ratio_mean"] / mb_metrics["tokens"]
-                for key, v in mb_metrics.items():
-                    if key in maxes:
-                        maxes[key] = max(maxes[key], v)
-                    else:
-                        sums[key] = sums.get(key, 0.0) + v
+        try:  # one mini-batch needs no rollback: its step is skipped before anything moves
+            with self.actor.opt.all_or_nothing(enabled=cfg.mini_batches > 1):
+                for k in range(cfg.mini_batches):
+                    rows = slice(k * rows_per, (k + 1) * rows_per)
+                    mb_metrics = self._update_minibatch(
+                        rp.input_ids[rows], mask_t[rows], adv_t[rows], logp_old_t[rows],
+                        None if logp_ref_t is None else logp_ref_t[rows],
+                        lengths=lengths[rows])
+                    if mb_metrics is None:  # no valid token in this mini-batch on any rank
+                        continue
+                    updates += 1
+                    if updates == 1:  # live guard: 1 when the trainer sees the sampler's policy
+                        first = mb_metrics["actor/ratio_mean"] / mb_metrics["tokens"]
+                    for key, v in mb_metrics.items():
+                        if key in maxes:
+                            maxes[key] = max(maxes[key], v)
+                        else:
+                            sums[key] = sums.get(key, 0.0) + v
         except StepSkipped:
-            if snap is not None:
-                self.actor.opt.restore(snap)
             self.actor.opt.zero_grad()
             raise
         out = {"actor/updates": float(updates), **maxes}
@@ -711,28 +713,36 @@ class RLTrainer:
                                    agg=cfg.loss_agg, entropy=ent, entropy_coef=cfg.entropy_coef,
                                    logp_ref=p.get("ref"), kl_coef=cfg.kl_coef,
                                    kl_kind=cfg.kl_kind, global_tokens=tokens, global_seqs=seqs,
-                                   norm_len=self.cfg.rollout.max_tokens)
-            n = float(p["m"].sum())
-            if cfg.skip_ratio_above is not None and met["actor/ratio_mean"] > cfg.skip_ratio_above:
-                loss = loss * 0.0  # PURE: this micro-batch moves nothing
-                met = {**met, "actor/ratio_skipped": 1.0}
+                                   norm_len=self.cfg.rollout.max_tokens, host=False)
+            # Metrics stay on the device: `_update_minibatch` reads the whole mini-batch's at once
+            n = p["m"].sum()
+            skipped = torch.zeros((), dtype=loss.dtype, device=loss.device)
+            if cfg.skip_ratio_above is not None:  # PURE: this micro-batch moves nothing
+                skipped = (met["actor/ratio_mean"] > cfg.skip_ratio_above).to(loss.dtype)
+                loss = loss * (1.0 - skipped)
             sums = {k: met[k] * n for k in ("actor/clip_frac", "actor/dual_clip_frac",
                                             "actor/approx_kl", "actor/ratio_mean")}
-            sums["actor/ratio_skipped_microbatches"] = met.get("actor/ratio_skipped", 0.0)
-            sums["actor/entropy_token_mean"] = float((ent.detach() * p["m"]).sum())
+            sums["actor/ratio_skipped_microbatches"] = skipped
+            sums["actor/entropy_token_mean"] = (ent.detach() * p["m"]).sum()
             for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
                 if k in met:
                     sums[k] = met[k]  # already divided by the global normaliser
-            sums["actor/loss"] = float(loss.detach())
-            return loss, {"sums": sums, "ratio_max": met["actor/ratio_max"]}
+            sums["actor/loss"] = loss.detach()
+            sums["ratio_max"] = met["actor/ratio_max"]
+            return loss, {"keys": list(sums), "values": torch.stack(
+                [v.to(torch.float32) for v in sums.values()])}
 
         self.actor.opt.zero_grad()
         parts = pipeline.run(self.actor.model, mbs, groups=g, post=post, forward_only=False)
-        local = {}
-        for part in parts:
-            for k, v in part["sums"].items():
-                local[k] = local.get(k, 0.0) + v
-        ratio_max = max((part["ratio_max"] for part in parts), default=0.0)
+        local, ratio_max = {}, 0.0
+        if parts:  # the one host read of the mini-batch's metrics (last stage)
+            keys = parts[0]["keys"]
+            rows = torch.stack([part["values"] for part in parts]).tolist()
+            for i, k in enumerate(keys):
+                if k == "ratio_max":
+                    ratio_max = max(r[i] for r in rows)
+                else:
+                    local[k] = sum(r[i] for r in rows)
         local = pipeline.broadcast_from_last_stage(local, g)
         ratio_max = pipeline.broadcast_from_last_stage(ratio_max, g)
         summed = dp_reduce(local, g)

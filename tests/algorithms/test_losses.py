@@ -173,3 +173,23 @@ def test_loss_validation():
         L.ppo_clip_loss(logp, old, adv[:2], mask)
     with pytest.raises(ValueError, match="kind='k4'"):
         L.kl_penalty(logp, old, "k4")
+
+
+def test_device_metrics_equal_host_metrics():
+    """`host=False` keeps every metric a 0-d tensor (the trainer reads a mini-batch's at once);
+    the values are the host path's, ratio_max over valid tokens only (NaN outside the mask)."""
+    gen = torch.Generator().manual_seed(3)
+    logp, old, adv = (torch.randn(3, 6, generator=gen) for _ in range(3))
+    mask = (torch.rand(3, 6, generator=gen) > 0.3).float()
+    old = torch.where(mask.bool(), old, torch.tensor(float("nan")))
+    kw = dict(entropy=torch.rand(3, 6, generator=gen), entropy_coef=0.01,
+              logp_ref=torch.randn(3, 6, generator=gen), kl_coef=0.1)
+    _, host = L.actor_loss(logp, old.nan_to_num(), adv, mask, **kw)
+    _, dev = L.actor_loss(logp, old.nan_to_num(), adv, mask, host=False, **kw)
+    assert set(host) == set(dev)
+    for k, v in dev.items():
+        assert isinstance(v, torch.Tensor) and v.dim() == 0, k
+        assert float(v) == pytest.approx(host[k], rel=1e-6, abs=1e-7), k
+    _, m = L.ppo_clip_loss(logp, old, adv, mask, host=False)
+    ratio = torch.exp((logp - old).clamp(-20, 20))
+    assert float(m.ratio_max) == pytest.approx(float(ratio[mask.bool()].max()))

@@ -119,3 +119,36 @@ def test_trainer_drives_the_lifecycle_on_two_ranks(policy, tmp_path, tp):
             assert len(res[engine]["history"]) == 2
     # one seed for the whole job: the ranks of a tp group sample alike
     assert results[0]["vllm"]["kwargs"]["seed"] == results[1]["vllm"]["kwargs"]["seed"]
+
+
+def _build_order(run_root, policy):
+    import fake_vllm
+
+    from megaprm.config import load_config
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer import loop
+
+    fake_vllm.install()
+    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    g = init_distributed()
+    seen = []
+    real = loop.Policy.__init__
+
+    def policy_init(self, *a, **k):  # what the engine had done when each model was built
+        seen.append([_ops(llm.log) for llm in fake_vllm.LLM.instances])
+        real(self, *a, **k)
+    loop.Policy.__init__ = policy_init
+    cfg = load_config(DEMO_YAML, [f"trainer.run_dir={run_root}", f"model.path={policy}",
+                                  "rollout.engine=vllm", "actor.kl_coef=0.01", *SMALL])
+    tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
+    return seen, _ops(fake_vllm.LLM.instances[-1].log), tr.ref is not None
+
+
+def test_engine_is_built_and_asleep_before_the_models(policy, tmp_path):
+    """vLLM checks at start-up that utilisation x total GPU memory is free: the engine must
+    exist (and sleep) before the actor and reference allocate theirs."""
+    seen, ops, has_ref = launch.spawn(_build_order, 1, str(tmp_path / "run"), policy)[0]
+    assert has_ref and len(seen) == 2  # actor and reference
+    assert all(s == [["sleep:1"]] for s in seen), seen
+    assert ops[:2] == ["sleep:1", "wake_up:weights"] and "load_weights" in ops  # initial sync
