@@ -141,7 +141,10 @@ def wrap_ddp(model, groups: Groups, *, distributed_optimizer: Optional[bool] = N
     lm_loss_weight = 0), and the overlap is only correct with the schedule's no_sync/grad_sync
     hooks wired into the model config (else buckets reduce after the first micro-batch):
     neither is tested without a GPU."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
 
     if distributed_optimizer is None:
         distributed_optimizer = torch.cuda.is_available() and groups.dp_size > 1
@@ -356,8 +359,11 @@ def _megatron_optimizer(ddp_model, cfg: OptimConfig, chosen: set):
     maps each grad-buffer slot to a param group, so a parameter DDP holds cannot be left out
     (KeyError in `_build_optimizer_group_ranges`): those not in `chosen` go to a group with
     lr_mult 0 (`set_lr`) and get zero grads (`step`), so they never move."""
-    from megatron.core.optimizer import (OptimizerConfig, get_megatron_optimizer,
-                                         get_standard_config_overrides)
+    from megatron.core.optimizer import (
+        OptimizerConfig,
+        get_megatron_optimizer,
+        get_standard_config_overrides,
+    )
     from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
     from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 

@@ -8,7 +8,9 @@ Layout of `ckpt_root/` (ARCHITECTURE.md "One checkpoint format"):
         hf/                      HF side files of the model (config.json, tokenizer, ...)
         megaprm_checkpoint.json  checkpoint_tools.layout.CheckpointMeta
       prm/                       the same for an online-updated PRM (PRIME), if any
-      rank_00000.pt              this rank's optimiser state(s) and RNG states
+      rank_00000.pt              this rank's optimiser state(s) (with Megatron's distributed
+                                 optimizer: this rank's shard of fp32 masters and Adam moments,
+                                 `pipeline.Optimizer.state_dict`) and RNG states
       trainer.json               step, next_step, skipped_steps, world/tp/pp, config digest
       MANIFEST.json              size + crc32 of every other file; written last
     step_000002.damaged/         a checkpoint that failed verification (kept for inspection)

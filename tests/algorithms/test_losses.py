@@ -182,8 +182,8 @@ def test_device_metrics_equal_host_metrics():
     logp, old, adv = (torch.randn(3, 6, generator=gen) for _ in range(3))
     mask = (torch.rand(3, 6, generator=gen) > 0.3).float()
     old = torch.where(mask.bool(), old, torch.tensor(float("nan")))
-    kw = dict(entropy=torch.rand(3, 6, generator=gen), entropy_coef=0.01,
-              logp_ref=torch.randn(3, 6, generator=gen), kl_coef=0.1)
+    kw = {"entropy": torch.rand(3, 6, generator=gen), "entropy_coef": 0.01,
+          "logp_ref": torch.randn(3, 6, generator=gen), "kl_coef": 0.1}
     _, host = L.actor_loss(logp, old.nan_to_num(), adv, mask, **kw)
     _, dev = L.actor_loss(logp, old.nan_to_num(), adv, mask, host=False, **kw)
     assert set(host) == set(dev)

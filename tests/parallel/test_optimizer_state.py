@@ -11,7 +11,8 @@ import torch
 
 from tests.distributed_utils import run_distributed
 
-TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+        "intermediate_size": 64}
 
 
 def _cuda_type_names() -> None:
