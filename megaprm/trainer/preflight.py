@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from megaprm.config import Config, ConfigError
 from megaprm.parallel.init import check_layout
@@ -22,6 +23,11 @@ def check_rl_launch(cfg: Config, world_size: int) -> None:
         spec_from_hf(prm.hf_dir).check_parallel(cfg.parallel.tp, cfg.parallel.pp)
     if cfg.prm.kind == "judge":  # the grader runs in its own engine: any layout, weights needed
         model_source.resolve(cfg.prm.path, "prm.path")
+    # a key this setting makes meaningless: a warning, not an error, as the compare driver
+    # passes its one prm.path to every run
+    if cfg.prm.kind in ("oracle", "none") and cfg.prm.path:
+        print(f"megaprm train: warning: prm.path={cfg.prm.path!r} is not read with prm.kind="
+              f"{cfg.prm.kind}", file=sys.stderr)
     if cfg.data.task == "math" and not os.path.isfile(cfg.data.path):
         raise ConfigError(f"data.path={cfg.data.path!r} does not exist; pass a .jsonl or "
                           "verl-style .parquet prompt file")
