@@ -160,7 +160,11 @@ def _megaprm_dry(words: list[str], tmp: Path) -> None:
     tiny policy and an empty stand-in file here."""
     from megaprm import cli
 
-    args, rest = cli._parser().parse_known_args(words)
+    try:
+        args, rest = cli._parser().parse_known_args(words)
+    except SystemExit as e:  # --help
+        assert e.code == 0 and "--help" in words, (words, e.code)
+        return
     assert not [r for r in rest if r.startswith("-")], rest
     if args.cmd == "train":
         from megaprm.config import load_config
