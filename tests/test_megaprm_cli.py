@@ -210,6 +210,7 @@ def test_demo_summary_prints_only_what_applies_to_the_method(capsys):
     demo.print_summary({**base, "method": "prime", "prm": None})
     out = capsys.readouterr().out
     assert "AUROC" not in out and demo.PRIME_NOTE in out and "docs/compare.md" in out
+    assert "PRM p," not in out and "implicit PRM in the RL run's checkpoints" in out
 
 
 def _six_head_model(root):
