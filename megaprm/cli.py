@@ -151,16 +151,12 @@ def cmd_train(args) -> int:
         destroy()
         return 0
 
-    rc = _on_ranks(args, sys.argv[1:], preflight, body)
-    if rc == 0 and args.node_rank == 0 and not _under_torchrun():
-        _say_where_the_run_is(cfg.trainer.run_dir)
-    return rc
-
-
-def _under_torchrun() -> bool:
     from megaprm.parallel.launch import under_torchrun
 
-    return under_torchrun()
+    rc = _on_ranks(args, sys.argv[1:], preflight, body)
+    if rc == 0 and args.node_rank == 0 and not under_torchrun():  # the launcher, after its ranks
+        _say_where_the_run_is(cfg.trainer.run_dir)
+    return rc
 
 
 def _say_where_the_run_is(run_dir: str) -> None:
@@ -168,10 +164,13 @@ def _say_where_the_run_is(run_dir: str) -> None:
     from megaprm.trainer.plots import plot_run
 
     plots = os.path.join(run_dir, "plots")
-    plot_run(run_dir, out_dir=plots)
+    try:
+        plot_run(run_dir, out_dir=plots)
+        drawn = f"plots {plots}/ (`megaprm plot {run_dir}` redraws them)"
+    except (FileNotFoundError, ValueError):  # no step logged (e.g. trainer.steps=0)
+        drawn = "no plots (no step logged)"
     print(f"[train] done: run {run_dir} (config.yaml, checkpoints/), metrics "
-          f"{os.path.join(run_dir, 'metrics.jsonl')}, plots {plots}/ "
-          f"(`megaprm plot {run_dir}` redraws them)", flush=True)
+          f"{os.path.join(run_dir, 'metrics.jsonl')}, {drawn}", flush=True)
 
 
 def cmd_train_prm(args) -> int:

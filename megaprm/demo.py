@@ -55,17 +55,17 @@ TASK = ArithmeticConfig(num_ops=(2, 4), operand_max=20, ops="+-", seed=0)
 # the RL settings every demo / compare run starts from (model, PRM, run dir come as overrides)
 RL_YAML = os.path.join(os.path.dirname(__file__), "configs", "demo.yaml")
 
+# what PRIME does at this scale, measured (docs/compare.md): said where a user meets it
+PRIME_NOTE = ("prime learns its implicit PRM from outcome labels alone; at the demo's response "
+              "length and step budget it does not learn (loss ~ln 2) and accuracy usually falls "
+              "(docs/compare.md); no step-label PRM is trained for it")
+
 # Each method's own knobs on the demo task; the actor, batch and schedule (configs/demo.yaml)
 # are shared, so methods differ only in their rewards and estimator. PRIME: the implicit PRM
 # starts from the policy with twice the actor's lr (released: PRM 1e-6 / actor 5e-7,
 # configs/prime.yaml), refilling the accuracy-filtered batch (ray_trainer.py, cap 4 as
 # configs/prime_tiny.yaml). PURE: the released PRM's step reward is 2p - 1 (token-classification
 # head), the megaprm PRM gives p.
-# what PRIME does at this scale, measured (docs/compare.md): said where a user meets it
-PRIME_NOTE = ("prime learns its implicit PRM from outcome labels alone; at the demo's response "
-              "length and step budget it does not learn (loss ~ln 2) and accuracy usually falls "
-              "(docs/compare.md); no step-label PRM is trained for it")
-
 METHOD_OVERRIDES = {
     "prime": ["prm.kind=implicit", "prm.path=null", "prm.optim.lr=1e-4",
               "rollout.refill=accuracy", "rollout.max_refill_rounds=4"],
@@ -269,7 +269,9 @@ def print_summary(s: dict) -> None:
              "included)" if wall is not None else f"total {s['total_s']:.0f}s"))
     print("RL phases (s): " + "  ".join(f"{k} {v:.1f}" for k, v in s["rl_phase_times_s"].items()))
     d = s["dirs"]
-    print(f"wrote: warm-up policy {d['warmup']}, PRM {d['prm']}, RL run {d['rl']} "
+    prm = (f"PRM {d['prm']}" if s["prm"] is not None
+           else "the implicit PRM in the RL run's checkpoints/step_N/prm")
+    print(f"wrote: warm-up policy {d['warmup']}, {prm}, RL run {d['rl']} "
           f"(metrics.jsonl, samples.jsonl, checkpoints/, summary.json; plots: "
           f"megaprm plot {d['rl']})")
     print("=======================================================\n")

@@ -181,6 +181,21 @@ def test_demo_then_another_method_reuses_warmup_and_prm(tmp_path):
     assert os.path.isfile(tmp_path / "demo" / "rl" / "prof_grpo" / "summary.json")
 
 
+def test_prm_path_unread_by_the_prm_kind_is_announced_before_ranks(policy, tmp_path, capsys):
+    from megaprm.config import load_config
+    from megaprm.trainer.preflight import check_rl_launch
+
+    base = ["trainer.wandb=disabled", f"model.path={policy}", f"trainer.run_dir={tmp_path}"]
+    for kind in ("oracle", "none"):
+        cfg = load_config("configs/grpo_tiny.yaml", [*base, f"prm.kind={kind}",
+                                                     f"prm.path={policy}"])
+        check_rl_launch(cfg, 1)
+        assert capsys.readouterr().err == (f"megaprm train: warning: prm.path={policy!r} is not "
+                                           f"read with prm.kind={kind}\n")
+    check_rl_launch(load_config("configs/grpo_tiny.yaml", [*base, "prm.kind=none"]), 1)
+    assert capsys.readouterr().err == ""
+
+
 def test_demo_summary_prints_only_what_applies_to_the_method(capsys):
     """PRIME trains no discriminative PRM: its summary has no PRM AUROC, and says what PRIME
     does at the demo's scale instead."""
@@ -195,6 +210,7 @@ def test_demo_summary_prints_only_what_applies_to_the_method(capsys):
     demo.print_summary({**base, "method": "prime", "prm": None})
     out = capsys.readouterr().out
     assert "AUROC" not in out and demo.PRIME_NOTE in out and "docs/compare.md" in out
+    assert "PRM p," not in out and "implicit PRM in the RL run's checkpoints" in out
 
 
 def _six_head_model(root):

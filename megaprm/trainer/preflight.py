@@ -4,6 +4,7 @@ arithmetic, and whether an existing checkpoint can be resumed with this layout a
 from __future__ import annotations
 
 import os
+import sys
 
 from megaprm.config import Config, ConfigError
 from megaprm.parallel.init import check_layout
@@ -21,6 +22,11 @@ def check_rl_launch(cfg: Config, world_size: int) -> None:
         spec_from_hf(prm.hf_dir).check_parallel(cfg.parallel.tp, cfg.parallel.pp)
     if cfg.prm.kind == "judge":  # the grader runs in its own engine: any layout, weights needed
         model_source.resolve(cfg.prm.path, "prm.path")
+    # a key this setting makes meaningless: a warning, not an error, as the compare driver
+    # passes its one prm.path to every run
+    if cfg.prm.kind in ("oracle", "none") and cfg.prm.path:
+        print(f"megaprm train: warning: prm.path={cfg.prm.path!r} is not read with prm.kind="
+              f"{cfg.prm.kind}", file=sys.stderr)
     model_source.check_tokenizer(src.hf_dir, "model.path")
     for key in ("path", "eval_path"):
         path = getattr(cfg.data, key)
