@@ -169,12 +169,20 @@ class ActorConfig:
     # PURE's guard (released models/loss.py:81-84): a micro-batch whose mean PPO ratio exceeds
     # this contributes no gradient (loss x 0); None: off
     skip_ratio_above: Optional[float] = None
+    # what that mean is: token (over the micro-batch's tokens) | sequence (the mean of its
+    # sequences' token means, PURE's release with its 2-row micro-batches)
+    skip_ratio_scope: str = "token"
+    # shuffle each rank's rows before splitting them into mini-batches (old verl's actor, PRIME:
+    # dataloader shuffle=True); seeded by trainer.seed, step and dp rank. False: in order
+    shuffle_mini_batches: bool = False
     # the temperature of every log-prob the update uses (actor old/new, entropy, reference,
     # KL): "rollout" (rollout.temperature, as verl does) or a number (PURE: 1.0 while sampling
     # at 0.5, its actor's log-probs take no temperature)
     logprob_temperature: Any = "rollout"
 
     def __post_init__(self):
+        _check(self.skip_ratio_scope in ("token", "sequence"), "actor.skip_ratio_scope",
+               self.skip_ratio_scope, "token or sequence (PURE's release)")
         t = self.logprob_temperature
         _check(t == "rollout" or (isinstance(t, (int, float)) and not isinstance(t, bool)
                                   and t > 0), "actor.logprob_temperature", t,

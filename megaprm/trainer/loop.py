@@ -36,7 +36,7 @@ from typing import List, Optional
 
 import torch
 
-from megaprm.algorithms.losses import actor_loss, implicit_prm_ce_loss
+from megaprm.algorithms.losses import actor_loss, guard_ratio_mean, implicit_prm_ce_loss
 from megaprm.algorithms.registry import AdvantageInputs, AdvantageOutputs, compute_advantages
 from megaprm.config import Config, ConfigError, save_config, to_dict
 from megaprm.models.hf_spec import spec_from_hf
@@ -707,7 +707,8 @@ class RLTrainer:
                                    kl_kind=cfg.kl_kind, global_tokens=tokens, global_seqs=seqs,
                                    norm_len=self.cfg.rollout.max_tokens)
             n = float(p["m"].sum())
-            if cfg.skip_ratio_above is not None and met["actor/ratio_mean"] > cfg.skip_ratio_above:
+            if cfg.skip_ratio_above is not None and guard_ratio_mean(
+                    lp, p["old"], p["m"], cfg.skip_ratio_scope) > cfg.skip_ratio_above:
                 loss = loss * 0.0  # PURE: this micro-batch moves nothing
                 met = {**met, "actor/ratio_skipped": 1.0}
             sums = {k: met[k] * n for k in ("actor/clip_frac", "actor/dual_clip_frac",
@@ -871,10 +872,12 @@ class RLTrainer:
                    **refill_metrics, **self._judge_metrics, **self._fallback_metrics}
         # refill's top-up groups (the cap was hit) did not pass: no gradient from them
         keep = adv.keep if sb.passed is None else adv.keep & sb.passed
+        update = (rp, adv_t, logp_old_t, logp_ref_t if cfg.actor.kl_coef else None, keep)
+        if cfg.actor.shuffle_mini_batches:
+            update = permute_rows(update, mini_batch_order(rp.input_ids.shape[0], cfg.trainer.seed,
+                                                           step, self.groups.dp_rank))
         with t("update"):
-            metrics.update(self.update_actor(rp, adv_t, logp_old_t,
-                                             logp_ref_t if cfg.actor.kl_coef else None,
-                                             keep))
+            metrics.update(self.update_actor(*update))
         with t("weight_sync"):
             self.sync_weights()
         metrics.update(self.last_sync)
@@ -1162,6 +1165,21 @@ def _lock_run_dir(run_dir: str, groups: Groups):
 LOCK_ENV = "MEGAPRM_RUN_DIR_LOCKED"  # set by the launcher that holds the run directory's lock
 HELD_OUT_SEED = 987_654_321  # arithmetic eval problems; training draws seed*100_003 + step
 LOGPROB_DIFF_WARN = 1e-2     # fp32 engines agree to ~1e-6; bf16 vLLM vs Megatron ~1e-2 typical
+
+
+def mini_batch_order(rows: int, seed: int, step: int, dp_rank: int) -> torch.Tensor:
+    """actor.shuffle_mini_batches: this rank's row order for the update, a permutation [rows]
+    fixed by (seed, step, dp rank), so a resumed run shuffles as the uninterrupted one."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 7919 + dp_rank * 104_729)
+                                        % (2**63))
+    return torch.randperm(rows, generator=gen)
+
+
+def permute_rows(update: tuple, order: torch.Tensor) -> tuple:
+    """update_actor's arguments (RightPadded, adv, old, ref or None, keep) with rows in `order`."""
+    rp, *rest = update
+    return (RightPadded(*(x[order] for x in rp)),
+            *(None if x is None else x[order] for x in rest))
 
 
 def logprob_temperature(cfg: Config) -> float:
