@@ -130,12 +130,17 @@ class RolloutConfig:
     refill: str = "none"                 # none | accuracy | std (class docstring)
     max_refill_rounds: int = 4           # extra generation rounds per step at most (then train
                                          # on what passed; rollout/refill_capped says so)
+    # passing groups beyond the step's share: drop (verl's DAPO recipe) | requeue (PRIME's
+    # release: their prompts are generated again first in the next step's first round)
+    refill_surplus: str = "drop"
 
     def __post_init__(self):
         _check(self.engine in ("hf", "vllm"), "rollout.engine", self.engine, "hf or vllm")
         _check(self.refill in REFILL_FILTERS, "rollout.refill", self.refill,
                "none, accuracy (mean outcome in advantage.prime.acc_low..acc_high) or std "
                "(groups whose outcomes are not all equal)")
+        _check(self.refill_surplus in ("drop", "requeue"), "rollout.refill_surplus",
+               self.refill_surplus, "drop or requeue (PRIME's release)")
         _check(isinstance(self.max_refill_rounds, int) and self.max_refill_rounds >= 0,
                "rollout.max_refill_rounds", self.max_refill_rounds,
                "an integer >= 0 (extra generation rounds per step)")

@@ -92,6 +92,11 @@ class Prompts:
         return Prompts(self.texts[lo:hi], self.truths[lo:hi], self.problems[lo:hi],
                        self.references[lo:hi])
 
+    @staticmethod
+    def cat(parts: list) -> "Prompts":
+        return Prompts(*([x for p in parts for x in getattr(p, f)]
+                         for f in ("texts", "truths", "problems", "references")))
+
 
 # ----------------------------------------------------------------------------- config digest
 
@@ -280,6 +285,7 @@ class RLTrainer:
         # step uses block `step`; with refill a step uses one block per generation round and the
         # next unused block is trainer state (saved in checkpoints, so resume draws the same).
         self.next_block = 0
+        self.requeue: list = []  # rollout.refill_surplus=requeue: global prompt ids to redo
         self.sep_ids = separator_token_ids(tokenizer)
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -367,16 +373,22 @@ class RLTrainer:
         self.last_sync = {"weight_sync/seconds": s["seconds"],
                           "weight_sync/gbytes": s["bytes"] / 1e9, "weight_sync/gbps": s["gbps"]}
 
-    def rollout(self, block: int):
+    def rollout(self, block: int, requeued: tuple = ()):
         """Phase: this rank's share of prompt block `block` (= the step without refill) -> n
         samples each, then the engine sleeps (frees its memory for training). Same seed on every
-        tp/pp peer. Returns (batch, this rank's `Prompts`, global group ids [B])."""
+        tp/pp peer. `requeued`: global prompt ids (block * P + index) generated first, before
+        the block's share (rollout.refill_surplus=requeue). Returns (batch, this rank's
+        `Prompts`, global group ids [B])."""
         cfg, g = self.cfg, self.groups
         prompts = self.data(block)
         P = len(prompts.texts)
         per = P // g.dp_size
         lo = g.dp_rank * per
         local = prompts.shard(lo, lo + per)
+        ids_of_groups = torch.tensor([*requeued, *range(block * P + lo, block * P + lo + per)])
+        if requeued:
+            local = Prompts.cat([self.data(gid // P).shard(gid % P, gid % P + 1)
+                                 for gid in requeued] + [local])
         ids = encode_prompts(self.tok, local.texts)
         params = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature,
                                 top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_tokens,
@@ -386,7 +398,7 @@ class RLTrainer:
         self._engine_awake()
         batch = self.engine.generate(ids, params)
         self.engine.sleep()
-        group_ids = (block * P + lo + batch.group_index).long()
+        group_ids = ids_of_groups[batch.group_index].long()
         return batch, local, group_ids
 
     def refill_rollout(self, t) -> tuple:
@@ -401,18 +413,23 @@ class RLTrainer:
         agreed over dp (the largest shortfall), so every rank runs the same number of rounds.
         After `rollout.max_refill_rounds` extra rounds the shares are topped up with filtered-out
         groups marked `passed = False` (no gradient: the update masks them): the step trains
-        on what passed. Surplus passing groups are dropped (verl's DAPO recipe; PRIME re-queues
-        their prompts). Returns (ScoredBatch with `passed`, metrics)."""
+        on what passed. Surplus passing groups are dropped (verl's DAPO recipe), or with
+        `rollout.refill_surplus: requeue` their prompts are generated again at the head of the
+        next step's first round (PRIME's add_to_buffer / get_from_buffer, ray_trainer.py:460-480,
+        per rank here). Returns (ScoredBatch with `passed`, metrics)."""
         cfg, g = self.cfg, self.groups
         n = cfg.rollout.n
         share = cfg.data.prompts_per_step // g.dp_size
         rounds: list = []  # (ScoredBatch, oracle checks, passed per local group [share])
         taken = 0
+        requeued, self.requeue = tuple(self.requeue), []
         while True:
             block = self.next_block
             self.next_block += 1
             with t("rollout"):
-                batch, prompts, group_ids = self.rollout(block)
+                batch, prompts, group_ids = (self.rollout(block, requeued) if requeued
+                                             else self.rollout(block))
+            requeued = ()
             fault = None
             with t("outcome_reward"):
                 try:
@@ -429,11 +446,16 @@ class RLTrainer:
             if short == 0 or len(rounds) > cfg.rollout.max_refill_rounds:
                 break
         picks = _pick_groups([ok for _, _, ok in rounds], share)
+        if cfg.rollout.refill_surplus == "requeue":
+            self.requeue = [int(r_sb.group_ids[gi * n])
+                            for (r_sb, _, ok), pick in zip(rounds, picks)
+                            for gi in range(ok.numel()) if ok[gi] and gi not in pick]
         sb = self._take_groups(rounds, picks)
         metrics = {"rollout/refill_rounds": float(len(rounds) - 1),
                    "rollout/groups_generated": float(len(rounds) * cfg.data.prompts_per_step),
                    "rollout/groups_kept": dp_sum(float(sb.passed.sum()) / n, g),
-                   "rollout/refill_capped": float(short > 0)}
+                   "rollout/refill_capped": float(short > 0),
+                   "rollout/requeued": dp_sum(float(len(self.requeue)), g)}
         return sb, metrics
 
     def _refill_filter(self, sb: ScoredBatch) -> torch.Tensor:
@@ -1000,9 +1022,24 @@ class RLTrainer:
             self.ckpt_root, step, self.groups, models=models, optimizers=optims,
             sources={k: checkpoint.ModelSource(src.hf_dir, dtype) for k, src in sources.items()},
             trainer_state={"next_step": step + 1, "skipped_steps": self.skipped_steps,
-                           "next_block": self.next_block},
+                           "next_block": self.next_block, **self._requeue_state()},
             config=self.digest_fields, keep_last=self.cfg.trainer.keep_last,
             crash_after_models=crash_after_models)
+
+    def _requeue_state(self) -> dict:
+        """{"requeue": {dp rank: prompt ids}} for the checkpoint (rank 0 writes it; every rank's
+        list is gathered first), or {} without rollout.refill_surplus=requeue."""
+        if self.cfg.rollout.refill_surplus != "requeue":
+            return {}
+        lists = [self.requeue]
+        if self.groups.world_size > 1:
+            import torch.distributed as dist
+
+            lists = [None] * self.groups.world_size
+            dist.all_gather_object(lists, (self.groups.dp_rank, self.requeue),
+                                   group=self.groups.agree)
+            return {"requeue": {str(r): q for r, q in lists}}
+        return {"requeue": {"0": lists[0]}}
 
     def maybe_resume(self) -> int:
         """Resume from the newest intact checkpoint (a damaged one is reported and skipped);
@@ -1019,6 +1056,7 @@ class RLTrainer:
             return 0
         self.skipped_steps = state.get("skipped_steps", 0)
         self.next_block = state.get("next_block", state["next_step"])
+        self.requeue = list(state.get("requeue", {}).get(str(self.groups.dp_rank), []))
         self.logger.truncate_after(state["step"])
         self.sync_weights()
         if self.groups.rank == 0:
