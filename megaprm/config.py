@@ -150,12 +150,17 @@ class RolloutConfig:
     refill: str = "none"                 # none | accuracy | std (class docstring)
     max_refill_rounds: int = 4           # extra generation rounds per step at most (then train
                                          # on what passed; rollout/refill_capped says so)
+    # passing groups beyond the step's share: drop (verl's DAPO recipe) | requeue (PRIME's
+    # release: their prompts are generated again first in the next step's first round)
+    refill_surplus: str = "drop"
 
     def __post_init__(self):
         _check(self.engine in ("hf", "vllm"), "rollout.engine", self.engine, "hf or vllm")
         _check(self.refill in REFILL_FILTERS, "rollout.refill", self.refill,
                "none, accuracy (mean outcome in advantage.prime.acc_low..acc_high) or std "
                "(groups whose outcomes are not all equal)")
+        _check(self.refill_surplus in ("drop", "requeue"), "rollout.refill_surplus",
+               self.refill_surplus, "drop or requeue (PRIME's release)")
         _check(isinstance(self.max_refill_rounds, int) and self.max_refill_rounds >= 0,
                "rollout.max_refill_rounds", self.max_refill_rounds,
                "an integer >= 0 (extra generation rounds per step)")
@@ -189,12 +194,20 @@ class ActorConfig:
     # PURE's guard (released models/loss.py:81-84): a micro-batch whose mean PPO ratio exceeds
     # this contributes no gradient (loss x 0); None: off
     skip_ratio_above: Optional[float] = None
+    # what that mean is: token (over the micro-batch's tokens) | sequence (the mean of its
+    # sequences' token means, PURE's release with its 2-row micro-batches)
+    skip_ratio_scope: str = "token"
+    # shuffle each rank's rows before splitting them into mini-batches (old verl's actor, PRIME:
+    # dataloader shuffle=True); seeded by trainer.seed, step and dp rank. False: in order
+    shuffle_mini_batches: bool = False
     # the temperature of every log-prob the update uses (actor old/new, entropy, reference,
     # KL): "rollout" (rollout.temperature, as verl does) or a number (PURE: 1.0 while sampling
     # at 0.5, its actor's log-probs take no temperature)
     logprob_temperature: Any = "rollout"
 
     def __post_init__(self):
+        _check(self.skip_ratio_scope in ("token", "sequence"), "actor.skip_ratio_scope",
+               self.skip_ratio_scope, "token or sequence (PURE's release)")
         t = self.logprob_temperature
         _check(t == "rollout" or (isinstance(t, (int, float)) and not isinstance(t, bool)
                                   and t > 0), "actor.logprob_temperature", t,

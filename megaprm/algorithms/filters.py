@@ -59,6 +59,32 @@ def consistency_scores(outcome: torch.Tensor, process: torch.Tensor,
     return c - len_penalty * out_of_range.to(torch.float64)
 
 
+def consistency_scores_released(outcome: torch.Tensor, step_scores: torch.Tensor,
+                                step_mask: torch.Tensor, num_steps: torch.Tensor | None, *,
+                                len_penalty: float, min_steps: int, max_steps: int,
+                                group: Any | None) -> torch.Tensor:
+    """The same critic computed the released way (`advantage.prof.precision: released`;
+    prof_ray_trainer.py:1377-1432 and :1450): in float32, per step - mu_B the float32 mean of
+    every valid step score of the batch, c_i = sum_h 2 (s_h - mu_B)(2 o_i - 1) / max(H_i, 1),
+    0 without steps - then the float32 length penalty. Rounding differs from the float64
+    `consistency_scores` in the last bits, which decides ties in the filter's sort.
+    step_scores/step_mask [B, S]; returns float64 [B] holding the float32 values."""
+    f = torch.float32
+    m = step_mask.bool()
+    s = torch.where(m, step_scores.to(f), torch.zeros((), dtype=f))
+    tot = all_reduce(torch.stack([s.sum().to(torch.float64), m.sum().to(torch.float64)]), "sum",
+                     group)
+    mu = (tot[0] / tot[1].clamp(min=1)).to(f)
+    sign = (2 * outcome.to(f) - 1)[:, None]
+    h_mask = m.sum(1)
+    c = (((s - mu) * 2) * sign * m).sum(1) / h_mask.clamp(min=1).to(f)
+    c = torch.where(h_mask > 0, c, torch.zeros_like(c))
+    if num_steps is not None:
+        out_of_range = (num_steps < min_steps) | (num_steps > max_steps)
+        c = c - torch.tensor(len_penalty, dtype=f) * out_of_range.to(f)
+    return c.to(torch.float64)
+
+
 def _rank_in_segment(segment: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """Rank of each row within its segment when sorted by `key` ascending, ties by row order.
 
@@ -76,8 +102,12 @@ def _rank_in_segment(segment: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 def prof(outcome: torch.Tensor, process: torch.Tensor, group_ids: torch.Tensor, *, remove: int,
          mode: str = "both", num_steps: torch.Tensor | None = None,
          generator: torch.Generator | None = None, len_penalty: float = 10.0,
-         min_steps: int = 2, max_steps: int = 30, group: Any | None = None) -> torch.Tensor:
+         min_steps: int = 2, max_steps: int = 30, group: Any | None = None,
+         released_steps: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """PROF consistency filter: remove `remove` samples per group, keep the rest -> `keep[B]` (§3.2–3.4).
+
+    `released_steps` = (step_scores [B, S], step_mask [B, S]): compute the critic in float32 per
+    step as released (`consistency_scores_released`); None: in float64 from `process`.
 
     `outcome[B]` (correct = `outcome == 1`), `process[B]` the mean PRM step score of each
     response, `num_steps[B]` its step count H_i (enables the released length penalty). Per group
@@ -110,8 +140,13 @@ def prof(outcome: torch.Tensor, process: torch.Tensor, group_ids: torch.Tensor, 
         raise ValueError("mode='correct' removes incorrect responses at random: pass "
                          "generator=torch.Generator().manual_seed(seed), the same seed on every DP rank")
     index = group_index(group_ids, group, b)
-    critic = consistency_scores(outcome, process, num_steps, len_penalty=len_penalty,
-                                min_steps=min_steps, max_steps=max_steps, group=group)
+    if released_steps is None:
+        critic = consistency_scores(outcome, process, num_steps, len_penalty=len_penalty,
+                                    min_steps=min_steps, max_steps=max_steps, group=group)
+    else:
+        critic = consistency_scores_released(outcome, *released_steps, num_steps,
+                                             len_penalty=len_penalty, min_steps=min_steps,
+                                             max_steps=max_steps, group=group)
     correct = (outcome == 1).to(torch.float64)
     rows = gather_samples(torch.stack([correct, critic], dim=1), index)
     dense, is_c, c = rows.dense, rows.values[:, 0] > 0.5, rows.values[:, 1]

@@ -192,3 +192,19 @@ def implicit_prm_ce_loss(logp_prm: torch.Tensor, logp_ref: torch.Tensor, respons
     logits = beta * ((logp_prm - logp_ref) * m).sum(1)
     loss = F.binary_cross_entropy_with_logits(logits, outcome.to(logits.dtype), reduction="sum")
     return loss / max(float(shape[0] if global_seqs is None else global_seqs), 1.0)
+
+
+def guard_ratio_mean(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor,
+                     scope: str = "token") -> torch.Tensor:
+    """The mean PPO ratio a skip guard (PURE's, actor.skip_ratio_above) compares with its bound,
+    over one micro-batch [B, T], as a 0-d tensor on the inputs' device (no host read): `token`,
+    the mean over its valid tokens; `sequence`, the mean over its sequences (those with a valid
+    token) of each one's token mean, as released (CJReinforce/PURE models/loss.py:78-81,
+    masked_mean over dim=-1 then .mean()); 0 for a micro-batch with no valid token."""
+    ratio = torch.exp(logp.detach() - logp_old) * mask
+    if scope == "token":
+        return ratio.sum() / mask.sum().clamp(min=1)
+    tokens = mask.sum(1)
+    real = (tokens > 0).to(ratio.dtype)
+    per_seq = ratio.sum(1) / tokens.clamp(min=1)
+    return (per_seq * real).sum() / real.sum().clamp(min=1)

@@ -66,8 +66,12 @@ class ProfConfig:
     min_steps: int = 2
     max_steps: int = 30
     seed: int = 0
+    # the critic's arithmetic: float64 (from the mean step score) | released (float32 per step,
+    # prof_ray_trainer.py:1377-1432; decides ties the way the release does)
+    precision: str = "float64"
 
     def __post_init__(self) -> None:
+        _choice("advantage.prof.precision", self.precision, ("float64", "released"))
         if not isinstance(self.remove, int) or self.remove < 0:
             raise ValueError(f"advantage.prof.remove={self.remove!r} must be an int >= 0 "
                              f"(samples removed per group; keep m = n - remove)")
@@ -325,7 +329,9 @@ def _prof_grpo(cfg, x, group, generator):
     keep = filters.prof(x.outcome, x.sequence_process_score("prof_grpo"), x.group_ids,
                         remove=pc.remove, mode=pc.mode, num_steps=x.step_counts("prof_grpo"),
                         generator=generator, len_penalty=pc.len_penalty, min_steps=pc.min_steps,
-                        max_steps=pc.max_steps, group=group)
+                        max_steps=pc.max_steps, group=group,
+                        released_steps=x.steps("prof_grpo") if pc.precision == "released"
+                        else None)
     adv = adv_lib.grpo(x.outcome, x.group_ids, eps=cfg.grpo.eps, keep=keep, group=group)
     out = _sequence_output(adv, x, keep)
     out.metrics["prof/keep_frac"] = float(keep.float().mean()) if keep.numel() else 0.0

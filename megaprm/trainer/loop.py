@@ -37,7 +37,7 @@ from typing import List, Optional
 
 import torch
 
-from megaprm.algorithms.losses import actor_loss, implicit_prm_ce_loss
+from megaprm.algorithms.losses import actor_loss, guard_ratio_mean, implicit_prm_ce_loss
 from megaprm.algorithms.registry import AdvantageInputs, AdvantageOutputs, compute_advantages
 from megaprm.config import Config, ConfigError, save_config, to_dict
 from megaprm.models.hf_spec import spec_from_hf
@@ -92,6 +92,11 @@ class Prompts:
     def shard(self, lo: int, hi: int) -> "Prompts":
         return Prompts(self.texts[lo:hi], self.truths[lo:hi], self.problems[lo:hi],
                        self.references[lo:hi])
+
+    @staticmethod
+    def cat(parts: list) -> "Prompts":
+        return Prompts(*([x for p in parts for x in getattr(p, f)]
+                         for f in ("texts", "truths", "problems", "references")))
 
 
 # ----------------------------------------------------------------------------- config digest
@@ -290,6 +295,7 @@ class RLTrainer:
         # step uses block `step`; with refill a step uses one block per generation round and the
         # next unused block is trainer state (saved in checkpoints, so resume draws the same).
         self.next_block = 0
+        self.requeue: list = []  # rollout.refill_surplus=requeue: global prompt ids to redo
         self.sep_ids = separator_token_ids(tokenizer)
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -377,16 +383,22 @@ class RLTrainer:
         self.last_sync = {"weight_sync/seconds": s["seconds"],
                           "weight_sync/gbytes": s["bytes"] / 1e9, "weight_sync/gbps": s["gbps"]}
 
-    def rollout(self, block: int):
+    def rollout(self, block: int, requeued: tuple = ()):
         """Phase: this rank's share of prompt block `block` (= the step without refill) -> n
         samples each, then the engine sleeps (frees its memory for training). Same seed on every
-        tp/pp peer. Returns (batch, this rank's `Prompts`, global group ids [B])."""
+        tp/pp peer. `requeued`: global prompt ids (block * P + index) generated first, before
+        the block's share (rollout.refill_surplus=requeue). Returns (batch, this rank's
+        `Prompts`, global group ids [B])."""
         cfg, g = self.cfg, self.groups
         prompts = self.data(block)
         P = len(prompts.texts)
         per = P // g.dp_size
         lo = g.dp_rank * per
         local = prompts.shard(lo, lo + per)
+        ids_of_groups = torch.tensor([*requeued, *range(block * P + lo, block * P + lo + per)])
+        if requeued:
+            local = Prompts.cat([self.data(gid // P).shard(gid % P, gid % P + 1)
+                                 for gid in requeued] + [local])
         ids = encode_prompts(self.tok, local.texts)
         params = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature,
                                 top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_tokens,
@@ -396,7 +408,7 @@ class RLTrainer:
         self._engine_awake()
         batch = self.engine.generate(ids, params)
         self.engine.sleep()
-        group_ids = (block * P + lo + batch.group_index).long()
+        group_ids = ids_of_groups[batch.group_index].long()
         return batch, local, group_ids
 
     def refill_rollout(self, t) -> tuple:
@@ -411,18 +423,23 @@ class RLTrainer:
         agreed over dp (the largest shortfall), so every rank runs the same number of rounds.
         After `rollout.max_refill_rounds` extra rounds the shares are topped up with filtered-out
         groups marked `passed = False` (no gradient: the update masks them): the step trains
-        on what passed. Surplus passing groups are dropped (verl's DAPO recipe; PRIME re-queues
-        their prompts). Returns (ScoredBatch with `passed`, metrics)."""
+        on what passed. Surplus passing groups are dropped (verl's DAPO recipe), or with
+        `rollout.refill_surplus: requeue` their prompts are generated again at the head of the
+        next step's first round (PRIME's add_to_buffer / get_from_buffer, ray_trainer.py:460-480,
+        per rank here). Returns (ScoredBatch with `passed`, metrics)."""
         cfg, g = self.cfg, self.groups
         n = cfg.rollout.n
         share = cfg.data.prompts_per_step // g.dp_size
         rounds: list = []  # (ScoredBatch, oracle checks, passed per local group [share])
         taken = 0
+        requeued, self.requeue = tuple(self.requeue), []
         while True:
             block = self.next_block
             self.next_block += 1
             with t("rollout"):
-                batch, prompts, group_ids = self.rollout(block)
+                batch, prompts, group_ids = (self.rollout(block, requeued) if requeued
+                                             else self.rollout(block))
+            requeued = ()
             fault = None
             with t("outcome_reward"):
                 try:
@@ -439,11 +456,16 @@ class RLTrainer:
             if short == 0 or len(rounds) > cfg.rollout.max_refill_rounds:
                 break
         picks = _pick_groups([ok for _, _, ok in rounds], share)
+        if cfg.rollout.refill_surplus == "requeue":
+            self.requeue = [int(r_sb.group_ids[gi * n])
+                            for (r_sb, _, ok), pick in zip(rounds, picks)
+                            for gi in range(ok.numel()) if ok[gi] and gi not in pick]
         sb = self._take_groups(rounds, picks)
         metrics = {"rollout/refill_rounds": float(len(rounds) - 1),
                    "rollout/groups_generated": float(len(rounds) * cfg.data.prompts_per_step),
                    "rollout/groups_kept": dp_sum(float(sb.passed.sum()) / n, g),
-                   "rollout/refill_capped": float(short > 0)}
+                   "rollout/refill_capped": float(short > 0),
+                   "rollout/requeued": dp_sum(float(len(self.requeue)), g)}
         return sb, metrics
 
     def _refill_filter(self, sb: ScoredBatch) -> torch.Tensor:
@@ -718,7 +740,8 @@ class RLTrainer:
             n = p["m"].sum()
             skipped = torch.zeros((), dtype=loss.dtype, device=loss.device)
             if cfg.skip_ratio_above is not None:  # PURE: this micro-batch moves nothing
-                skipped = (met["actor/ratio_mean"] > cfg.skip_ratio_above).to(loss.dtype)
+                ratio = guard_ratio_mean(lp, p["old"], p["m"], cfg.skip_ratio_scope)
+                skipped = (ratio > cfg.skip_ratio_above).to(loss.dtype)
                 loss = loss * (1.0 - skipped)
             sums = {k: met[k] * n for k in ("actor/clip_frac", "actor/dual_clip_frac",
                                             "actor/approx_kl", "actor/ratio_mean")}
@@ -887,10 +910,12 @@ class RLTrainer:
                    **refill_metrics, **self._judge_metrics, **self._fallback_metrics}
         # refill's top-up groups (the cap was hit) did not pass: no gradient from them
         keep = adv.keep if sb.passed is None else adv.keep & sb.passed
+        update = (rp, adv_t, logp_old_t, logp_ref_t if cfg.actor.kl_coef else None, keep)
+        if cfg.actor.shuffle_mini_batches:
+            update = permute_rows(update, mini_batch_order(rp.input_ids.shape[0], cfg.trainer.seed,
+                                                           step, self.groups.dp_rank))
         with t("update"):
-            metrics.update(self.update_actor(rp, adv_t, logp_old_t,
-                                             logp_ref_t if cfg.actor.kl_coef else None,
-                                             keep))
+            metrics.update(self.update_actor(*update))
         with t("weight_sync"):
             self.sync_weights()
         metrics.update(self.last_sync)
@@ -1013,9 +1038,25 @@ class RLTrainer:
             self.ckpt_root, step, self.groups, models=models, optimizers=optims,
             sources={k: checkpoint.ModelSource(src.hf_dir, dtype) for k, src in sources.items()},
             trainer_state={"next_step": step + 1, "skipped_steps": self.skipped_steps,
-                           "next_block": self.next_block, "run_id": self.run_id},
+                           "next_block": self.next_block, "run_id": self.run_id,
+                           **self._requeue_state()},
             config=self.digest_fields, keep_last=self.cfg.trainer.keep_last,
             crash_after_models=crash_after_models)
+
+    def _requeue_state(self) -> dict:
+        """{"requeue": {dp rank: prompt ids}} for the checkpoint (rank 0 writes it; every rank's
+        list is gathered first), or {} without rollout.refill_surplus=requeue."""
+        if self.cfg.rollout.refill_surplus != "requeue":
+            return {}
+        lists = [self.requeue]
+        if self.groups.world_size > 1:
+            import torch.distributed as dist
+
+            lists = [None] * self.groups.world_size
+            dist.all_gather_object(lists, (self.groups.dp_rank, self.requeue),
+                                   group=self.groups.agree)
+            return {"requeue": {str(r): q for r, q in lists}}
+        return {"requeue": {"0": lists[0]}}
 
     def maybe_resume(self) -> int:
         """Resume from the newest intact checkpoint (a damaged one is reported and skipped);
@@ -1033,6 +1074,7 @@ class RLTrainer:
         self.skipped_steps = state.get("skipped_steps", 0)
         self.run_id = state.get("run_id") or self.run_id
         self.next_block = state.get("next_block", state["next_step"])
+        self.requeue = list(state.get("requeue", {}).get(str(self.groups.dp_rank), []))
         self.logger.truncate_after(state["step"])
         self.sync_weights()
         if self.groups.rank == 0:
@@ -1179,6 +1221,21 @@ def _lock_run_dir(run_dir: str, groups: Groups):
 LOCK_ENV = "MEGAPRM_RUN_DIR_LOCKED"  # set by the launcher that holds the run directory's lock
 HELD_OUT_SEED = 987_654_321  # arithmetic eval problems; training draws seed*100_003 + step
 LOGPROB_DIFF_WARN = 1e-2     # fp32 engines agree to ~1e-6; bf16 vLLM vs Megatron ~1e-2 typical
+
+
+def mini_batch_order(rows: int, seed: int, step: int, dp_rank: int) -> torch.Tensor:
+    """actor.shuffle_mini_batches: this rank's row order for the update, a permutation [rows]
+    fixed by (seed, step, dp rank), so a resumed run shuffles as the uninterrupted one."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 7919 + dp_rank * 104_729)
+                                        % (2**63))
+    return torch.randperm(rows, generator=gen)
+
+
+def permute_rows(update: tuple, order: torch.Tensor) -> tuple:
+    """update_actor's arguments (RightPadded, adv, old, ref or None, keep) with rows in `order`."""
+    rp, *rest = update
+    return (RightPadded(*(x[order] for x in rp)),
+            *(None if x is None else x[order] for x in rest))
 
 
 def logprob_temperature(cfg: Config) -> float:

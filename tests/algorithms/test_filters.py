@@ -98,3 +98,61 @@ def test_accuracy_bounds_inclusive():
     o = torch.tensor([1.0, 0, 0, 0, 0] + [1.0, 1, 1, 1, 0] + [1.0] * 5)
     g = torch.arange(3).repeat_interleave(5)
     assert F.accuracy(o, g).tolist() == [True] * 10 + [False] * 5
+
+
+def _released_critic_f32(o, scores, mask, num_steps, len_penalty=10.0):
+    """prof_ray_trainer.py:1377-1432 and :1450 transcribed with numpy float32: per step
+    ((s - mu) * 2) * (2o - 1), summed over valid steps, / max(H, 1); then the length penalty."""
+    import numpy as np
+
+    s = scores.numpy().astype(np.float32)
+    m = mask.numpy()
+    mu = np.float32(s[m].astype(np.float64).sum() / m.sum())
+    out = []
+    for i in range(s.shape[0]):
+        sign = np.float32(2 * float(o[i]) - 1)
+        total = np.float32(0)
+        for h in range(s.shape[1]):
+            if m[i, h]:
+                total = np.float32(total + np.float32((s[i, h] - mu) * np.float32(2)) * sign)
+        h_i = int(m[i].sum())
+        c = np.float32(total / np.float32(max(h_i, 1))) if h_i else np.float32(0)
+        if num_steps[i] < 2 or num_steps[i] > 30:
+            c = np.float32(c - np.float32(len_penalty))
+        out.append(float(c))
+    return out
+
+
+def test_prof_released_precision_decides_ties_as_released():
+    """advantage.prof.precision=released: the critic in float32 per step. Samples 0 and 2 tie
+    in exact arithmetic (mean step score 423/997); float64 and the release's float32 round the
+    tie differently, so they remove different samples."""
+    q = torch.tensor([[247, 39, 983, 0], [580, 151, 843, 900], [325, 521, 0, 0],
+                      [716, 741, 743, 830]], dtype=torch.float32) / 997
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]]).bool()
+    o, gids, steps = torch.ones(4), torch.zeros(4, dtype=torch.long), mask.sum(1)
+    p = (q * mask).sum(1) / mask.sum(1)
+    critic = F.consistency_scores_released(o, q, mask, steps, len_penalty=10.0, min_steps=2,
+                                           max_steps=30, group=None)
+    assert critic.tolist() == _released_critic_f32(o, q, mask, steps)
+    released = F.prof(o, p, gids, remove=1, num_steps=steps, released_steps=(q, mask))
+    exact = F.prof(o, p, gids, remove=1, num_steps=steps)
+    lowest = min(range(4), key=lambda i: critic[i].item())  # Python's stable sort, as released
+    assert released.tolist() == [i != lowest for i in range(4)]
+    assert not torch.equal(released, exact)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=SEEDS)
+def test_prof_released_critic_matches_transcription(seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(6, 5, generator=g)
+    mask = torch.rand(6, 5, generator=g) > 0.3
+    o = (torch.rand(6, generator=g) > 0.5).float()
+    steps = mask.sum(1)
+    critic = F.consistency_scores_released(o, q, mask, steps, len_penalty=10.0, min_steps=2,
+                                           max_steps=30, group=None)
+    # float32 throughout; the order of the per-row sum (torch's vectorised reduction, as in
+    # the release, vs this loop) may move the last bit
+    assert critic.tolist() == pytest.approx(_released_critic_f32(o, q, mask, steps), rel=1e-6,
+                                            abs=5e-7)

@@ -193,3 +193,32 @@ def test_device_metrics_equal_host_metrics():
     _, m = L.ppo_clip_loss(logp, old, adv, mask, host=False)
     ratio = torch.exp((logp - old).clamp(-20, 20))
     assert float(m.ratio_max) == pytest.approx(float(ratio[mask.bool()].max()))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_guard_ratio_mean_matches_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    lp, old = torch.randn(4, 7, generator=g), torch.randn(4, 7, generator=g)
+    mask = (torch.rand(4, 7, generator=g) > 0.3).float()
+    mask[2] = 0  # a row with no valid token (pp padding) is not a sequence
+    ratios = [[math.exp(float(lp[i, t] - old[i, t])) for t in range(7) if mask[i, t]]
+              for i in range(4)]
+    flat = [r for row in ratios for r in row]
+    per_seq = [sum(row) / len(row) for row in ratios if row]
+    assert float(L.guard_ratio_mean(lp, old, mask, "token")) == pytest.approx(
+        sum(flat) / len(flat))
+    assert float(L.guard_ratio_mean(lp, old, mask, "sequence")) == pytest.approx(
+        sum(per_seq) / len(per_seq))
+
+
+def test_guard_scopes_disagree_where_pure_skips():
+    """PURE's released scope (per-sequence means) skips a micro-batch whose short sequence blew
+    up even when the token mean stays under 10."""
+    old = torch.zeros(2, 10)
+    lp = torch.zeros(2, 10)
+    lp[1, 0] = math.log(30.0)
+    mask = torch.zeros(2, 10)
+    mask[0] = 1
+    mask[1, 0] = 1
+    assert float(L.guard_ratio_mean(lp, old, mask, "token")) == pytest.approx(40 / 11)
+    assert float(L.guard_ratio_mean(lp, old, mask, "sequence")) == pytest.approx(15.5)

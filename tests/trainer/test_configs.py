@@ -62,6 +62,15 @@ def test_recipes_follow_the_released_scripts():
     papo = _recipe("papo")
     assert papo.model.path.endswith("Qwen2.5-7B") and papo.trainer.steps == 7 * (20000 // 128)
     assert (papo.actor.kl_coef, papo.actor.entropy_coef) == (0.0, 0.0)
+    # the smaller released quirks, each as released in its recipe (issue 27, item 6)
+    assert (prime.actor.shuffle_mini_batches, prime.advantage.prime.norm_scope) == (True, "shard")
+    pure = _recipe("pure")
+    assert (pure.actor.micro_batch_size, pure.actor.skip_ratio_scope) == (2, "sequence")
+    assert (pure.rollout.temperature, pure.actor.logprob_temperature) == (0.5, 1.0)
+    assert (pure.reward.verifier, prime.reward.verifier) == ("hendrycks_math", "prime_math")
+    prof = _recipe("prof_grpo")
+    assert (prof.reward.verifier, prof.advantage.prof.precision) == ("math_verify", "released")
+    assert (prof.data.prompt_format, prof.prm.forward) == ("chat", "compact")
     dr = _recipe("drgrpo")
     assert dr.actor.loss_agg == "seq-mean-token-sum-norm" and dr.advantage.method == "drgrpo"
     for field in ("model", "data", "rollout"):  # otherwise the GRPO run

@@ -424,6 +424,27 @@ def test_pure_ratio_guard_zeroes_the_update(models, tmp_path):
     assert skipped >= 2 and unchanged
 
 
+def test_shuffled_mini_batches_permute_every_update_input_alike():
+    """actor.shuffle_mini_batches (PRIME's dataloader shuffle): one permutation per (seed, step,
+    dp rank), applied to every row-aligned input of the update."""
+    from megaprm.rollout.engine import RightPadded
+    from megaprm.trainer.loop import mini_batch_order, permute_rows
+
+    order = mini_batch_order(12, 1234, 3, 0)
+    assert sorted(order.tolist()) == list(range(12))
+    assert torch.equal(order, mini_batch_order(12, 1234, 3, 0))
+    assert not torch.equal(order, mini_batch_order(12, 1234, 4, 0))
+    assert not torch.equal(order, mini_batch_order(12, 1234, 3, 1))
+    rows = torch.arange(12)
+    rp = RightPadded(rows[:, None].expand(12, 5), rows[:, None] * 2, rows[:, None] * 3, rows)
+    out = permute_rows((rp, rows[:, None] * 4.0, rows[:, None] * 5.0, None, rows > 5), order)
+    for k, x in enumerate(out[0]):
+        first = x[:, 0] if x.dim() == 2 else x
+        assert torch.equal(first, order * (1, 2, 3, 1)[k])
+    assert torch.equal(out[1][:, 0], order * 4.0) and out[3] is None
+    assert torch.equal(out[4], order > 5)
+
+
 # ------------------------------------------------------------------ PRIME's PRM loop as released
 
 def _prime_work(run_dir, policy, prm):

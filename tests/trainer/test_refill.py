@@ -27,6 +27,8 @@ def passes(pattern: str, gid: int) -> bool:
         return (gid % P) < P // 2 or gid % 11 == 7
     if pattern == "never":
         return False
+    if pattern == "three_of_four":  # surplus passing groups: 3 of every block of 4 pass
+        return gid % 4 != 3
     raise ValueError(pattern)
 
 
@@ -67,9 +69,10 @@ def _work(run_dir, policy, prm, method, pattern, extra, steps):
     real_rollout, real_outcome = tr.rollout, tr.outcome_reward
     real_adv, real_update = tr.advantages, tr.update_actor
 
-    def rollout(block):
+    def rollout(block, *requeued):
         seen["blocks"].append(block)
-        return real_rollout(block)
+        seen.setdefault("requeued", []).append(list(*requeued))
+        return real_rollout(block, *requeued)
 
     def outcome(batch, prompts, group_ids):
         sb = real_outcome(batch, prompts, group_ids)
@@ -170,7 +173,7 @@ def test_two_ranks_with_different_filters_run_the_same_rounds(models, tmp_path):
     assert same[0] == pytest.approx(same[1])  # the logged metrics agree across ranks
 
 
-def _resume_work(run_dir, policy, prm, steps):
+def _resume_work(run_dir, policy, prm, steps, pattern=None, extra=()):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer.loop import RLTrainer
@@ -178,15 +181,23 @@ def _resume_work(run_dir, policy, prm, steps):
     g = init_distributed()
     cfg = rl_config(run_dir, policy, prm, "grpo",
                     [*FAST, f"trainer.steps={steps}", "trainer.save_every=1",
-                     "rollout.refill=std", "rollout.max_refill_rounds=3"])
+                     "rollout.refill=std", "rollout.max_refill_rounds=3", *extra])
     tr = RLTrainer(cfg, g, build_char_tokenizer())
     blocks = []
-    real = tr.rollout
+    real, real_outcome = tr.rollout, tr.outcome_reward
 
-    def rollout(block):
-        blocks.append(block)
-        return real(block)
+    def rollout(block, *requeued):
+        blocks.append((block, *requeued) if requeued else block)
+        return real(block, *requeued)
+
+    def outcome(batch, prompts, group_ids):
+        sb = real_outcome(batch, prompts, group_ids)
+        sb.outcome = torch.tensor([float(passes(pattern, int(gid)) and j % 2 == 0)
+                                   for j, gid in enumerate(group_ids.tolist())])
+        return sb
     tr.rollout = rollout
+    if pattern is not None:
+        tr.outcome_reward = outcome
     tr.fit()
     return blocks, tr.next_block
 
@@ -201,6 +212,33 @@ def test_resume_continues_from_the_saved_data_position(models, tmp_path):
     assert os.path.isdir(tmp_path / "b" / "checkpoints")
 
 
+def test_resume_keeps_the_requeued_prompts(models, tmp_path):
+    """The requeue list is checkpointed: after a restart the next step regenerates the same
+    surplus prompts first (step 0 requeues gids 5, 6)."""
+    policy, prm = models
+    args = ("three_of_four", ["rollout.refill_surplus=requeue"])
+    first, _ = launch.spawn(_resume_work, 1, str(tmp_path), policy, prm, 1, *args)[0]
+    rest, end = launch.spawn(_resume_work, 1, str(tmp_path), policy, prm, 2, *args)[0]
+    # the uninterrupted run (test_surplus_prompts_are_requeued_first_as_released)
+    assert first + rest == [0, 1, (2, (5, 6))] and end == 3
+
+
+def test_surplus_prompts_are_requeued_first_as_released(models, tmp_path):
+    """rollout.refill_surplus=requeue (PRIME's add_to_buffer): passing groups beyond the share
+    come back at the head of the next step's first round, and are trained then.
+    Step 0: blocks 0 (gids 0,1,2 pass) and 1 (4,5,6): trains 0,1,2,4, requeues 5,6.
+    Step 1: 5,6 + block 2 (8,9,10 pass): trains 5,6,8,9, requeues 10."""
+    policy, prm = models
+    hist, seen, next_block = launch.spawn(
+        _work, 1, str(tmp_path), policy, prm, "grpo", "three_of_four",
+        ["rollout.refill=std", "rollout.refill_surplus=requeue"], 2)[0]
+    assert seen["blocks"] == [0, 1, 2] and next_block == 3
+    assert seen["requeued"] == [[], [], [5, 6]]
+    assert seen["groups"] == [[0, 1, 2, 4], [5, 6, 8, 9]]
+    assert [m["rollout/requeued"] for m in hist] == [2.0, 1.0]
+    assert all(k.all() for k in seen["keep"])
+
+
 def test_refill_config_and_recipes():
     from megaprm.config import ConfigError, load_config
 
@@ -213,6 +251,10 @@ def test_refill_config_and_recipes():
         load_config(None, ["rollout.refill=dapo"])
     with pytest.raises(ConfigError, match=r"rollout.max_refill_rounds=-1 is not valid"):
         load_config(None, ["rollout.max_refill_rounds=-1"])
+    with pytest.raises(ConfigError, match=r"rollout.refill_surplus='keep' is not valid"):
+        load_config(None, ["rollout.refill_surplus=keep"])
+    prime = load_config(os.path.join(root, "prime.yaml"))
+    assert prime.rollout.refill_surplus == "requeue"
 
 
 def test_pick_groups_fills_with_passing_then_tops_up():
