@@ -55,6 +55,8 @@ def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
     inv_freq = llama3_inv_freq(spec)
     if inv_freq is not None:  # the config's own llama3 factors (Megatron hard-codes 1/4/8192)
         model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
+    if model.post_process and hasattr(model, "output_layer"):
+        _batch_major_logits(model.output_layer)
     if torch.cuda.is_available():
         model = model.cuda()
     if compile:
@@ -62,3 +64,20 @@ def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
             layer.compile(**({"backend": compile} if isinstance(compile, str) else {}))
     model.megaprm_spec = spec  # read by mapping / weight sync; never changes after build
     return model
+
+
+def _batch_major_logits(output_layer) -> None:
+    """Let the output layer write its logits [b, s, V/tp] batch-major.
+
+    GPTModel's output layer makes sequence-major logits [s, b, V/tp] and GPTModel returns
+    `logits.transpose(0, 1).contiguous()`: a second logits-sized copy, and in backward Megatron
+    makes the transposed gradient contiguous again, a third. Fed the hidden states batch-major
+    ([b, s, h]: an h-sized copy), the layer (a plain matmul without sequence parallelism)
+    computes [b, s, V/tp] directly; handing it back as a [s, b, V/tp] view makes GPTModel's
+    transpose a view of a contiguous tensor and its `.contiguous()` a no-op, forward and back.
+    Same values; a forward pre-hook and a forward hook, so GPTModel itself is unchanged."""
+    assert not output_layer.sequence_parallel, "batch-major logits need sequence_parallel off"
+    output_layer.register_forward_pre_hook(
+        lambda _m, args: (args[0].transpose(0, 1).contiguous(), *args[1:]))
+    output_layer.register_forward_hook(
+        lambda _m, _args, out: (out[0].transpose(0, 1), *out[1:]))

@@ -11,6 +11,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megaprm.parallel import weight_sync
+from megaprm.parallel.device import to_host
 from megaprm.parallel.groups import Groups
 
 
@@ -21,7 +22,7 @@ def save_hf(model, groups: Groups, out_dir: str, *, side_files_from: Optional[st
     `tokenizer`."""
     from safetensors.torch import save_file
 
-    tensors = {k: v.detach().to("cpu").contiguous().clone()
+    tensors = {k: to_host(v.detach()).contiguous().clone()
                for k, v in weight_sync.iter_hf_weights(model, groups)}
     if groups.rank == 0:
         tmp = out_dir.rstrip("/") + ".tmp"

@@ -251,3 +251,29 @@ def test_fast_spec_holds_norm_weights_in_bf16(model_dirs):
         assert (lp - ref_lp).abs().mean() <= 0.05  # bf16 rounding, not a different function
     finally:
         destroy()
+
+
+def test_logits_are_made_once_forward_and_back(tmp_path):
+    """Logits memory (issue 26 item 8): a training forward and backward through GPTModel and the
+    next-token log-probs allocate exactly two logits-sized tensors, the logits and their
+    gradient (GPTModel's [s, b] -> [b, s] transpose used to add one copy each way, the sliced
+    `logits[:, :-1]` a third gradient). The values: every test here compares with transformers
+    through the same hooks."""
+    from megaprm.models.logprobs import next_token_logprobs
+    from megaprm.parallel import pipeline
+    from megaprm.parallel.init import destroy
+    from tests.memory_utils import LiveBytes
+
+    # a vocabulary large enough that no other activation has the logits' size
+    model_dir = save_tiny_model("qwen2", str(tmp_path / "m"), seed=3, vocab_size=1000)
+    try:
+        model, spec = _in_process_model(model_dir)
+        ids, _ = _batch(spec.vocab_size)
+        with LiveBytes() as mem:
+            logits = pipeline.gpt_forward(model, pipeline.TokenBatch(ids, torch.ones(ids.shape)))
+            lp = next_token_logprobs(logits, ids, vocab_size=spec.vocab_size)
+            lp.sum().backward()
+        size = logits.numel() * logits.element_size()
+        assert mem.sizes.count(size) == 2, (size, sorted(mem.sizes)[-6:])
+    finally:
+        destroy()

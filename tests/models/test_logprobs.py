@@ -1,15 +1,12 @@
 """Vocab-parallel log-probs / entropy (values and gradients) vs a full-softmax reference, and
 the chunked path (the default) vs the unchunked one at tp=1 and tp=2."""
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from megaprm.models.logprobs import (next_token_logprobs, reference_logprobs,
                                      vocab_parallel_logprobs)
 from megaprm.parallel import launch
+from tests.memory_utils import peak_bytes
 
 V_TRUE, V_PAD = 45, 48  # three padded rows, as Megatron pads the vocabulary
 # 0 = unchunked; 4 < s: token ranges within rows; 7 and 16 >= s: several whole rows per chunk
@@ -122,42 +119,6 @@ def test_chunked_saves_no_vocab_sized_tensor_but_its_input():
         assert bool(big) == expect_big, [tuple(t.shape) for t in big]
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Bytes of CPU tensor storage allocated while the mode is on and still alive (new storages
-    made by any op, freed when torch frees them, saved-for-backward ones included; tensors
-    that existed before are not counted); `peak` is the maximum."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen = set()
-
-    def _free(self, key, n):
-        self._seen.discard(key)
-        self.live -= n
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}  # views and in-place results allocate nothing
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self._seen and key not in inputs:
-                    self._seen.add(key)
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._free, key, storage.nbytes())
-        return out
-
-
-def _peak_bytes(fn) -> int:
-    with _LiveBytes() as m:
-        fn()
-    return m.peak
-
-
 def test_next_token_logprobs_backward_holds_one_logits_sized_gradient():
     """The logits' memory bound (issue 26 item 8): forward + backward of the next-token log-probs
     from leaf logits [b, s, V] allocate one [b, s, V] gradient plus a few chunk-sized buffers.
@@ -179,10 +140,10 @@ def test_next_token_logprobs_backward_holds_one_logits_sized_gradient():
                                           chunk_tokens=chunk)
         (lp.sum() + 0.1 * ent.sum()).backward()
 
-    peak = _peak_bytes(new)
+    peak = peak_bytes(new)
     grad, logits.grad = logits.grad, None
     assert full <= peak <= full + 8 * chunk_bytes + 64 * b * s, (peak / full, chunk_bytes / full)
-    assert _peak_bytes(sliced) >= 2 * full - 8 * chunk_bytes
+    assert peak_bytes(sliced) >= 2 * full - 8 * chunk_bytes
     torch.testing.assert_close(grad, logits.grad)
     r_lp, r_ent = reference_logprobs(logits[:, :-1].detach(), ids[:, 1:])
     lp, ent = next_token_logprobs(logits.detach(), ids, with_entropy=True, chunk_tokens=chunk)

@@ -1,7 +1,11 @@
 """The device rule, checked on a CPU-only machine: micro-batches built on the host are moved to
-the model's device by the one crossing point (`pipeline.run`) and no phase mixes devices. The
-model sits on the `meta` device (a second device every CPU-only torch has, which raises on any
-mix with CPU tensors), so the real Megatron forward and backward phases run end to end."""
+the model's device by the one crossing point (`pipeline.run`), results come back through
+`to_host`, and no phase mixes devices. The model sits on the `meta` device (a second device
+every CPU-only torch has, which raises on any mix with CPU tensors), so the real Megatron
+forward and backward phases run end to end: actor log-probs and training, PRM scoring,
+PRIME's sequence log-probs, PRM training's loss, and checkpoint conversion with an
+accelerator present. Where the default depends on CUDA (dtype, TF32), `torch.cuda.is_available`
+is patched."""
 import pytest
 import torch
 
@@ -108,7 +112,7 @@ def _stand_in():
 
     meta = torch.device("meta")
     cpu._CPU, torch.cuda.current_device = meta, lambda: meta
-    cross = device._cross if hasattr(device, "_cross") else None
+    cross = device._cross
 
     def stand_in_cross(t, to):
         if t.device.type == "meta" and to.type == "cpu":
