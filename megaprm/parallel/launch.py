@@ -161,13 +161,33 @@ def die_with_parent() -> None:
 def relaunch(args, argv: List[str], module: str = "megaprm.cli") -> int:
     """Re-run `python -m <module> <argv minus launch flags>` as torchrun ranks; returns the exit
     code (2 after printing the first rank's user error once)."""
-    cmd = [sys.executable, "-m", "megaprm.parallel.launch", *torchrun_args(args),
-           "-m", module, *strip_launch_args(argv)]
+    return run_torchrun([*torchrun_args(args), "-m", module, *strip_launch_args(argv)])
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def run_torchrun(torchrun_argv: List[str]) -> int:
+    """`python -m megaprm.parallel.launch <torchrun_argv>` (torchrun, see `_torchrun_main`) as a
+    child that dies with us; SIGINT/SIGTERM/SIGHUP are forwarded. Every way it ends is one
+    line: a rank's user error (exit 2), a stop by a signal we were sent (128 + signal), torchrun
+    itself killed (128 + signal); a rank failure is reported by torchrun (`_torchrun_main`)."""
+    cmd = [sys.executable, "-m", "megaprm.parallel.launch", *torchrun_argv]
     with tempfile.TemporaryDirectory(prefix="megaprm-errors-") as err_dir:
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    **{ERROR_DIR_ENV: err_dir})
         proc = subprocess.Popen(cmd, env=env, preexec_fn=_set_pdeathsig)
-        forwarded = {s: signal.signal(s, lambda sig, _f: proc.send_signal(sig))
+        received = []
+
+        def forward(sig, _frame):
+            received.append(sig)
+            proc.send_signal(sig)
+
+        forwarded = {s: signal.signal(s, forward)
                      for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             rc = proc.wait()
@@ -180,7 +200,19 @@ def relaunch(args, argv: List[str], module: str = "megaprm.cli") -> int:
         if line is not None:
             print(line, file=sys.stderr)
             return 2
+        if received:
+            print(f"megaprm: stopped by {_signal_name(received[0])}; the ranks were stopped "
+                  "with it", file=sys.stderr)
+            return 128 + received[0]
+        if rc < 0:  # torchrun itself was killed: its ranks die with it (parent-death signal)
+            print(f"megaprm: torchrun (pid {proc.pid}) was killed by {_signal_name(-rc)}; its "
+                  f"ranks died with it{_OOM_HINT if -rc == signal.SIGKILL else ''}",
+                  file=sys.stderr)
+            return 128 - rc
         return rc
+
+
+_OOM_HINT = " (SIGKILL is also how the kernel's out-of-memory killer stops a process)"
 
 
 def report_user_error(message: str) -> int:
@@ -204,25 +236,54 @@ def first_user_error(err_dir: str) -> Optional[str]:
         return f.read().strip()
 
 
+def first_failure(failures: dict) -> tuple:
+    """(rank, exit code) of the rank that failed first, from torchrun's `ChildFailedError.
+    failures` (rank -> ProcessFailure). torchrun records the first failures it sees, then stops
+    the other ranks (SIGTERM) and records those too, in that order and with second-resolution
+    timestamps, so the earliest timestamp, then the record order decide (not the rank number:
+    with rank 1 killed, rank 0's SIGTERM is not the cause)."""
+    order = {r: i for i, r in enumerate(failures)}
+    rank = min(failures, key=lambda r: (failures[r].timestamp, order[r]))
+    return rank, failures[rank].exitcode
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        hint = _OOM_HINT if -code == signal.SIGKILL else ""
+        return f"was killed by {_signal_name(-code)} (exit code {code}){hint}"
+    return f"failed with exit code {code}"
+
+
 def _torchrun_main(argv: List[str]) -> int:
-    """torchrun, quiet about a rank that exited with a user error (code 2)."""
+    """torchrun, quiet about a rank that exited with a user error (code 2), naming the rank that
+    failed first and how, and one line (no traceback) when stopped by a signal."""
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     os.environ["MEGAPRM_TORCHRUN_PID"] = str(os.getpid())
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # elastic's modules set their own levels (a parent's does not reach them): quiet each one
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(get_args_parser().parse_args(argv))
     except ChildFailedError as e:
         codes = {r: f.exitcode for r, f in e.failures.items()}
         if 2 in codes.values():
             return 2
-        rank, code = sorted(codes.items())[0]
-        print(f"megaprm: rank {rank} failed with exit code {code} (its output is above)",
-              file=sys.stderr)
-        return code if code > 0 else 1
+        rank, code = first_failure(e.failures)
+        others = len(codes) - 1
+        print(f"megaprm: rank {rank} {describe_exit(code)}"
+              f"{f'; the other {others} rank(s) were stopped' if others else ''} (its output is "
+              "above)", file=sys.stderr)
+        return code if code > 0 else 128 - code
+    except SignalException as e:  # a stop we were sent: the launcher (or the user) says so
+        if not os.environ.get(ERROR_DIR_ENV):
+            print(f"megaprm: stopped by {_signal_name(e.sigval)}", file=sys.stderr)
+        return 128 + int(e.sigval)
     return 0
 
 

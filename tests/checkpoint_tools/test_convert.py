@@ -162,7 +162,7 @@ def test_export_streams_shards(world):
 def test_checkpoint_layout(world):
     report, root = world
     ck = report["roundtrip"]["llama_token_cls"]["ckpt"]
-    assert sorted(os.listdir(ck)) == ["hf", "megaprm_checkpoint.json", "model"]
+    assert sorted(os.listdir(ck)) == ["MANIFEST.json", "hf", "megaprm_checkpoint.json", "model"]
     with open(os.path.join(ck, "megaprm_checkpoint.json")) as f:
         meta = json.load(f)
     assert (meta["tp"], meta["pp"], meta["dtype"]) == (2, 2, "fp32")

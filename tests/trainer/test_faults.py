@@ -472,6 +472,82 @@ def test_a_huge_row_is_refused_before_it_is_tokenised(tmp_path):
         datasets.load_prompts(path, on_bad_row="error")
 
 
+# --------------------------------------------------------- which rank failed, and how (35.10)
+
+_RANK = """import ctypes, os, signal, sys, time
+ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # dies with torchrun, as launch.die_with_parent
+rank = int(os.environ["RANK"])
+print("up", rank, flush=True)
+if rank == 1 and sys.argv[1] == "kill1":
+    time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(120)
+"""
+
+
+def _torchrun(tmp_path, mode, launcher):
+    """Two ranks of a tiny script (no torch) under megaprm's torchrun, directly or through the
+    launcher (`launch.run_torchrun`, as `megaprm train` runs it)."""
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK)
+    targs = ["--standalone", "--nproc-per-node=2", str(script), mode]
+    cmd = ([sys.executable, "-c", "import sys; from megaprm.parallel import launch; "
+            f"sys.exit(launch.run_torchrun({targs!r}))"] if launcher else
+           [sys.executable, "-m", "megaprm.parallel.launch", *targs])
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT, start_new_session=True)
+    up, seen = set(), []
+    while up != {"up 0", "up 1"}:
+        seen.append(proc.stdout.readline())
+        assert seen[-1], (seen, proc.stderr.read()[-2000:])
+        up |= {seen[-1].strip()} & {"up 0", "up 1"}
+    return proc
+
+
+def _children(pid: int) -> list:
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                stat = open(f"/proc/{p}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(p))
+    return out
+
+
+def test_the_rank_that_died_first_is_named_with_its_signal(tmp_path):
+    """Issue 35.10: with rank 1 killed, the launcher said 'rank 0 failed with exit code -15'."""
+    proc = _torchrun(tmp_path, "kill1", launcher=False)
+    _, err = _finish(proc, 60)
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 128 + signal.SIGKILL, err[-2000:]
+    assert last.startswith("megaprm: rank 1 was killed by SIGKILL (exit code -9)"), last
+    assert "the other 1 rank(s) were stopped" in last and "Traceback" not in err
+
+
+@pytest.mark.parametrize("fault", ["kill_torchrun", "sigterm_launcher"])
+def test_launcher_stops_are_one_line(tmp_path, fault):
+    """Issue 35.10: torchrun killed -> exit 247 and no message; SIGTERM to the launcher -> a
+    traceback. Now one line each, exit 128 + signal, and no rank outlives it."""
+    proc = _torchrun(tmp_path, "sleep", launcher=True)
+    if fault == "kill_torchrun":
+        (torchrun,) = _children(proc.pid)
+        os.kill(torchrun, signal.SIGKILL)
+        want = (128 + signal.SIGKILL, f"megaprm: torchrun (pid {torchrun}) was killed by SIGKILL")
+    else:
+        proc.send_signal(signal.SIGTERM)
+        want = (128 + signal.SIGTERM, "megaprm: stopped by SIGTERM")
+    _, err = _finish(proc, 60)
+    lines = err.strip().splitlines()
+    assert proc.returncode == want[0] and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(want[1]), lines[0]
+
+
 def _fake_step(root, step, state) -> str:
     """A step directory holding only trainer.json, sealed by a MANIFEST as the trainer does."""
     from checkpoint_tools import manifest
