@@ -41,9 +41,9 @@ from megaprm.algorithms.losses import actor_loss, guard_ratio_mean, implicit_prm
 from megaprm.algorithms.registry import AdvantageInputs, AdvantageOutputs, compute_advantages
 from megaprm.config import Config, ConfigError, save_config, to_dict
 from megaprm.models.hf_spec import spec_from_hf
-from megaprm.models.logprobs import vocab_parallel_logprobs
+from megaprm.models.logprobs import next_token_logprobs
 from megaprm.parallel import microbatch, pipeline, weight_sync
-from megaprm.parallel.device import to_host
+from megaprm.parallel.device import resolve_dtype, to_host
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.host import agree, dp_mean, dp_reduce, dp_sum
 from megaprm.rollout.engine import RightPadded, RolloutBatch, SamplingParams
@@ -154,9 +154,9 @@ def logprob_post(spec, groups: Groups, temperature: float, with_entropy: bool = 
     per sequence of the micro-batch (packed rows unpacked). `also_at` (no entropy): the same
     logits' log-probs at a second temperature too, stacked last: [n, L-1, 2]."""
     def logprobs(mb, logits, t, entropy=False):
-        return vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=groups.tp,
-                                       tp_rank=groups.tp_rank, vocab_size=spec.vocab_size,
-                                       with_entropy=entropy, temperature=t)
+        return next_token_logprobs(logits, mb.input_ids, tp_group=groups.tp,
+                                   tp_rank=groups.tp_rank, vocab_size=spec.vocab_size,
+                                   with_entropy=entropy, temperature=t)
 
     def post(mb, logits):
         out = logprobs(mb, logits, temperature, with_entropy)
@@ -260,7 +260,7 @@ class RLTrainer:
         self.spec = spec_from_hf(self.src.hf_dir)
         self.spec.check_parallel(groups.tp_size, groups.pp_size)
         self.temperature = logprob_temperature(cfg)  # the one place: actor, ref, PURE's KL
-        dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+        dtype = resolve_dtype(cfg.model.dtype)
         self.batching = Batching(cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch,
                                  groups.pp_size)
         # The engine first, then asleep: vLLM's start-up check wants utilisation x total memory
@@ -325,8 +325,10 @@ class RLTrainer:
         src = model_source.resolve(self.cfg.prm.path, "prm.path")
         g = self.groups
         spec = spec_from_hf(src.hf_dir)
-        # prm.forward=released also runs it in bf16 (prof_dp_rm.py:255 autocast)
-        dtype = torch.bfloat16 if self.cfg.prm.forward == "released" else torch.float32
+        # prm.forward=released also runs it in bf16 (prof_dp_rm.py:255 autocast); else the
+        # run's dtype (model.dtype, resolved: bf16 on CUDA, fp32 on the CPU by default)
+        dtype = (torch.bfloat16 if self.cfg.prm.forward == "released"
+                 else resolve_dtype(self.cfg.model.dtype))
         model = build_prm(spec, tp=g.tp_size, pp=g.pp_size, pp_rank=g.pp_rank, dtype=dtype)
         model_source.load_weights(model, src, spec, g)
         self.prm, self.prm_spec = model.eval(), spec
@@ -725,8 +727,8 @@ class RLTrainer:
         temperature = self.temperature
 
         def post(mb, logits):
-            lp, ent = vocab_parallel_logprobs(
-                logits[:, :-1], mb.input_ids[:, 1:], tp_group=g.tp, tp_rank=g.tp_rank,
+            lp, ent = next_token_logprobs(
+                logits, mb.input_ids, tp_group=g.tp, tp_rank=g.tp_rank,
                 vocab_size=self.spec.vocab_size, with_entropy=True, temperature=temperature)
             lp, ent = microbatch.unpack(mb, lp), microbatch.unpack(mb, ent)  # rows of payload
             p = mb.payload
@@ -835,8 +837,8 @@ class RLTrainer:
                if idx.numel() else [])
 
         def post(mb, logits):
-            lp = microbatch.unpack(mb, vocab_parallel_logprobs(
-                logits[:, :-1], mb.input_ids[:, 1:], tp_group=g.tp, tp_rank=g.tp_rank,
+            lp = microbatch.unpack(mb, next_token_logprobs(
+                logits, mb.input_ids, tp_group=g.tp, tp_rank=g.tp_rank,
                 vocab_size=self.spec.vocab_size))
             p = mb.payload
             real = p["m"].sum(1) > 0  # pp padding rows carry no mask and no loss
