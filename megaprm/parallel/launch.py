@@ -95,17 +95,17 @@ def add_launch_args(parser, cpu_default: int) -> None:
 _LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port")
 
 
-def strip_launch_args(argv: List[str]) -> List[str]:
+def strip_launch_args(argv: List[str], flags=_LAUNCH_FLAGS) -> List[str]:
     """argv without megaprm's launch flags (`--flag value` and `--flag=value` forms)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
-        if a in _LAUNCH_FLAGS:
+        if a in flags:
             skip = True
             continue
-        if a.split("=", 1)[0] in _LAUNCH_FLAGS and "=" in a:
+        if a.split("=", 1)[0] in flags and "=" in a:
             continue
         out.append(a)
     return out
