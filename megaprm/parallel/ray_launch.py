@@ -32,10 +32,14 @@ import socket
 import subprocess
 import sys
 import tempfile
-from typing import List, Optional, Tuple
 
-from megaprm.parallel.launch import (ERROR_DIR_ENV, LaunchError, first_user_error,
-                                     resolve_nproc, strip_launch_args)
+from megaprm.parallel.launch import (
+    ERROR_DIR_ENV,
+    LaunchError,
+    first_user_error,
+    resolve_nproc,
+    strip_launch_args,
+)
 
 INSTALL_HINT = "--launcher ray needs Ray: pip install -e '.[ray]' (or pip install ray)"
 RAY_FLAGS = ("--launcher", "--ray-address")
@@ -66,7 +70,7 @@ def wanted(args) -> bool:
     return launcher == "ray"
 
 
-def rank_argv(argv: List[str]) -> List[str]:
+def rank_argv(argv: list[str]) -> list[str]:
     """What each rank runs: argv without the torchrun and the Ray launch flags."""
     return strip_launch_args(strip_launch_args(argv), flags=RAY_FLAGS)
 
@@ -103,7 +107,7 @@ def _check_reachable(address: str) -> None:
                           "with `ray start --head` or check the host and port") from None
 
 
-def _connect(ray, address: Optional[str], world_size: int) -> None:
+def _connect(ray, address: str | None, world_size: int) -> None:
     quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
     if address is None:
         ray.init(num_cpus=max(world_size, os.cpu_count() or 1), include_dashboard=False,
@@ -128,7 +132,7 @@ class RankActor:
     def __repr__(self) -> str:  # Ray prefixes the rank's output with it: "(rank1 pid=...)"
         return f"rank{self.rank}"
 
-    def where(self) -> Tuple[str, List[str]]:
+    def where(self) -> tuple[str, list[str]]:
         import ray
 
         return ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
@@ -138,19 +142,18 @@ class RankActor:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def run(self, module: str, argv: List[str], cwd: str, env: dict) -> Tuple[int, Optional[str]]:
-        """Run the rank to its end: (exit code, its one-line user error or None)."""
-        from megaprm.parallel.launch import _set_pdeathsig
-
+    def run(self, module: str, argv: list[str], cwd: str, env: dict) -> tuple[int, str | None]:
+        """Run the rank to its end: (exit code, its one-line user error or None). No
+        preexec_fn (unsafe in this threaded process): the rank ties itself to this actor with
+        `die_with_parent`, MEGAPRM_TORCHRUN_PID naming the actor."""
         if not os.path.isdir(cwd):
             return 2, (f"megaprm: the working directory {cwd} does not exist on Ray node "
                        f"{socket.gethostname()}: run from a directory every node shares")
         with tempfile.TemporaryDirectory(prefix="megaprm-errors-") as err_dir:
             full = dict(os.environ, **env, **{ERROR_DIR_ENV: err_dir,
                                               "MEGAPRM_TORCHRUN_PID": str(os.getpid())})
-            proc = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=cwd, env=full,
-                                    preexec_fn=_set_pdeathsig)
-            rc = proc.wait()
+            rc = subprocess.run([sys.executable, "-m", module, *argv], cwd=cwd, env=full,
+                                check=False).returncode
             return rc, first_user_error(err_dir)
 
 
@@ -184,8 +187,8 @@ def forwarded_env() -> dict:
     return env
 
 
-def rank_env(rank: int, nproc: int, nnodes: int, master: Tuple[str, int],
-             node_gpus: List[str]) -> dict:
+def rank_env(rank: int, nproc: int, nnodes: int, master: tuple[str, int],
+             node_gpus: list[str]) -> dict:
     """The torchrun variables of `rank` (packed per node: rank = node * nproc + local rank);
     `node_gpus` are the GPU ids of its node's ranks in local-rank order ([] without GPUs)."""
     env = {"RANK": str(rank), "WORLD_SIZE": str(nproc * nnodes), "LOCAL_RANK": str(rank % nproc),
@@ -226,7 +229,7 @@ def _start_actors(ray, pg, use_gpu: bool, nproc: int, nnodes: int) -> list:
             for rank in range(nproc * nnodes)]
 
 
-def _outcome(ray, ref) -> Tuple[int, Optional[str]]:
+def _outcome(ray, ref) -> tuple[int, str | None]:
     """(exit code, user error line or None) of one rank; (-1, None) when its actor died."""
     try:
         return ray.get(ref)
@@ -234,9 +237,10 @@ def _outcome(ray, ref) -> Tuple[int, Optional[str]]:
         return -1, None
 
 
-def _wait(ray, refs: list) -> Tuple[int, Optional[str]]:
-    """Wait for every rank; after the first failure give the others a second to report theirs
-    (the caller kills the rest). Returns (exit code, the line to print or None)."""
+def _wait(ray, refs: list) -> tuple[int, str | None]:
+    """Wait for every rank; after the first failure (other than a dead actor: nothing else
+    to wait for) give the others a second to report theirs, then return (the caller kills the
+    rest). Returns (exit code, the line to print or None)."""
     pending, failures = list(refs), {}
     while pending and not failures:
         done, pending = ray.wait(pending, num_returns=1)
@@ -246,7 +250,8 @@ def _wait(ray, refs: list) -> Tuple[int, Optional[str]]:
     if not failures:
         return 0, None
     first = next(iter(failures))  # the root cause; the others mostly fail because of it
-    if pending:  # ranks that hit the same user error at the same point, and flushed output
+    if pending and failures[first][0] != -1:
+        # ranks that hit the same user error at the same point; and the failed rank's output
         done, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
         for ref in done:
             failures[refs.index(ref)] = _outcome(ray, ref)
@@ -261,7 +266,7 @@ def _wait(ray, refs: list) -> Tuple[int, Optional[str]]:
                                    "(its output is above)")
 
 
-def relaunch(args, argv: List[str], module: str = "megaprm.cli") -> int:
+def relaunch(args, argv: list[str], module: str = "megaprm.cli") -> int:
     """Run `python -m <module> <argv minus launch flags>` as Ray actors' ranks; returns the exit
     code (2 after printing the first rank's user error once)."""
     check_args(args)
