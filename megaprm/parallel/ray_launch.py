@@ -169,16 +169,6 @@ def _summary(e: BaseException) -> str:
     return lines[-1] if lines else type(e).__name__
 
 
-class _Stopped(Exception):
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_stopped(signum, _frame):
-    raise _Stopped(signum)
-
-
 def forwarded_env() -> dict:
     env = {k: v for k, v in os.environ.items()
            if k.startswith(FORWARDED_ENV_PREFIXES) or k in FORWARDED_ENV}
@@ -237,16 +227,22 @@ def _outcome(ray, ref) -> tuple[int, str | None]:
         return -1, None
 
 
-def _wait(ray, refs: list) -> tuple[int, str | None]:
+def _wait(ray, refs: list, stop: list) -> tuple[int, str | None]:
     """Wait for every rank; after the first failure (other than a dead actor: nothing else
     to wait for) give the others a second to report theirs, then return (the caller kills the
     rest). Returns (exit code, the line to print or None)."""
     pending, failures = list(refs), {}
-    while pending and not failures:
-        done, pending = ray.wait(pending, num_returns=1)
+    while pending and not failures and not stop:
+        # a timeout, to look at `stop` (signals received) every second
+        done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+        if not done:
+            continue
         rc, line = _outcome(ray, done[0])
         if rc != 0:
             failures[refs.index(done[0])] = (rc, line)
+    if stop:
+        name = signal.Signals(stop[0]).name
+        return 128 + stop[0], f"megaprm: {name}: stopped the Ray ranks"
     if not failures:
         return 0, None
     first = next(iter(failures))  # the root cause; the others mostly fail because of it
@@ -276,10 +272,13 @@ def relaunch(args, argv: list[str], module: str = "megaprm.cli") -> int:
         # when ray is imported)
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     ray = _import_ray()
-    old = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
-    actors, pg = [], None
+    actors, pg, old, stop = [], None, {}, []
     try:
         _connect(ray, args.ray_address, nproc * nnodes)
+        # after ray.init, whose fatal-signal handler would abort on SIGTERM without cleaning
+        # up; noted, not raised: an exception raised inside a Ray call comes out mangled
+        old = {s: signal.signal(s, lambda signum, _f: stop.append(signum))
+               for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         pg, use_gpu = _place(ray, nproc, nnodes)
         actors = _start_actors(ray, pg, use_gpu, nproc, nnodes)
         try:
@@ -296,10 +295,9 @@ def relaunch(args, argv: list[str], module: str = "megaprm.cli") -> int:
             refs.append(actor.run.remote(module, rank_argv(argv), os.getcwd(),
                                          {**env, **rank_env(rank, nproc, nnodes, master,
                                                             node_gpus)}))
-        rc, line = _wait(ray, refs)
-    except (KeyboardInterrupt, _Stopped) as e:
-        signum = e.signum if isinstance(e, _Stopped) else signal.SIGINT
-        rc, line = 128 + signum, f"megaprm: {signal.Signals(signum).name}: stopped the Ray ranks"
+        rc, line = _wait(ray, refs, stop)
+    except KeyboardInterrupt:  # before the handlers above are in place
+        rc, line = 130, "megaprm: SIGINT: stopped the Ray ranks"
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
