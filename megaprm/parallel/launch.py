@@ -12,6 +12,8 @@
   2 (`report_user_error`); the launcher prints the lowest rank's line once and exits 2, with
   torchrun's ChildFailedError report suppressed (`python -m megaprm.parallel.launch` is torchrun
   with that one change).
+* `--launcher ray`: `ray_launch.relaunch` starts the same ranks as Ray actors, one command for
+  every node; the rank side (`die_with_parent`, `report_user_error`) is this module's.
 * `spawn(fn, world_size, *args)`: `world_size` local ranks without torchrun (tests,
   `checkpoint_tools verify`, benches). Each child gets the environment torchrun would give it
   (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), runs `fn(*args)` and sends back its

@@ -5,7 +5,8 @@
   one per node (`STRICT_SPREAD` over distinct nodes), each holding N GPUs (N CPUs on a cluster
   without GPUs), and N actors per bundle. Ranks are packed per node: rank = node * N + local
   rank, rank 0's node is MASTER_ADDR with a port free there. A cluster that cannot place the
-  group in PLACEMENT_TIMEOUT_S is one line saying what it has.
+  group within $MEGAPRM_RAY_PLACEMENT_TIMEOUT_S (300 s: an autoscaler may be adding nodes) is
+  one line saying what it has.
 * Each actor only holds a node-local process: `python -m megaprm.cli <the same argv>` with the
   environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
   MASTER_ADDR, MASTER_PORT; CUDA_VISIBLE_DEVICES = the node's GPUs of this job in local-rank
@@ -43,7 +44,10 @@ from megaprm.parallel.launch import (
 
 INSTALL_HINT = "--launcher ray needs Ray: pip install -e '.[ray]' (or pip install ray)"
 RAY_FLAGS = ("--launcher", "--ray-address")
-PLACEMENT_TIMEOUT_S = 300.0  # an autoscaling cluster may need minutes to bring up nodes
+# how long to wait for the cluster to place the ranks: an autoscaling cluster may need minutes
+# to bring up nodes, a fixed one that lacks them never will
+PLACEMENT_TIMEOUT_ENV = "MEGAPRM_RAY_PLACEMENT_TIMEOUT_S"
+PLACEMENT_TIMEOUT_S = 300.0
 CONNECT_TIMEOUT_S = 5.0
 OBJECT_STORE_BYTES = 100 * 1024 * 1024
 # driver variables every rank gets (the rest of a remote node's environment is its own)
@@ -196,15 +200,20 @@ def _place(ray, nproc: int, nnodes: int):
     use_gpu = resources.get("GPU", 0) > 0
     bundle = {"CPU": nproc, "GPU": nproc} if use_gpu else {"CPU": nproc}
     pg = placement_group([bundle] * nnodes, strategy="STRICT_SPREAD" if nnodes > 1 else "PACK")
+    timeout = float(os.environ.get(PLACEMENT_TIMEOUT_ENV, PLACEMENT_TIMEOUT_S))
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    fit = sum(all(res.get(k, 0) >= v for k, v in bundle.items()) for res in nodes)
+    what = (f"{nnodes} node(s) x {nproc} {'GPU' if use_gpu else 'CPU'} rank(s) (it has "
+            f"{len(nodes)} node(s), {fit} of them with " + " and ".join(
+                f"{v} {k}" for k, v in bundle.items()) + ")")
+    if fit < nnodes:  # an autoscaler may still add nodes: say what we wait for
+        print(f"megaprm: waiting up to {timeout:g}s ({PLACEMENT_TIMEOUT_ENV}) for the Ray cluster "
+              f"to place {what}", file=sys.stderr, flush=True)
     try:
-        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        ray.get(pg.ready(), timeout=timeout)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
-        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-        have = ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if k in ("CPU", "GPU"))
-        raise LaunchError(f"the Ray cluster cannot place {nnodes} node(s) x {nproc} "
-                          f"{'GPU' if use_gpu else 'CPU'} rank(s) within {PLACEMENT_TIMEOUT_S:g}s: "
-                          f"it has {nodes} node(s), {have} in all; lower --nproc/--nnodes or add "
+        raise LaunchError(f"the Ray cluster cannot place {what}; lower --nproc/--nnodes or add "
                           "nodes") from None
     return pg, use_gpu
 
