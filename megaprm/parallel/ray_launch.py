@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 from megaprm.parallel.launch import (
     ERROR_DIR_ENV,
@@ -167,6 +168,21 @@ def _actor_class(ray):
 
 # ------------------------------------------------------------------------------ the driver
 
+class _Stopped(Exception):
+    """A signal the driver received (SIGINT/SIGTERM/SIGHUP): stop every rank."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _check_stop(stop: list) -> None:
+    """Raise _Stopped for a signal noted by the handler. The handler only notes it: an exception
+    raised inside a Ray call (where Python runs signal handlers) comes out mangled."""
+    if stop:
+        raise _Stopped(stop[0])
+
+
 def _summary(e: BaseException) -> str:
     """The last line of a remote error: its exception and message, without the traceback."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -192,7 +208,7 @@ def rank_env(rank: int, nproc: int, nnodes: int, master: tuple[str, int],
     return env
 
 
-def _place(ray, nproc: int, nnodes: int):
+def _place(ray, nproc: int, nnodes: int, stop: list):
     """A placement group of one bundle per node; returns it and whether the ranks get GPUs."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -209,13 +225,15 @@ def _place(ray, nproc: int, nnodes: int):
     if fit < nnodes:  # an autoscaler may still add nodes: say what we wait for
         print(f"megaprm: waiting up to {timeout:g}s ({PLACEMENT_TIMEOUT_ENV}) for the Ray cluster "
               f"to place {what}", file=sys.stderr, flush=True)
-    try:
-        ray.get(pg.ready(), timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise LaunchError(f"the Ray cluster cannot place {what}; lower --nproc/--nnodes or add "
-                          "nodes") from None
+    deadline = time.monotonic() + timeout
+    while not pg.wait(timeout_seconds=1):  # 1 s at a time: Ctrl-C stops the wait
+        if stop or time.monotonic() > deadline:
+            remove_placement_group(pg)
+            _check_stop(stop)
+            raise LaunchError(f"the Ray cluster cannot place {what}; lower --nproc/--nnodes or "
+                              "add nodes")
     return pg, use_gpu
+
 
 
 def _start_actors(ray, pg, use_gpu: bool, nproc: int, nnodes: int) -> list:
@@ -241,17 +259,14 @@ def _wait(ray, refs: list, stop: list) -> tuple[int, str | None]:
     to wait for) give the others a second to report theirs, then return (the caller kills the
     rest). Returns (exit code, the line to print or None)."""
     pending, failures = list(refs), {}
-    while pending and not failures and not stop:
-        # a timeout, to look at `stop` (signals received) every second
+    while pending and not failures:
+        _check_stop(stop)  # looked at every second: ray.wait's timeout
         done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
         if not done:
             continue
         rc, line = _outcome(ray, done[0])
         if rc != 0:
             failures[refs.index(done[0])] = (rc, line)
-    if stop:
-        name = signal.Signals(stop[0]).name
-        return 128 + stop[0], f"megaprm: {name}: stopped the Ray ranks"
     if not failures:
         return 0, None
     first = next(iter(failures))  # the root cause; the others mostly fail because of it
@@ -284,11 +299,10 @@ def relaunch(args, argv: list[str], module: str = "megaprm.cli") -> int:
     actors, pg, old, stop = [], None, {}, []
     try:
         _connect(ray, args.ray_address, nproc * nnodes)
-        # after ray.init, whose fatal-signal handler would abort on SIGTERM without cleaning
-        # up; noted, not raised: an exception raised inside a Ray call comes out mangled
+        # after ray.init, whose fatal-signal handler would abort on SIGTERM without cleaning up
         old = {s: signal.signal(s, lambda signum, _f: stop.append(signum))
                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        pg, use_gpu = _place(ray, nproc, nnodes)
+        pg, use_gpu = _place(ray, nproc, nnodes, stop)
         actors = _start_actors(ray, pg, use_gpu, nproc, nnodes)
         try:
             where = ray.get([a.where.remote() for a in actors])
@@ -300,21 +314,22 @@ def relaunch(args, argv: list[str], module: str = "megaprm.cli") -> int:
         refs = []
         for rank, actor in enumerate(actors):
             node = rank // nproc
-            node_gpus = [g for ip, gpus in where[node * nproc:(node + 1) * nproc] for g in gpus]
+            node_gpus = [g for _ip, gpus in where[node * nproc:(node + 1) * nproc] for g in gpus]
             refs.append(actor.run.remote(module, rank_argv(argv), os.getcwd(),
                                          {**env, **rank_env(rank, nproc, nnodes, master,
                                                             node_gpus)}))
         rc, line = _wait(ray, refs, stop)
-    except KeyboardInterrupt:  # before the handlers above are in place
-        rc, line = 130, "megaprm: SIGINT: stopped the Ray ranks"
+    except (KeyboardInterrupt, _Stopped) as e:  # KeyboardInterrupt: before the handlers
+        signum = e.signum if isinstance(e, _Stopped) else signal.SIGINT
+        rc, line = 128 + signum, f"megaprm: {signal.Signals(signum).name}: stopped the Ray ranks"
     finally:
-        for a in actors:
-            ray.kill(a, no_restart=True)
-        if pg is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(pg)
         if ray.is_initialized():
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            if pg is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(pg)
             ray.shutdown()
         for s, h in old.items():
             signal.signal(s, h)
