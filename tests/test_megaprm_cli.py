@@ -390,6 +390,7 @@ def test_ray_launcher_trains_like_torchrun_and_leaves_no_process(two_rank_run, p
     assert p.returncode == 0, p.stderr[-4000:]
     assert p.stdout.strip().splitlines()[-1].startswith(f"[train] done: run {run_dir} "), p.stdout
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "pid=" not in p.stderr, p.stderr[-3000:]  # the ranks' output as under torchrun
     _assert_none_left(tag)
 
     def rows(d, name):

@@ -51,6 +51,10 @@ PLACEMENT_TIMEOUT_ENV = "MEGAPRM_RAY_PLACEMENT_TIMEOUT_S"
 PLACEMENT_TIMEOUT_S = 300.0
 CONNECT_TIMEOUT_S = 5.0
 OBJECT_STORE_BYTES = 100 * 1024 * 1024
+# the ranks' output as under torchrun: without Ray's "(rank1 pid=...)" prefix and its colour,
+# and a line that several ranks print is printed by each, not folded into one
+RAY_ENV_DEFAULTS = {"RAY_DISABLE_WORKER_LOG_PREFIX": "1", "RAY_COLOR_PREFIX": "0",
+                    "RAY_DEDUP_LOGS": "0"}
 # driver variables every rank gets (the rest of a remote node's environment is its own)
 FORWARDED_ENV_PREFIXES = ("MEGAPRM_", "WANDB_", "HF_", "TRANSFORMERS_", "TOKENIZERS_",
                           "NCCL_", "TORCH_")
@@ -134,7 +138,7 @@ class RankActor:
     def __init__(self, rank: int):
         self.rank = rank
 
-    def __repr__(self) -> str:  # Ray prefixes the rank's output with it: "(rank1 pid=...)"
+    def __repr__(self) -> str:  # Ray's name for the actor: "(rank1 pid=...)" in its messages
         return f"rank{self.rank}"
 
     def where(self) -> tuple[str, list[str]]:
@@ -291,9 +295,11 @@ def relaunch(args, argv: list[str], module: str = "megaprm.cli") -> int:
     code (2 after printing the first rank's user error once)."""
     check_args(args)
     nproc, nnodes = resolve_nproc(args), args.nnodes
+    # read when ray is imported; a setting of the user's wins
+    for key, value in RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     if args.ray_address is None:
-        # a local Ray with token auth, as Ray's default, without its warning saying so (read
-        # when ray is imported)
+        # a local Ray with token auth, as Ray's default, without its warning saying so
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     ray = _import_ray()
     actors, pg, old, stop = [], None, {}, []
