@@ -159,8 +159,8 @@ class RankActor:
             return 2, (f"megaprm: the working directory {cwd} does not exist on Ray node "
                        f"{socket.gethostname()}: run from a directory every node shares")
         with tempfile.TemporaryDirectory(prefix="megaprm-errors-") as err_dir:
-            full = dict(os.environ, **env, **{ERROR_DIR_ENV: err_dir,
-                                              "MEGAPRM_TORCHRUN_PID": str(os.getpid())})
+            full = {**os.environ, **env, ERROR_DIR_ENV: err_dir,
+                    "MEGAPRM_TORCHRUN_PID": str(os.getpid())}
             rc = subprocess.run([sys.executable, "-m", module, *argv], cwd=cwd, env=full,
                                 check=False).returncode
             return rc, first_user_error(err_dir)
