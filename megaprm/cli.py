@@ -37,11 +37,13 @@ def _user_errors() -> tuple:
 def _on_ranks(args, argv, preflight, body) -> int:
     """`preflight()` in the launcher, then `body()` on every torchrun rank. A preflight may
     return a lock the launcher holds while its ranks run."""
-    from megaprm.parallel import launch
+    from megaprm.parallel import launch, ray_launch
 
     if not launch.under_torchrun():
         lock = preflight()
         try:
+            if ray_launch.wanted(args):
+                return ray_launch.relaunch(args, argv)
             return launch.relaunch(args, argv)
         finally:
             if lock is not None:
@@ -244,6 +246,7 @@ DEMO_METHODS = ("prof_grpo", "grpo", "drgrpo", "rloo", "papo", "pure", "prime", 
 def _parser() -> argparse.ArgumentParser:
     # imports here stay light (no torch): `megaprm --help` answers in well under a second
     from megaprm.parallel.launch import add_launch_args
+    from megaprm.parallel.ray_launch import add_ray_args
 
     ap = argparse.ArgumentParser(prog="megaprm", description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -266,6 +269,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--eval-problems", type=int, default=0,
                    help="override the held-out problems of the before/after evaluation")
     add_launch_args(d, cpu_default=2)
+    add_ray_args(d)
     d.set_defaults(fn=cmd_demo)
 
     from dataclasses import fields
@@ -294,6 +298,7 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("overrides", nargs="*", help="dotted overrides for every RL run, e.g. "
                                                  "actor.optim.lr=1e-4")
     add_launch_args(cp, cpu_default=2)
+    add_ray_args(cp)
     cp.set_defaults(fn=cmd_compare)
 
     t = sub.add_parser("train", help="RL from a YAML recipe (configs/) + dotted overrides",
@@ -304,6 +309,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="section.key=value, e.g. actor.optim.lr=1e-6 "
                                                 "trainer.steps=10")
     add_launch_args(t, cpu_default=1)
+    add_ray_args(t)
     t.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("train-prm", help="train a discriminative PRM (two-stage PURE recipe) on "
@@ -312,6 +318,7 @@ def _parser() -> argparse.ArgumentParser:
                                                    "configs/prm/tiny.yaml")
     p.add_argument("overrides", nargs="*", help="e.g. stage2_steps=200 arithmetic.operand_max=9")
     add_launch_args(p, cpu_default=1)
+    add_ray_args(p)
     p.set_defaults(fn=cmd_train_prm)
 
     pl = sub.add_parser("plot", help="draw a run's metrics.jsonl curves into PNGs")

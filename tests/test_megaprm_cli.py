@@ -20,8 +20,8 @@ FAST = ["trainer.wandb=disabled", "trainer.progress=false", "rollout.max_tokens=
         "actor.mini_batches=1"]
 
 
-def run(args, timeout=600, **kw):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def run(args, timeout=600, extra_env=None, **kw):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=env, **kw)
 
@@ -59,15 +59,23 @@ def train_cmd(policy, run_dir, *extra, config="configs/grpo_tiny.yaml"):
             f"trainer.run_dir={run_dir}", *FAST, *extra]
 
 
-def test_train_two_ranks_export_verify_eval(policy, tmp_path):
+TWO_RANKS = ("--nproc", "2", "trainer.steps=2", "trainer.eval_every=1", "trainer.eval_problems=4")
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(policy, tmp_path_factory):
+    """`megaprm train --nproc 2` under torchrun: (the finished process, its run directory)."""
+    run_dir = tmp_path_factory.mktemp("torchrun") / "run"
+    return run(train_cmd(policy, run_dir, *TWO_RANKS)), run_dir
+
+
+def test_train_two_ranks_export_verify_eval(two_rank_run, policy, tmp_path):
     """`megaprm train --nproc 2` -> `checkpoint_tools export-hf` of the trainer checkpoint ->
     transformers' logits equal Megatron's on it (verify) -> `megaprm eval --model <checkpoint>`."""
     import torch
     from safetensors.torch import load_file
 
-    run_dir = tmp_path / "run"
-    p = run(train_cmd(policy, run_dir, "--nproc", "2", "trainer.steps=2", "trainer.eval_every=1",
-                      "trainer.eval_problems=4"))
+    p, run_dir = two_rank_run
     assert p.returncode == 0, p.stderr[-4000:]
     # the last line says where to look (after wandb's summary), and the plots are drawn
     assert p.stdout.strip().splitlines()[-1].startswith(f"[train] done: run {run_dir} "), p.stdout
@@ -282,6 +290,12 @@ TROUBLE = {
                      ["unknown key(s) ['actor.lrr']"]),
     "nproc_zero": (lambda root, pol: ["--nproc", "0", f"model.path={pol}"],
                    ["--nproc=0"]),
+    "ray_address_silent": (lambda root, pol: ["--nproc", "1", f"model.path={pol}", "--launcher",
+                                              "ray", "--ray-address", f"127.0.0.1:{free_port()}"],
+                           ["no Ray head answers there"]),
+    "ray_no_cluster": (lambda root, pol: ["--nproc", "1", f"model.path={pol}", "--launcher",
+                                          "ray", "--ray-address", "auto"],
+                       ["--ray-address=auto: Could not find any running Ray instance"]),
 }
 
 
@@ -338,3 +352,117 @@ def test_second_start_refused_and_kill_9_of_the_launcher_leaves_no_rank(policy, 
     for pid in survivors:  # never leave them behind, even when the test fails
         os.kill(pid, signal.SIGKILL)
     assert not survivors, f"ranks outlived their launcher: {survivors}"
+
+
+# ------------------------------------------------------------------------------ --launcher ray
+
+CLOCK_METRICS = ("timing/", "throughput/", "weight_sync/seconds", "weight_sync/gbps")
+
+
+def _pids_with_env(tag: str) -> list:
+    """Live processes whose environment holds `tag`: the launcher's descendants, Ray's head
+    processes and workers included (they inherit the launcher's environment), however they
+    were reparented."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                found = tag.encode() in f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if found and state != "Z":
+            out.append(int(pid))
+    return out
+
+
+def _assert_none_left(tag: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _pids_with_env(tag):
+        time.sleep(0.5)
+    survivors = _pids_with_env(tag)
+    for pid in survivors:  # never leave them behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"processes outlived the Ray launcher: {survivors}"
+
+
+ray_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+
+
+@ray_only
+def test_ray_launcher_trains_like_torchrun_and_leaves_no_process(two_rank_run, policy,
+                                                                 tmp_path):
+    """The same command with `--launcher ray` (a local Ray started by the command): the same
+    metrics and samples as the torchrun run, step for step; no Ray process left behind."""
+    torchrun_p, torchrun_dir = two_rank_run
+    assert torchrun_p.returncode == 0, torchrun_p.stderr[-4000:]
+    tag = f"MEGAPRM_TEST_TAG=ray-{os.getpid()}-{time.time_ns()}"
+    run_dir = tmp_path / "ray"
+    p = run(train_cmd(policy, run_dir, *TWO_RANKS, "--launcher", "ray"),
+            extra_env=dict([tag.split("=", 1)]))
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert p.stdout.strip().splitlines()[-1].startswith(f"[train] done: run {run_dir} "), p.stdout
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "pid=" not in p.stderr, p.stderr[-3000:]  # the ranks' output as under torchrun
+    _assert_none_left(tag)
+
+    def rows(d, name):
+        return [json.loads(x) for x in (d / name).read_text().splitlines()]
+
+    ray_rows, torchrun_rows = rows(run_dir, "metrics.jsonl"), rows(torchrun_dir, "metrics.jsonl")
+    assert [r["step"] for r in ray_rows] == [0, 1]
+    for a, b in zip(ray_rows, torchrun_rows):
+        assert a.keys() == b.keys()
+        same = [k for k in a if not k.startswith(CLOCK_METRICS)]
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}
+    assert rows(run_dir, "samples.jsonl") == rows(torchrun_dir, "samples.jsonl")
+
+
+def _rank_pids(tag: str) -> dict:
+    """{RANK: pid} of the rank processes (`python -m megaprm.cli` with RANK set) carrying tag."""
+    out = {}
+    for pid in _pids_with_env(tag):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"megaprm.cli" in cmd and b"RANK" in env:
+            out[int(env[b"RANK"])] = pid
+    return out
+
+
+@ray_only
+def test_ray_killed_actor_ends_the_run_in_one_line(policy, tmp_path):
+    """SIGKILL of rank 1's Ray actor while its rank runs: the launcher stops the other rank,
+    prints one line naming rank 1 and exits 1; no rank, actor or Ray process is left."""
+    tag = f"MEGAPRM_TEST_TAG=ray-kill-{os.getpid()}-{time.time_ns()}"
+    key, value = tag.split("=", 1)
+    launcher = subprocess.Popen(
+        train_cmd(policy, tmp_path / "run", "--launcher", "ray", "--nproc", "2",
+                  "trainer.steps=500"), cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1", **{key: value}))
+    try:
+        deadline = time.monotonic() + 180
+        ranks = {}
+        while time.monotonic() < deadline and len(ranks) < 2 and launcher.poll() is None:
+            time.sleep(0.5)
+            ranks = _rank_pids(tag)
+        assert len(ranks) == 2, (ranks, launcher.poll())
+        with open(f"/proc/{ranks[1]}/stat") as f:
+            actor = int(f.read().split(")")[-1].split()[2])  # the rank's parent: its actor
+        os.kill(actor, signal.SIGKILL)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        _assert_none_left(tag)
+    assert launcher.returncode == 1, err[-3000:]
+    ours = [ln for ln in err.splitlines() if ln.startswith("megaprm")]
+    assert len(ours) == 1 and "rank 1's Ray actor died" in ours[0], err[-3000:]

@@ -12,6 +12,8 @@
   2 (`report_user_error`); the launcher prints the lowest rank's line once and exits 2, with
   torchrun's ChildFailedError report suppressed (`python -m megaprm.parallel.launch` is torchrun
   with that one change).
+* `--launcher ray`: `ray_launch.relaunch` starts the same ranks as Ray actors, one command for
+  every node; the rank side (`die_with_parent`, `report_user_error`) is this module's.
 * `spawn(fn, world_size, *args)`: `world_size` local ranks without torchrun (tests,
   `checkpoint_tools verify`, benches). Each child gets the environment torchrun would give it
   (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), runs `fn(*args)` and sends back its
@@ -95,17 +97,17 @@ def add_launch_args(parser, cpu_default: int) -> None:
 _LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port")
 
 
-def strip_launch_args(argv: List[str]) -> List[str]:
+def strip_launch_args(argv: List[str], flags=_LAUNCH_FLAGS) -> List[str]:
     """argv without megaprm's launch flags (`--flag value` and `--flag=value` forms)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
-        if a in _LAUNCH_FLAGS:
+        if a in flags:
             skip = True
             continue
-        if a.split("=", 1)[0] in _LAUNCH_FLAGS and "=" in a:
+        if a.split("=", 1)[0] in flags and "=" in a:
             continue
         out.append(a)
     return out
