@@ -84,6 +84,13 @@ def test_truncated_or_incomplete_checkpoint(tmp_path):
     big = max((p for p in model.iterdir() if p.suffix == ".distcp"), key=os.path.getsize)
     data = big.read_bytes()
     big.write_bytes(data[: len(data) // 2])
+    # the manifest names the short file before any reader opens it ...
+    with pytest.raises(ConversionError, match=f"{big.name} has {len(data) // 2} bytes, "
+                                              f"MANIFEST.json says {len(data)}"):
+        export_hf(str(ck), str(tmp_path / "out"), verify=False)
+    assert not (tmp_path / "out").exists()
+    # ... and a checkpoint without one (older megaprm) is caught by the streaming reader itself
+    (ck / "MANIFEST.json").unlink()
     with pytest.raises(ConversionError, match=f"{big.name}.* the checkpoint is truncated"):
         export_hf(str(ck), str(tmp_path / "out"), verify=False)
     assert not (tmp_path / "out").exists()
