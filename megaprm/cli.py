@@ -340,9 +340,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from megaprm.parallel.launch import LAUNCH_T0_ENV
+    from megaprm.parallel.launch import LAUNCH_T0_ENV, under_torchrun
 
-    os.environ.setdefault(LAUNCH_T0_ENV, str(time.time()))  # the ranks inherit the start time
+    # the ranks inherit the start time; a command started by a process that ran one before
+    # (a test, a script calling main twice) starts its own clock
+    if not under_torchrun() or LAUNCH_T0_ENV not in os.environ:
+        os.environ[LAUNCH_T0_ENV] = str(time.time())
     ap = _parser()
     # `key=value` overrides may sit before or after the flags (`--nproc 2 trainer.steps=2`)
     args, rest = ap.parse_known_args(argv)

@@ -43,3 +43,27 @@ def test_demo_method_choices_are_the_registry_methods():
     from megaprm.algorithms.registry import METHODS
 
     assert sorted(DEMO_METHODS) == sorted(METHODS)
+
+
+def test_each_command_starts_its_own_clock(monkeypatch):
+    """The launch time the ranks inherit is the command's own, not one left in the environment
+    by an earlier command run in the same process (a demo's 'wall Ns since started' line)."""
+    import time
+
+    import pytest
+
+    from megaprm.cli import main
+    from megaprm.parallel.launch import LAUNCH_T0_ENV, seconds_since_launch
+
+    monkeypatch.setenv(LAUNCH_T0_ENV, str(time.time() - 1000))
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert seconds_since_launch() < 100
+    # a rank (RANK/WORLD_SIZE set by torchrun) keeps the launcher's clock
+    t0 = str(time.time() - 1000)
+    monkeypatch.setenv(LAUNCH_T0_ENV, t0)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert seconds_since_launch() > 900

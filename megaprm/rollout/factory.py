@@ -17,7 +17,7 @@ from megaprm.rollout.engine import RolloutEngine, preserved_rng_and_device
 
 
 def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, world_size: int,
-                 tp_size: int, seed: int, device) -> RolloutEngine:
+                 tp_size: int, seed: int, device, load_weights: bool = True) -> RolloutEngine:
     """One engine for this rank. `device`: the rank's device (the HF engine runs there; vLLM
     takes LOCAL_RANK's GPU under external_launcher, which must be the same one).
 
@@ -31,9 +31,11 @@ def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, worl
                          f"tp_size={tp_size}")
     from checkpoint_tools.layout import has_weights
 
-    # a megaprm checkpoint's hf/ has the config but no weights: the engine starts from random
-    # weights and receives the actor's with the first update_weights (the trainer syncs at once)
-    weights = has_weights(model_path)
+    # a megaprm checkpoint's hf/ has the config but no weights, and a trainer's engine gets the
+    # actor's weights with its first update_weights anyway (`load_weights=False`: the trainer
+    # syncs before any generation): the engine then starts from random weights, reading no file
+    # twice and judging none (the trainer checks the policy's files against config.json itself)
+    weights = load_weights and has_weights(model_path)
     eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
     pad = tokenizer.pad_token_id
     if rollout_cfg.engine == "vllm":

@@ -368,14 +368,15 @@ class RLTrainer:
     def _build_engine(self):
         """The colocated rollout engine on this rank's device (vLLM: external_launcher when
         world > 1, the trainer's tp, one seed per tp group); it starts from the policy's HF
-        files and holds the actor's weights after the first sync."""
+        config and holds the actor's weights after the first sync (it reads no weights: the
+        actor's are checked and loaded once, by the actor)."""
         from megaprm.parallel.device import rank_device
         from megaprm.rollout.factory import build_engine
 
         g = self.groups
         return build_engine(self.cfg.rollout, self.src.hf_dir, self.tok,
                             world_size=g.world_size, tp_size=g.tp_size,
-                            seed=self.cfg.trainer.seed, device=rank_device())
+                            seed=self.cfg.trainer.seed, device=rank_device(), load_weights=False)
 
     # ------------------------------------------------------------------ phases
     def sync_weights(self) -> None:
