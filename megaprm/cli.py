@@ -128,9 +128,12 @@ def cmd_train(args) -> int:
 
     def preflight():
         from megaprm.parallel.launch import world_size_of
-        from megaprm.trainer.preflight import check_rl_launch
+        from megaprm.trainer.preflight import check_plan, check_rl_launch
 
-        check_rl_launch(cfg, world_size_of(args))
+        world = world_size_of(args)
+        check_rl_launch(cfg, world)
+        if not args.no_plan_check:
+            check_plan(cfg, world)
         if args.node_rank != 0:  # node 0's launcher holds the (shared) run directory
             return None
         from megaprm.trainer.loop import LOCK_ENV
@@ -342,6 +345,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="YAML recipe, e.g. configs/prof_grpo_tiny.yaml (see above)")
     t.add_argument("overrides", nargs="*", help="section.key=value, e.g. actor.optim.lr=1e-6 "
                                                 "trainer.steps=10")
+    t.add_argument("--no-plan-check", action="store_true",
+                   help="start even when `megaprm plan` says the run does not fit the GPUs "
+                        "(the check runs only on CUDA machines)")
     add_launch_args(t, cpu_default=1)
     add_ray_args(t)
     t.set_defaults(fn=cmd_train)

@@ -35,16 +35,17 @@ GPUS = {
 class Efficiency:
     """Fractions of peak. `train_mfu`: model FLOPs of forward+backward (and forward-only
     log-prob passes) over peak BF16 FLOP/s; Megatron-LM reports up to 47% MFU on H100 for large
-    GEMMs (github.com/NVIDIA/Megatron-LM README); RL micro-batches of a 7B model are shorter,
-    so 0.40 is assumed. `decode_bw`: fraction of HBM bandwidth a vLLM decode step reaches when
-    it streams the weights and the KV cache (assumed 0.6; vLLM's decode kernels are memory
-    bound). `prefill_mfu`: prompt processing in the engine. `link`: weight-sync bandwidth share.
-    None of these was measured on a GPU in this repository (no GPU was at hand); the published
-    runs of docs/plan.md are the check."""
+    GEMMs (https://github.com/NVIDIA/Megatron-LM README); RL micro-batches of a 7B model are
+    shorter, so 0.40 is assumed (not measured: no GPU was at hand). `decode_bw`: fraction of
+    HBM bandwidth a vLLM decode step reaches, per-step scheduling and sampling included: 0.32,
+    taken from a published run (NeMo-RL's Llama-3.1-8B GRPO on 16 H100,
+    `published.calibrated_decode_bw`; its off-policy row is the check). `prefill_mfu`: prompt
+    processing in the engine (assumed as train). `link`: NVLink share for the weight sync
+    (assumed)."""
 
     train_mfu: float = 0.40
     prefill_mfu: float = 0.40
-    decode_bw: float = 0.60
+    decode_bw: float = 0.32
     link: float = 0.5
 
 
@@ -70,3 +71,16 @@ def gpu_named(name: str, mem_gb: float | None = None) -> GPU:
 
         gpu = replace(gpu, mem_gb=float(mem_gb))
     return gpu
+
+
+def local_gpu() -> GPU | None:
+    """The GPU this machine's ranks will run on (its own memory), or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from dataclasses import replace
+
+    name = torch.cuda.get_device_name(0).lower()
+    known = next((g for k, g in GPUS.items() if k in name), GPUS["h100"])
+    return replace(known, mem_gb=torch.cuda.get_device_properties(0).total_memory / 1e9)

@@ -38,19 +38,23 @@ def optimizer_bytes_per_param(w: Workload) -> float:
 def activation_bytes(w: Workload, tokens: int) -> int:
     """Saved-for-backward bytes of one micro-batch of `tokens` on one rank of the largest stage.
 
-    Per token and layer (sequence parallelism off, so h-sized tensors are whole on every tp
-    rank): the two RMSNorm inputs and outputs (4h), q, k, v and their rotated copies
-    ((heads + 2 kv_heads) d + (heads + kv_heads) d), the attention output (heads x d), the
-    fc1 output (2f) and the SwiGLU output (f); the last five split over tp. With full
-    recompute only each layer's input (h) is kept, plus one layer recomputed in backward.
-    With pp > 1, 1F1B keeps up to pp micro-batches in flight on the first stage."""
+    Per token and layer, counted from what the local SDPA layer keeps alive (measured op by op
+    on the CPU, tests/test_plan.py): 5h whole on every tp rank (RMSNorm products and residual
+    sums; sequence parallelism is off) and, split over tp, 4 q + 3 k + 5 f (q = heads x
+    head_dim, k = kv_heads x head_dim: the qkv projection, RoPE's rotated copies, the attention
+    output; f = ffn size: fc1's gate and up, SiLU, the SwiGLU product). Outside the layers: the
+    embedding output and the final norm (3h). With full recompute only each layer's input (h)
+    is kept, plus one layer recomputed in backward. With pp > 1, 1F1B keeps up to pp
+    micro-batches in flight on the first stage."""
     s, b = w.actor, w.dtype_bytes
-    d, h, f = s.head_dim, s.hidden_size, s.ffn_hidden_size
-    split = ((2 * s.num_heads + 3 * s.num_kv_heads) * d + s.num_heads * d + 3 * f) / w.tp
-    layer = b * (4 * h + split) * tokens
+    h, f = s.hidden_size, s.ffn_hidden_size
+    q, k = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    layer = b * (5 * h + (4 * q + 3 * k + 5 * f) / w.tp) * tokens
     layers = s.layers_per_stage(w.pp)
     total = (layers * b * h * tokens + layer) if w.recompute else layers * layer
-    return int(total * min(w.pp, max(1, w.samples // max(1, w.dp * w.micro_batch_size))))
+    total += 3 * h * b * tokens
+    micro = max(1, w.samples // max(1, w.dp * w.mini_batches * w.micro_batch_size))
+    return int(total * min(w.pp, micro))
 
 
 def logits_bytes(w: Workload, tokens: int) -> int:

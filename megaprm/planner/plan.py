@@ -70,7 +70,7 @@ class Plan:
 
     @property
     def step_seconds(self) -> float:
-        return sum(v for k, v in self.seconds.items() if not k.startswith("_"))
+        return timing.step_seconds(self.seconds)
 
     def verdict(self) -> str:
         """One line: fits, or what does not fit, its largest terms and a knob."""
@@ -87,8 +87,10 @@ class Plan:
         else:
             line = (f"does not fit: the engine's KV cache holds {self.kv_tokens:.0f} tokens, "
                     f"less than one sequence ({self.workload.seq_len})")
-        knob = "; ".join(self.knobs[:2]) if self.knobs else "more GPUs or a larger GPU"
-        return f"{line}; try {knob}"
+        if not self.knobs:
+            return f"{line}; no single, pair or triple of overrides fits: more or larger GPUs"
+        alt = f" (or {self.knobs[1]})" if len(self.knobs) > 1 else ""
+        return f"{line}; try {self.knobs[0]}{alt}"
 
 
 def _layout_params(w: Workload, exact: bool) -> memory.Params:
@@ -160,27 +162,26 @@ def candidate_knobs(w: Workload, keys: set) -> list:
 
 
 def knobs_that_fit(w: Workload, gpu: GPU, eff: Efficiency, exact: bool, keys: set) -> list:
-    """Single overrides that make it fit; else the shortest greedy combination that does."""
-    def fits(x):
-        return plan_workload(x, gpu, eff=eff, exact=exact, with_knobs=False).fits
+    """Overrides that make it fit: single ones, else the pairs, else the triples, of different
+    keys (fastest predicted step first)."""
+    import itertools
 
     cands = candidate_knobs(w, keys)
-    single = [text for text, x in cands if fits(x)]
-    if single:
-        return single[:4]
-    combo, cur = [], w
-    for text, _ in cands:
-        if text.startswith(("actor.micro_batch_size", "parallel.tp",
-                            "rollout.gpu_memory_utilization")) and any(
-                c.split("=")[0] == text.split("=")[0] for c in combo):
-            continue
-        nxt = dict(candidate_knobs(cur, keys)).get(text)
-        if nxt is None:
-            continue
-        combo.append(text)
-        cur = nxt
-        if fits(cur):
-            return [" ".join(combo)]
+    for k in (1, 2, 3):
+        found = []
+        for combo in itertools.combinations(cands, k):
+            if len({text.split("=")[0] for text, _ in combo}) < k:
+                continue
+            x = w
+            for text, changed in combo:  # apply each knob's change on top of the others
+                x = dataclasses.replace(x, **{f.name: getattr(changed, f.name)
+                                              for f in dataclasses.fields(w)
+                                              if getattr(changed, f.name) != getattr(w, f.name)})
+            p = plan_workload(x, gpu, eff=eff, exact=exact, with_knobs=False)
+            if p.fits:
+                found.append((p.step_seconds, " ".join(text for text, _ in combo)))
+        if found:
+            return [text for _, text in sorted(found)[:3]]
     return []
 
 

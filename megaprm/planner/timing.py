@@ -12,6 +12,8 @@ rollout    vLLM decode is memory bound: every decode step streams the engine's w
            bound. A batch runs until its longest sequence ends (RL rollouts nearly always have
            one at rollout.max_tokens), so a wave costs max_tokens decode steps; the engine
            runs ceil(sequences / KV-cache concurrency) waves.
+overlap    `overlap=True` (a 1-step off-policy schedule: generation of step k+1 runs while step
+           k trains): the step is the longer of rollout and log-probs + update, plus the sync.
 sync       the actor's weights into the engine over NVLink.
 """
 from __future__ import annotations
@@ -55,7 +57,9 @@ def phase_seconds(w: Workload, p: Params, gpu: GPU, eff: Efficiency) -> dict:
     S = engine_sequences(w)
     weights = 2 * p.actor_total / w.tp if w.dtype_bytes == 2 else 4 * p.actor_total / w.tp
     cap_tokens = kv_capacity_tokens(w, gpu.mem_gb * 1e9)
-    concurrent = max(1, min(S, int(cap_tokens // w.seq_len))) if cap_tokens else 1
+    # vLLM pages the KV cache: a sequence holds blocks for the tokens it has, so the engine
+    # runs as many sequences at once as their mean length fits (it preempts past that)
+    concurrent = max(1, min(S, int(cap_tokens // (w.mean_prompt + w.mean_response))))
     waves = math.ceil(S / concurrent)
     kv_read = S * kv_bytes_per_token(w) * (w.mean_response * w.mean_prompt
                                            + w.mean_response ** 2 / 2)
@@ -66,3 +70,12 @@ def phase_seconds(w: Workload, p: Params, gpu: GPU, eff: Efficiency) -> dict:
     t_sync = weights / (gpu.link_gbps * 1e9 * eff.link)
     return {"rollout": t_decode + t_prefill, "log-probs": t_logprob, "update": t_update,
             "weight sync": t_sync, "_waves": waves, "_concurrent": concurrent}
+
+
+def step_seconds(seconds: dict, overlap: bool = False) -> float:
+    """One step from the phases: their sum, or with generation overlapped with training the
+    longer of the two plus the weight sync."""
+    if overlap:
+        return (max(seconds["rollout"], seconds["log-probs"] + seconds["update"])
+                + seconds["weight sync"])
+    return sum(v for k, v in seconds.items() if not k.startswith("_"))
