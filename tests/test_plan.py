@@ -54,15 +54,36 @@ def test_the_shipped_models_have_their_published_sizes():
                       "Llama-3.1-8B": 8_030_261_248}
 
 
+SHAPES = [(2, 128), (4, 256)]
+
+
+def _on_two_ranks():
+    """One world of two gloo ranks for every check that needs real stages (each spawn costs
+    seconds): the stages at tp 2, pp 2 and dp 2, then the measured activation peaks."""
+    from megaprm.parallel.init import destroy
+
+    out = {"stages": [r for tp, pp in ((2, 1), (1, 2), (1, 1)) for r in _real_stages(tp, pp)],
+           "peaks": _measured_peaks(SHAPES)}
+    destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    from megaprm.parallel import launch
+
+    return launch.spawn(_on_two_ranks, 2)
+
+
 def _real_stages(tp, pp):
     """Parameters, fp32 grad-buffer bytes and Adam state bytes of the stages the trainer
-    builds (pipeline.build_stage / build_prm, wrap_ddp, Optimizer) at each layout."""
+    builds (pipeline.build_stage / build_prm, wrap_ddp, Optimizer) at one layout."""
     from megaprm.models.prm import build_prm
     from megaprm.parallel import pipeline
-    from megaprm.parallel.init import destroy, init_distributed
+    from megaprm.parallel.init import init_distributed
 
     out = []
-    g = init_distributed(tp=tp, pp=pp)
+    g = init_distributed(tp=tp, pp=pp)  # re-initialises Megatron's groups in the same world
     for name, spec in _tiny_specs().items():
         if name.startswith("prm"):
             model = build_prm(spec, tp=tp, pp=pp, pp_rank=g.pp_rank, dtype=torch.float32)
@@ -80,21 +101,16 @@ def _real_stages(tp, pp):
                     for k, v in st.items() if k != "step")
         out.append({"name": name, "tp": tp, "pp": pp, "pp_rank": g.pp_rank, "dp": g.dp_size,
                     "params": n, "grads": grads, "optim": state})
-    destroy()
     return out
 
 
-def test_predicted_param_grad_optimizer_bytes_equal_the_real_stages():
+def test_predicted_param_grad_optimizer_bytes_equal_the_real_stages(two_ranks):
     """tp 2, pp 2 and dp 2 on two gloo ranks: every rank's parameters, grad buffer (fp32) and
     optimiser state (two fp32 moments; fp32 parameters need no master copy) as predicted."""
-    from megaprm.parallel import launch
-
-    results = [r for tp, pp in ((2, 1), (1, 2), (1, 1)) for r in launch.spawn(_real_stages, 2,
-                                                                             tp, pp)]
     specs = _tiny_specs()
     seen = set()
-    for rank_results in results:
-        for r in rank_results:
+    for rank in two_ranks:
+        for r in rank["stages"]:
             spec = specs[r["name"]]
             n = rank_params(spec, r["tp"], r["pp"], r["pp_rank"])
             w = _workload(spec, tp=r["tp"], pp=r["pp"], world=2, dtype_bytes=4,
@@ -124,7 +140,7 @@ def _measured_peaks(shapes):
     before, so they are not counted)."""
     from megaprm.models.logprobs import next_token_logprobs
     from megaprm.parallel import pipeline
-    from megaprm.parallel.init import destroy, init_distributed
+    from megaprm.parallel.init import init_distributed
 
     g = init_distributed(1, 1)
     spec = spec_from_hf(tiny_config("qwen2", vocab_size=512, hidden_size=128,
@@ -138,16 +154,12 @@ def _measured_peaks(shapes):
             next_token_logprobs(logits, ids, vocab_size=spec.vocab_size).sum().backward()
             del logits
         peaks.append(m.peak)
-    destroy()
     return spec, peaks
 
 
-def test_activation_and_logits_estimate_within_20_percent_of_measured_allocations():
-    shapes = [(2, 128), (4, 256)]
-    from megaprm.parallel import launch
-
-    spec, peaks = launch.spawn(_measured_peaks, 1, shapes)[0]
-    for (b, s), peak in zip(shapes, peaks):
+def test_activation_and_logits_estimate_within_20_percent_of_measured_allocations(two_ranks):
+    spec, peaks = two_ranks[0]["peaks"]
+    for (b, s), peak in zip(SHAPES, peaks):
         w = _workload(spec, dtype_bytes=4, micro_batch_size=b)
         predicted = memory.activation_bytes(w, b * s) + memory.logits_bytes(w, b * s)
         assert abs(predicted / peak - 1) < 0.20, (b, s, predicted, peak)
