@@ -261,7 +261,7 @@ def to_json(plan: Plan) -> dict:
     w = plan.workload
     return {
         "gpu": dataclasses.asdict(plan.gpu), "gpus": w.world,
-        "layout": {"tp": w.tp, "pp": w.pp, "dp": w.dp},
+        "layout": {"tp": w.tp, "pp": w.pp, "dp": w.dp, "recompute": w.recompute},
         "models": [dataclasses.asdict(m) for m in plan.models],
         "memory_bytes": {"train": dict(plan.train), "rollout": dict(plan.rollout),
                          "train_peak": plan.train_peak, "rollout_peak": plan.rollout_peak},
