@@ -292,3 +292,25 @@ def test_train_has_the_override_flag(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert "--no-plan-check" in capsys.readouterr().out
+
+
+def test_offload_switches_move_the_trainer_state_out_of_the_rollout_not_the_sync():
+    """Issue 30 item 1's lifecycle: wake weights -> sync -> offload -> wake KV -> generate."""
+    from megaprm.planner.memory import Params, rollout_terms, sync_terms
+
+    spec = spec_from_hf(hf_config_for("Qwen2.5-Math-7B", "m").config)
+    p = Params(actor_rank=100, actor_total=100, prm_rank=50, prm_total=50)
+    on = _workload(spec, needs_ref=True, actor_offload=True, ref_offload=True, prm_offload=True)
+    off = _workload(spec, needs_ref=True)
+    names = {n for n, _ in rollout_terms(on, p, 80e9)}
+    assert not names & {"actor weights", "actor optimizer", "reference weights", "PRM weights"}
+    assert {"actor weights", "reference weights", "PRM weights"} <= {
+        n for n, _ in rollout_terms(off, p, 80e9)}
+    assert dict(sync_terms(on, p)) == dict(sync_terms(off, p))  # offloaded after the sync
+
+
+def test_the_planner_knows_the_prm_heads_the_models_do():
+    from megaprm.models import prm
+    from megaprm.planner import params
+
+    assert params.PRM_HEADS == prm.PRM_HEADS

@@ -6,6 +6,8 @@ train   the PPO update of the actor (largest pp stage, one tp rank): its paramet
         update's rollback copy when it spans several mini-batches (`Optimizer.all_or_nothing`
         clones parameters and optimiser state on the device), the models that stay resident
         (reference, PRM), one micro-batch's activations and its logits.
+sync    the engine's weights awake and loaded while the trainer's state is still on the
+        device (it is offloaded after the sync, `*.offload`).
 rollout the vLLM engine awake: what the trainer keeps on the device plus the engine's
         `gpu_memory_utilization` share of the GPU (weights + KV cache + its reserve).
 
@@ -116,21 +118,39 @@ def train_terms(w: Workload, p: Params) -> list:
     return terms
 
 
-def rollout_terms(w: Workload, p: Params, gpu_bytes: float) -> list:
-    """[(name, bytes)] while the engine generates."""
+def _resident(w: Workload, p: Params, offloaded: bool) -> list:
+    """The trainer's models on the device outside the update; `offloaded`: after the
+    lifecycle moved the `*.offload` ones to host (issue 30 item 1)."""
     b = w.dtype_bytes
     terms = []
-    if not w.actor_offload:
+    if not (offloaded and w.actor_offload):
         terms += [("actor weights", p.actor_rank * b),
                   ("actor grads (fp32)", p.actor_rank * 4),
                   ("actor optimizer", p.actor_rank * optimizer_bytes_per_param(w))]
-    if w.needs_ref and not w.ref_offload:
+    if w.needs_ref and not (offloaded and w.ref_offload):
         terms.append(("reference weights", p.actor_rank * b))
-    if w.implicit and not w.actor_offload:
+    if w.implicit and not (offloaded and w.prm_offload):
         terms.append(("implicit PRM weights+grads+optimizer",
                       p.actor_rank * (b + 4 + optimizer_bytes_per_param(w))))
-    if p.prm_rank and not w.prm_offload:
+    if p.prm_rank and not (offloaded and w.prm_offload):
         terms.append(("PRM weights", p.prm_rank * b))
+    return terms
+
+
+def sync_terms(w: Workload, p: Params) -> list:
+    """[(name, bytes)] while the engine's weights are awake and loaded, before the trainer's
+    state is offloaded (the lifecycle: wake weights -> sync -> offload -> wake KV cache)."""
+    if w.engine != "vllm":
+        return []
+    return [*_resident(w, p, offloaded=False),
+            ("vLLM engine weights", _engine_params(w) * w.dtype_bytes),
+            ("runtime overhead (assumed)", RUNTIME_OVERHEAD)]
+
+
+def rollout_terms(w: Workload, p: Params, gpu_bytes: float) -> list:
+    """[(name, bytes)] while the engine generates."""
+    b = w.dtype_bytes
+    terms = _resident(w, p, offloaded=True)
     if w.engine == "vllm":
         terms.append((f"vLLM engine ({w.gpu_memory_utilization:g} of the GPU)",
                       w.gpu_memory_utilization * gpu_bytes))

@@ -28,6 +28,7 @@ class Plan:
     gpu: GPU
     models: list
     train: list           # [(term, bytes)]
+    sync: list
     rollout: list
     seconds: dict
     knobs: list = field(default_factory=list)
@@ -46,6 +47,10 @@ class Plan:
         return sum(b for _, b in self.rollout)
 
     @property
+    def sync_peak(self) -> float:
+        return sum(b for _, b in self.sync)
+
+    @property
     def kv_tokens(self) -> float:
         return memory.kv_capacity_tokens(self.workload, self.gpu_bytes)
 
@@ -55,6 +60,8 @@ class Plan:
         cap = self.gpu_bytes
         if self.train_peak > cap:
             out.append(("train", self.train_peak, self.train))
+        if self.sync_peak > cap:
+            out.append(("weight sync", self.sync_peak, self.sync))
         if self.rollout_peak > cap:
             out.append(("rollout", self.rollout_peak, self.rollout))
         return out
@@ -76,8 +83,9 @@ class Plan:
         """One line: fits, or what does not fit, its largest terms and a knob."""
         mem = f"{self.gpu.mem_gb:g} GB"
         if self.fits:
-            return (f"fits: train peak {self.train_peak / GB:.1f} GB, rollout peak "
-                    f"{self.rollout_peak / GB:.1f} GB of {mem} per GPU")
+            return (f"fits: train peak {self.train_peak / GB:.1f} GB, sync "
+                    f"{self.sync_peak / GB:.1f} GB, rollout {self.rollout_peak / GB:.1f} GB of "
+                    f"{mem} per GPU")
         if self.problems():
             phase, peak, terms = self.problems()[0]
             top = sorted(terms, key=lambda t: -t[1])[:3]
@@ -115,7 +123,7 @@ def plan_workload(w: Workload, gpu: GPU, *, sources: Optional[dict] = None,
                                   p.actor_rank))
     if w.prm is not None:
         models.append(ModelParams("PRM", sources.get("prm", ""), p.prm_total, p.prm_rank))
-    plan = Plan(w, gpu, models, memory.train_terms(w, p),
+    plan = Plan(w, gpu, models, memory.train_terms(w, p), memory.sync_terms(w, p),
                 memory.rollout_terms(w, p, gpu.mem_gb * GB),
                 timing.phase_seconds(w, p, gpu, eff))
     if w.judge:
@@ -236,13 +244,15 @@ def table(plan: Plan) -> str:
              "", f"{'model':<14}{'params':>12}{'per GPU':>12}  config"]
     for m in plan.models:
         lines.append(f"{m.role:<14}{_count(m.total):>12}{_count(m.per_gpu):>12}  {m.config}")
-    lines += ["", f"{'memory per GPU (GB)':<42}{'train':>8}{'rollout':>9}"]
-    names = list(dict.fromkeys([n for n, _ in plan.train] + [n for n, _ in plan.rollout]))
-    tr, ro = dict(plan.train), dict(plan.rollout)
+    lines += ["", f"{'memory per GPU (GB)':<42}{'train':>8}{'sync':>8}{'rollout':>9}"]
+    phases = (plan.train, plan.sync, plan.rollout)
+    names = list(dict.fromkeys(n for terms in phases for n, _ in terms))
+    cols = [dict(t) for t in phases]
     for n in names:
-        lines.append(f"  {n:<40}{_gb(tr[n]) if n in tr else '     -':>8}"
-                     f"{_gb(ro[n]) if n in ro else '     -':>9}")
-    lines.append(f"  {'peak':<40}{_gb(plan.train_peak):>8}{_gb(plan.rollout_peak):>9}")
+        cells = [_gb(c[n]) if n in c else "     -" for c in cols]
+        lines.append(f"  {n:<40}{cells[0]:>8}{cells[1]:>8}{cells[2]:>9}")
+    lines.append(f"  {'peak':<40}{_gb(plan.train_peak):>8}{_gb(plan.sync_peak):>8}"
+                 f"{_gb(plan.rollout_peak):>9}")
     if w.engine == "vllm":
         lines.append(f"  KV cache: {memory.kv_bytes_per_token(w) / 1024:.0f} KiB/token per GPU, "
                      f"room for {plan.kv_tokens:,.0f} tokens = {plan.seconds['_concurrent']} "
@@ -263,8 +273,9 @@ def to_json(plan: Plan) -> dict:
         "gpu": dataclasses.asdict(plan.gpu), "gpus": w.world,
         "layout": {"tp": w.tp, "pp": w.pp, "dp": w.dp, "recompute": w.recompute},
         "models": [dataclasses.asdict(m) for m in plan.models],
-        "memory_bytes": {"train": dict(plan.train), "rollout": dict(plan.rollout),
-                         "train_peak": plan.train_peak, "rollout_peak": plan.rollout_peak},
+        "memory_bytes": {"train": dict(plan.train), "sync": dict(plan.sync),
+                         "rollout": dict(plan.rollout), "train_peak": plan.train_peak,
+                         "sync_peak": plan.sync_peak, "rollout_peak": plan.rollout_peak},
         "kv_cache": {"bytes_per_token": memory.kv_bytes_per_token(w),
                      "capacity_tokens": plan.kv_tokens,
                      "concurrent_sequences": plan.seconds["_concurrent"],

@@ -55,7 +55,7 @@ def phase_seconds(w: Workload, p: Params, gpu: GPU, eff: Efficiency) -> dict:
 
     # rollout, per engine (one per tp group; its tp ranks split weights, KV and FLOPs)
     S = engine_sequences(w)
-    weights = 2 * p.actor_total / w.tp if w.dtype_bytes == 2 else 4 * p.actor_total / w.tp
+    weights = w.dtype_bytes * p.actor_total / w.tp
     cap_tokens = kv_capacity_tokens(w, gpu.mem_gb * 1e9)
     # vLLM pages the KV cache: a sequence holds blocks for the tokens it has, so the engine
     # runs as many sequences at once as their mean length fits (it preempts past that)
