@@ -2,7 +2,6 @@
 activation estimate against measured allocations, its time model against published runs, and
 the command and the preflight check a user meets."""
 import json
-import os
 import re
 from pathlib import Path
 
@@ -125,11 +124,12 @@ def test_predicted_param_grad_optimizer_bytes_equal_the_real_stages(two_ranks):
 # ----------------------------------------------------------------------------- activations
 
 def _workload(spec, *, tp=1, pp=1, world=1, dtype_bytes=2, **kw):
-    base = dict(actor=spec, prm=None, world=world, tp=tp, pp=pp, dtype_bytes=dtype_bytes,
-                prompts=8, n=2, prompt_tokens=16, max_tokens=48, mean_prompt=16,
-                mean_response=48, micro_batch_size=2, max_tokens_per_micro_batch=None,
-                mini_batches=1, recompute=False, needs_ref=False, implicit=False, judge=False,
-                engine="vllm", gpu_memory_utilization=0.5)
+    base = {"actor": spec, "prm": None, "world": world, "tp": tp, "pp": pp,
+            "dtype_bytes": dtype_bytes, "prompts": 8, "n": 2, "prompt_tokens": 16,
+            "max_tokens": 48, "mean_prompt": 16, "mean_response": 48, "micro_batch_size": 2,
+            "max_tokens_per_micro_batch": None, "mini_batches": 1, "recompute": False,
+            "needs_ref": False, "implicit": False, "judge": False, "engine": "vllm",
+            "gpu_memory_utilization": 0.5}
     base.update(kw)
     return Workload(**base)
 
@@ -249,7 +249,7 @@ def test_plan_reads_a_config_json_directory_without_weights(tmp_path, capsys):
     (["--gpus", "6", "parallel.tp=3"], "tp=3 does not divide"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
-    rc, out, err = _plan(capsys, "configs/prof_grpo.yaml", *argv)
+    rc, _, err = _plan(capsys, "configs/prof_grpo.yaml", *argv)
     assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 _SHIPPED = os.path.join(os.path.dirname(__file__), "hf_configs")
 
@@ -27,7 +26,7 @@ def shipped_names() -> list:
     return sorted(f[:-5] for f in os.listdir(_SHIPPED) if f.endswith(".json"))
 
 
-def hf_config_for(path: Optional[str], what: str) -> ModelConfigSource:
+def hf_config_for(path: str | None, what: str) -> ModelConfigSource:
     """config.json of `path` (an HF dir or a megaprm checkpoint), else the shipped config whose
     name is the path's last component (`models/Qwen2.5-Math-7B`, `Qwen/Qwen2.5-Math-7B`)."""
     from megaprm.models.hf_spec import load_hf_config

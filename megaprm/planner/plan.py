@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
 
 from megaprm.planner import memory, timing
 from megaprm.planner.hardware import DEFAULT_EFFICIENCY, GPU, Efficiency
@@ -108,7 +107,7 @@ def _layout_params(w: Workload, exact: bool) -> memory.Params:
                          prm_rank=prm.per_rank if prm else 0, prm_total=prm.total if prm else 0)
 
 
-def plan_workload(w: Workload, gpu: GPU, *, sources: Optional[dict] = None,
+def plan_workload(w: Workload, gpu: GPU, *, sources: dict | None = None,
                   eff: Efficiency = DEFAULT_EFFICIENCY, exact: bool = True,
                   knobs_of=None, with_knobs: bool = True) -> Plan:
     """`knobs_of`: the override keys this config has (e.g. whether actor.offload exists)."""
@@ -237,10 +236,11 @@ def _count(n: int) -> str:
 
 def table(plan: Plan) -> str:
     w = plan.workload
-    lines = [f"megaprm plan: {w.world} x {plan.gpu.name.upper()} ({plan.gpu.mem_gb:g} GB), "
-             f"tp={w.tp} pp={w.pp} dp={w.dp}, {'bf16' if w.dtype_bytes == 2 else 'fp32'}, "
-             f"{w.samples} rollouts of <= {w.seq_len} tokens, micro-batch "
-             f"{w.micro_tokens} tokens, recompute {'on' if w.recompute else 'off'}",
+    head = (f"megaprm plan: {w.world} x {plan.gpu.name.upper()} ({plan.gpu.mem_gb:g} GB), "
+            f"tp={w.tp} pp={w.pp} dp={w.dp}, {'bf16' if w.dtype_bytes == 2 else 'fp32'}, "
+            f"{w.samples} rollouts of <= {w.seq_len} tokens, micro-batch "
+            f"{w.micro_tokens} tokens, recompute {'on' if w.recompute else 'off'}")
+    lines = [head,
              "", f"{'model':<14}{'params':>12}{'per GPU':>12}  config"]
     for m in plan.models:
         lines.append(f"{m.role:<14}{_count(m.total):>12}{_count(m.per_gpu):>12}  {m.config}")
@@ -290,7 +290,7 @@ def search_table(plans: list) -> str:
     if not plans:
         return "no layout fits"
     lines = [f"{'tp':>3}{'pp':>4}{'dp':>4}  recompute{'train GB':>10}{'rollout GB':>12}"
-             f"{'step s':>9}"]
+             + f"{'step s':>9}"]
     for p in plans:
         w = p.workload
         lines.append(f"{w.tp:>3}{w.pp:>4}{w.dp:>4}  {'on ' if w.recompute else 'off':<9}"

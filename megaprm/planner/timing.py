@@ -21,8 +21,12 @@ from __future__ import annotations
 import math
 
 from megaprm.planner.hardware import GPU, Efficiency
-from megaprm.planner.memory import (Params, engine_sequences, kv_bytes_per_token,
-                                    kv_capacity_tokens)
+from megaprm.planner.memory import (
+    Params,
+    engine_sequences,
+    kv_bytes_per_token,
+    kv_capacity_tokens,
+)
 from megaprm.planner.workload import Workload
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megaprm.models.hf_spec import ModelSpec
 
@@ -15,7 +14,7 @@ DEFAULT_PROMPT_TOKENS = 1024
 @dataclass(frozen=True)
 class Workload:
     actor: ModelSpec
-    prm: Optional[ModelSpec]      # a discriminative PRM's spec; None otherwise
+    prm: ModelSpec | None      # a discriminative PRM's spec; None otherwise
     world: int                    # GPUs
     tp: int
     pp: int
@@ -27,7 +26,7 @@ class Workload:
     mean_prompt: float            # mean lengths (time only); memory uses the longest
     mean_response: float
     micro_batch_size: int
-    max_tokens_per_micro_batch: Optional[int]
+    max_tokens_per_micro_batch: int | None
     mini_batches: int
     recompute: bool
     needs_ref: bool
@@ -38,7 +37,7 @@ class Workload:
     actor_offload: bool = False
     ref_offload: bool = False
     prm_offload: bool = False
-    distributed_optimizer: Optional[bool] = None   # None: Megatron's default here (dp > 1)
+    distributed_optimizer: bool | None = None   # None: Megatron's default here (dp > 1)
     logprob_chunk: int = 1024     # models.logprobs chunk_tokens (the trainer's default)
 
     @property
@@ -66,8 +65,8 @@ class Workload:
 
 
 def workload_from_config(cfg, raw: dict, *, world: int, actor: ModelSpec,
-                         prm: Optional[ModelSpec], prompt_tokens: Optional[int] = None,
-                         mean_response: Optional[float] = None) -> Workload:
+                         prm: ModelSpec | None, prompt_tokens: int | None = None,
+                         mean_response: float | None = None) -> Workload:
     """`cfg`: a validated Config; `raw`: its YAML + overrides as written (model.dtype "auto"
     means bf16 on the GPUs a plan is for, whatever this machine resolved it to)."""
     dtype = (raw.get("model") or {}).get("dtype", "auto")
