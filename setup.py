@@ -12,7 +12,8 @@ setup(
     # packages too, so setuptools does not warn once per directory that it "would be ignored"
     packages=find_namespace_packages(include=["megaprm", "megaprm.*", "checkpoint_tools",
                                               "checkpoint_tools.*", "eval", "eval.*"]),
-    package_data={"megaprm": ["configs/*.yaml"], "eval": ["data/**/*", "data/*"]},
+    package_data={"megaprm": ["configs/*.yaml", "planner/hf_configs/*.json"],
+                  "eval": ["data/**/*", "data/*"]},
     include_package_data=True,
     install_requires=[
         # torch 2.13.0 (CPU) is installed first by the Makefile; this range accepts it and the

@@ -1,4 +1,4 @@
-"""`megaprm {demo,compare,train,train-prm,eval,bench,plot,convert}`: thin wrappers over the
+"""`megaprm {demo,compare,train,train-prm,plan,eval,bench,plot,convert}`: thin wrappers over the
 packages.
 
 Commands that need several ranks validate everything they can without ranks (config, model vs
@@ -128,9 +128,12 @@ def cmd_train(args) -> int:
 
     def preflight():
         from megaprm.parallel.launch import world_size_of
-        from megaprm.trainer.preflight import check_rl_launch
+        from megaprm.trainer.preflight import check_plan, check_rl_launch
 
-        check_rl_launch(cfg, world_size_of(args))
+        world = world_size_of(args)
+        check_rl_launch(cfg, world)
+        if not args.no_plan_check:
+            check_plan(cfg, world)
         if args.node_rank != 0:  # node 0's launcher holds the (shared) run directory
             return None
         from megaprm.trainer.loop import LOCK_ENV
@@ -213,6 +216,40 @@ def cmd_plot(args) -> int:
     paths = plot_run(args.run_dir, out_dir=args.out)
     for p in paths:
         print(p)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    import json
+
+    from megaprm.config import load_config, read_yaml_with_overrides
+    from megaprm.planner import plan as planner
+    from megaprm.planner.hardware import gpu_named
+
+    gpu = gpu_named(args.gpu, args.gpu_mem)
+    if args.gpus < 1:
+        raise ValueError(f"--gpus {args.gpus} must be a positive number of GPUs")
+    for flag, v in (("--prompt-tokens", args.prompt_tokens),
+                    ("--mean-response", args.mean_response)):
+        if v is not None and not v > 0:
+            raise ValueError(f"{flag} {v!r} must be a positive number of tokens")
+    cfg = load_config(args.config, args.overrides)
+    raw = read_yaml_with_overrides(args.config, args.overrides, example="configs/prof_grpo.yaml",
+                                   override_example="parallel.tp=2")
+    w, sources = planner.workload_of(cfg, raw, args.gpus, prompt_tokens=args.prompt_tokens,
+                                     mean_response=args.mean_response)
+    plan = planner.plan_workload(w, gpu, sources=sources, knobs_of=planner.override_keys(cfg))
+    found = planner.search(w, gpu) if args.search else None
+    if args.json:
+        out = planner.to_json(plan)
+        if found is not None:
+            out["search"] = [planner.to_json(p) for p in found]
+        print(json.dumps(out, indent=1))
+    else:
+        print(planner.table(plan))
+        if found is not None:
+            print(f"\nlayouts that fit on {w.world} x {gpu.name.upper()}, fastest first:")
+            print(planner.search_table(found))
     return 0
 
 
@@ -308,6 +345,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="YAML recipe, e.g. configs/prof_grpo_tiny.yaml (see above)")
     t.add_argument("overrides", nargs="*", help="section.key=value, e.g. actor.optim.lr=1e-6 "
                                                 "trainer.steps=10")
+    t.add_argument("--no-plan-check", action="store_true",
+                   help="start even when `megaprm plan` says the run does not fit the GPUs "
+                        "(the check runs only on CUDA machines)")
     add_launch_args(t, cpu_default=1)
     add_ray_args(t)
     t.set_defaults(fn=cmd_train)
@@ -325,6 +365,28 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     pl.add_argument("--out", default=None, help="PNG directory (default RUN_DIR/plots)")
     pl.set_defaults(fn=cmd_plot)
+
+    pn = sub.add_parser("plan", help="per-GPU memory by phase, fits or not, and time per step, "
+                                     "from a recipe and the models' config.json (no weights)",
+                        description="Plan an RL recipe on N GPUs before any rank starts: "
+                        "parameters per GPU (Megatron's stage built on the meta device), memory "
+                        "of the update and of the rollout, the verdict with the largest terms "
+                        "and the overrides that would make it fit, and time per phase. The "
+                        "model, its constants and measured error: docs/plan.md.")
+    pn.add_argument("config", help="YAML recipe, e.g. configs/prof_grpo.yaml")
+    pn.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tp=4")
+    pn.add_argument("--gpus", type=int, default=8, help="GPUs in the run (default 8)")
+    pn.add_argument("--gpu", default="h100", help="h100 | h200 | a100 (default h100)")
+    pn.add_argument("--gpu-mem", type=float, default=None,
+                    help="GB per GPU (default: the --gpu's own)")
+    pn.add_argument("--prompt-tokens", type=int, default=None,
+                    help="longest prompt (default data.max_prompt_tokens, else 1024)")
+    pn.add_argument("--mean-response", type=float, default=None,
+                    help="expected response length for the times (default rollout.max_tokens)")
+    pn.add_argument("--search", action="store_true",
+                    help="also rank the tp/pp layouts that fit by predicted step time")
+    pn.add_argument("--json", action="store_true", help="print the same numbers as JSON")
+    pn.set_defaults(fn=cmd_plan)
 
     c = sub.add_parser("convert", help="HF <-> Megatron checkpoints: same as `python -m "
                                        "checkpoint_tools {import-hf,export-hf,verify} ...`")

@@ -7,7 +7,8 @@ import sys
 
 from megaprm.cli import DEMO_METHODS
 
-COMMANDS = ["", "demo", "compare", "train", "train-prm", "plot", "convert", "eval", "bench"]
+COMMANDS = ["", "demo", "compare", "train", "train-prm", "plan", "plot", "convert", "eval",
+            "bench"]
 HEAVY = ("torch", "transformers", "megatron", "numpy")
 
 _PROBE = """

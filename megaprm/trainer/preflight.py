@@ -42,6 +42,26 @@ def check_rl_launch(cfg: Config, world_size: int) -> None:
     check_resume(cfg, world_size)
 
 
+def check_plan(cfg: Config, world_size: int, gpu=None) -> None:
+    """`megaprm plan`'s verdict before any rank starts: a run whose update or rollout does not
+    fit the GPU is refused in one line naming the largest terms and an override that fits.
+    Applied only where the ranks run on CUDA (`gpu`: default this machine's, None without
+    CUDA, so CPU runs are never blocked); `megaprm train --no-plan-check` skips it."""
+    from megaprm.planner import plan as planner
+    from megaprm.planner.hardware import local_gpu
+
+    gpu = gpu if gpu is not None else local_gpu()
+    if gpu is None:
+        return
+    # the launcher's model.dtype is already resolved for CUDA ("auto" -> bf16)
+    w, _ = planner.workload_of(cfg, {"model": {"dtype": cfg.model.dtype}}, world_size)
+    plan = planner.plan_workload(w, gpu, exact=False, knobs_of=planner.override_keys(cfg))
+    if not plan.fits:
+        raise ConfigError(f"{plan.verdict()} on {world_size} x {gpu.name.upper()} "
+                          f"({gpu.mem_gb:.0f} GB); `megaprm plan` shows the table, "
+                          "--no-plan-check skips this check")
+
+
 def check_batch(cfg: Config, dp: int) -> None:
     P = cfg.data.prompts_per_step
     if P % dp:

@@ -1,0 +1,147 @@
+"""Parameters held by one rank of a tp x pp layout.
+
+`stage_params` builds Megatron's own stage (GPTModel, or the PRM's PRMModel) on the meta device
+- no memory, no weights - and counts what one tp rank holds: a parameter Megatron marks
+`tensor_model_parallel` is split along its `partition_dim`, the rest (norms, the PRM's score
+head) is replicated. One layer is built per stage kind and the rest are copies of it, so a 7B
+plan costs milliseconds. `closed_form_params` is the same count written out by hand; the tests
+hold the two equal and equal to the stages the trainer really builds.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from megaprm.models.hf_spec import ModelSpec
+
+PRM_HEADS = ("token_cls", "prm_mlp")
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters of the largest pp stage on one tp rank, and of the whole model."""
+
+    per_rank: int        # the largest stage's share on one tp rank
+    total: int           # the model (one copy, unpadded vocabulary counted as Megatron pads it)
+    stage: int           # which pp stage is the largest
+
+
+def _heads_params(spec: ModelSpec) -> int:
+    h = spec.hidden_size
+    if spec.head == "token_cls":
+        return h * spec.num_labels + spec.num_labels
+    if spec.head == "prm_mlp":
+        return h * h + h + h * 2 + 2
+    return 0
+
+
+def _layer_params(spec: ModelSpec, tp: int) -> int:
+    h, d = spec.hidden_size, spec.head_dim
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * d
+    n = 2 * h                                   # input and pre-MLP RMSNorm (replicated)
+    n += qkv * h // tp + spec.num_heads * d * h // tp   # linear_qkv, linear_proj
+    n += (qkv // tp) if spec.qkv_bias else 0
+    n += 2 * d if spec.qk_norm else 0           # q/k RMSNorm over head_dim (replicated)
+    n += 3 * spec.ffn_hidden_size * h // tp     # fc1 (gate + up), fc2
+    return n
+
+
+def closed_form_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int) -> int:
+    """This rank's parameters, by hand (the reference `stage_params` is tested against)."""
+    h, vp = spec.hidden_size, spec.padded_vocab_size(tp)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    n = spec.layers_per_stage(pp) * _layer_params(spec, tp)
+    n += vp * h // tp if first else 0
+    if last:
+        n += h                                  # final norm
+        if spec.head in PRM_HEADS:
+            n += _heads_params(spec)
+        elif not spec.tie_embeddings or not first:
+            n += vp * h // tp                   # output layer (a tied copy on the last stage)
+    return n
+
+
+@contextlib.contextmanager
+def _world_of_one():
+    """A process group of one and Megatron's parallel state at tp = pp = 1, for as long as the
+    build lasts (nothing is created when the caller already has one)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megaprm.parallel import cpu
+
+    made_pg = made_ps = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), world_size=1, rank=0)
+        made_pg = True
+    if not ps.model_parallel_is_initialized():
+        import torch
+
+        if not torch.cuda.is_available():
+            cpu.install()
+        ps.initialize_model_parallel(1, 1)
+        made_ps = True
+    try:
+        yield
+    finally:
+        if made_ps:
+            ps.destroy_model_parallel()
+        if made_pg:
+            dist.destroy_process_group()
+
+
+def _spec_key(spec: ModelSpec) -> tuple:
+    return tuple((f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec)
+                 if f.compare and f.name != "rope_scaling")
+
+
+@functools.lru_cache(maxsize=64)
+def _meta_counts(key: tuple, tp: int, pre: bool, post: bool, tie: bool) -> tuple:
+    """(stage with one layer, that layer) on one tp rank, counted from a meta-device build."""
+    import torch
+    from megatron.core.models.gpt import GPTModel
+
+    from megaprm.models.hf_spec import decoder_spec, transformer_config
+    from megaprm.models.prm import PRMModel
+
+    spec = ModelSpec(**dict(key))
+    one = dataclasses.replace(spec, num_layers=1)
+    config = transformer_config(one, tp=1, pp=1, dtype=torch.bfloat16,
+                                use_cpu_initialization=True, perform_initialization=True)
+    cls = GPTModel
+    kw = {"share_embeddings_and_output_weights": tie}
+    if spec.head in PRM_HEADS:
+        cls = functools.partial(PRMModel, head=spec.head, num_labels=spec.num_labels)
+        kw = {}
+    with _world_of_one(), torch.device("meta"):
+        model = cls(config=config, transformer_layer_spec=decoder_spec(one, 1, "sdpa"),
+                    vocab_size=spec.padded_vocab_size(tp), max_sequence_length=8,
+                    pre_process=pre, post_process=post, position_embedding_type="rope",
+                    rotary_base=int(spec.rope_theta), parallel_output=True, **kw)
+
+    def share(p) -> int:
+        return p.numel() // tp if getattr(p, "tensor_model_parallel", False) else p.numel()
+
+    stage = sum(share(p) for p in model.parameters())
+    layer = sum(share(p) for p in model.decoder.layers[0].parameters())
+    return stage, layer
+
+
+def rank_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int, exact: bool = True) -> int:
+    """Parameters on one rank of stage `pp_rank` (exact: from Megatron's meta-device build)."""
+    if not exact:
+        return closed_form_params(spec, tp, pp, pp_rank)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    # a tied output layer is a separate copy on the last stage when pp > 1
+    stage, layer = _meta_counts(_spec_key(spec), tp, first, last, spec.tie_embeddings and first)
+    return stage + (spec.layers_per_stage(pp) - 1) * layer
+
+
+def stage_params(spec: ModelSpec, tp: int, pp: int, exact: bool = True) -> StageParams:
+    spec.check_parallel(tp, pp)
+    per = [rank_params(spec, tp, pp, r, exact) for r in range(pp)]
+    big = max(range(pp), key=per.__getitem__)
+    total = rank_params(spec, 1, 1, 0, exact)
+    return StageParams(per_rank=per[big], total=total, stage=big)

@@ -1,0 +1,92 @@
+"""What a plan reads from a config: one flat, typed record (`Workload`), so the search and the
+"knobs that would make it fit" can change a field and plan again without touching a Config."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megaprm.models.hf_spec import ModelSpec
+
+# A prompt length the config does not bound (data.max_prompt_tokens unset): the recipes' own
+# comments give 1024 (PROF-GRPO/GRPO script:43, PRIME script:20, PURE script:43) or 2048 (PAPO).
+DEFAULT_PROMPT_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Workload:
+    actor: ModelSpec
+    prm: ModelSpec | None      # a discriminative PRM's spec; None otherwise
+    world: int                    # GPUs
+    tp: int
+    pp: int
+    dtype_bytes: int              # 2 (bf16) or 4 (fp32)
+    prompts: int                  # data.prompts_per_step
+    n: int                        # rollout.n
+    prompt_tokens: int            # longest prompt
+    max_tokens: int               # rollout.max_tokens
+    mean_prompt: float            # mean lengths (time only); memory uses the longest
+    mean_response: float
+    micro_batch_size: int
+    max_tokens_per_micro_batch: int | None
+    mini_batches: int
+    recompute: bool
+    needs_ref: bool
+    implicit: bool                # PRIME: a second trained policy-sized model
+    judge: bool                   # a grader LLM in its own engine (not planned)
+    engine: str                   # vllm | hf
+    gpu_memory_utilization: float
+    actor_offload: bool = False
+    ref_offload: bool = False
+    prm_offload: bool = False
+    distributed_optimizer: bool | None = None   # None: Megatron's default here (dp > 1)
+    logprob_chunk: int = 1024     # models.logprobs chunk_tokens (the trainer's default)
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+    @property
+    def micro_tokens(self) -> int:
+        """Tokens of the largest micro-batch: a token budget, else padded rows."""
+        if self.max_tokens_per_micro_batch:
+            return max(self.max_tokens_per_micro_batch, self.seq_len)
+        return self.micro_batch_size * self.seq_len
+
+    @property
+    def samples(self) -> int:
+        return self.prompts * self.n
+
+    @property
+    def sharded_optimizer(self) -> bool:
+        return self.dp > 1 if self.distributed_optimizer is None else self.distributed_optimizer
+
+
+def workload_from_config(cfg, raw: dict, *, world: int, actor: ModelSpec,
+                         prm: ModelSpec | None, prompt_tokens: int | None = None,
+                         mean_response: float | None = None) -> Workload:
+    """`cfg`: a validated Config; `raw`: its YAML + overrides as written (model.dtype "auto"
+    means bf16 on the GPUs a plan is for, whatever this machine resolved it to)."""
+    dtype = (raw.get("model") or {}).get("dtype", "auto")
+    dtype = "bf16" if dtype == "auto" else cfg.model.dtype
+    prompt = prompt_tokens or cfg.data.max_prompt_tokens or DEFAULT_PROMPT_TOKENS
+    resp = float(mean_response) if mean_response else float(cfg.rollout.max_tokens)
+    needs_ref = bool(cfg.actor.kl_coef or cfg.prm.kind == "implicit"
+                     or (cfg.advantage.method == "pure" and cfg.advantage.pure.kl_coef))
+    return Workload(
+        actor=actor, prm=prm, world=world, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+        dtype_bytes=2 if dtype == "bf16" else 4, prompts=cfg.data.prompts_per_step,
+        n=cfg.rollout.n, prompt_tokens=prompt, max_tokens=cfg.rollout.max_tokens,
+        mean_prompt=float(prompt), mean_response=min(resp, cfg.rollout.max_tokens),
+        micro_batch_size=cfg.actor.micro_batch_size,
+        max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch,
+        mini_batches=cfg.actor.mini_batches, recompute=cfg.model.recompute,
+        needs_ref=needs_ref, implicit=cfg.prm.kind == "implicit", judge=cfg.prm.kind == "judge",
+        engine=cfg.rollout.engine, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        # the offload switches of issue 30 item 1 (actor/ref/prm.offload); absent: off
+        actor_offload=bool(getattr(cfg.actor, "offload", False)),
+        ref_offload=bool(getattr(getattr(cfg, "ref", None), "offload", False)),
+        prm_offload=bool(getattr(cfg.prm, "offload", False)),
+    )

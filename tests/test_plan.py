@@ -1,0 +1,316 @@
+"""`megaprm plan` (megaprm/planner): its counts against the stages megaprm really builds, its
+activation estimate against measured allocations, its time model against published runs, and
+the command and the preflight check a user meets."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from megaprm.cli import main
+from megaprm.config import ConfigError, load_config
+from megaprm.models.hf_spec import spec_from_hf
+from megaprm.models.prm import as_prm_spec
+from megaprm.models.tiny import tiny_config
+from megaprm.planner import memory, published
+from megaprm.planner.hardware import GPUS, local_gpu
+from megaprm.planner.models import hf_config_for, shipped_names
+from megaprm.planner.params import closed_form_params, rank_params
+from megaprm.planner.workload import Workload
+from megaprm.trainer.preflight import check_plan
+from tests.memory_utils import LiveBytes
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.stem.endswith("_tiny"))
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]
+
+
+def _tiny_specs():
+    qwen2 = spec_from_hf(tiny_config("qwen2"))          # tied embeddings
+    return {"qwen2": qwen2, "llama": spec_from_hf(tiny_config("llama")),
+            "qwen3": spec_from_hf(tiny_config("qwen3")),
+            "prm_token_cls": as_prm_spec(qwen2, "token_cls"),
+            "prm_mlp": spec_from_hf({**tiny_config("qwen2").to_dict(),
+                                     "architectures": ["Qwen2ForProcessRewardModel"]})}
+
+
+# ----------------------------------------------------------------------------- parameters
+
+@pytest.mark.parametrize("name", shipped_names())
+def test_meta_device_stage_equals_the_closed_form_for_the_shipped_models(name):
+    spec = spec_from_hf(hf_config_for(name, "model").config)
+    for tp, pp in LAYOUTS:
+        for r in range(pp):
+            assert rank_params(spec, tp, pp, r) == closed_form_params(spec, tp, pp, r)
+
+
+def test_the_shipped_models_have_their_published_sizes():
+    counts = {n: rank_params(spec_from_hf(hf_config_for(n, "m").config), 1, 1, 0)
+              for n in ("Qwen2.5-Math-7B", "Qwen2.5-Math-1.5B", "Llama-3.1-8B")}
+    # model cards: Qwen2.5-7B 7.61 B, Qwen2.5-1.5B 1.54 B, Llama 3.1 8B 8.03 B
+    assert counts == {"Qwen2.5-Math-7B": 7_615_616_512, "Qwen2.5-Math-1.5B": 1_543_714_304,
+                      "Llama-3.1-8B": 8_030_261_248}
+
+
+SHAPES = [(2, 128), (4, 256)]
+
+
+def _on_two_ranks():
+    """One world of two gloo ranks for every check that needs real stages (each spawn costs
+    seconds): the stages at tp 2, pp 2 and dp 2, then the measured activation peaks."""
+    from megaprm.parallel.init import destroy
+
+    out = {"stages": [r for tp, pp in ((2, 1), (1, 2), (1, 1)) for r in _real_stages(tp, pp)],
+           "peaks": _measured_peaks(SHAPES)}
+    destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    from megaprm.parallel import launch
+
+    return launch.spawn(_on_two_ranks, 2)
+
+
+def _real_stages(tp, pp):
+    """Parameters, fp32 grad-buffer bytes and Adam state bytes of the stages the trainer
+    builds (pipeline.build_stage / build_prm, wrap_ddp, Optimizer) at one layout."""
+    from megaprm.models.prm import build_prm
+    from megaprm.parallel import pipeline
+    from megaprm.parallel.init import init_distributed
+
+    out = []
+    g = init_distributed(tp=tp, pp=pp)  # re-initialises Megatron's groups in the same world
+    for name, spec in _tiny_specs().items():
+        if name.startswith("prm"):
+            model = build_prm(spec, tp=tp, pp=pp, pp_rank=g.pp_rank, dtype=torch.float32)
+        else:
+            model = pipeline.build_stage(spec, g, dtype=torch.float32)
+        n = sum(p.numel() for p in model.parameters())
+        ddp = pipeline.wrap_ddp(model, g)
+        grads = sum(p.main_grad.numel() * p.main_grad.element_size()
+                    for p in ddp.parameters())
+        opt = pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-3), g)
+        for p in ddp.parameters():
+            p.main_grad.zero_()
+        opt.step()
+        state = sum(v.numel() * v.element_size() for st in opt.impl.state.values()
+                    for k, v in st.items() if k != "step")
+        out.append({"name": name, "tp": tp, "pp": pp, "pp_rank": g.pp_rank, "dp": g.dp_size,
+                    "params": n, "grads": grads, "optim": state})
+    return out
+
+
+def test_predicted_param_grad_optimizer_bytes_equal_the_real_stages(two_ranks):
+    """tp 2, pp 2 and dp 2 on two gloo ranks: every rank's parameters, grad buffer (fp32) and
+    optimiser state (two fp32 moments; fp32 parameters need no master copy) as predicted."""
+    specs = _tiny_specs()
+    seen = set()
+    for rank in two_ranks:
+        for r in rank["stages"]:
+            spec = specs[r["name"]]
+            n = rank_params(spec, r["tp"], r["pp"], r["pp_rank"])
+            w = _workload(spec, tp=r["tp"], pp=r["pp"], world=2, dtype_bytes=4,
+                          distributed_optimizer=False)
+            assert r["params"] == n, r
+            assert r["grads"] == 4 * n, r
+            assert r["optim"] == memory.optimizer_bytes_per_param(w) * n, r
+            seen.add((r["tp"], r["pp"], r["dp"]))
+    assert seen == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+
+
+# ----------------------------------------------------------------------------- activations
+
+def _workload(spec, *, tp=1, pp=1, world=1, dtype_bytes=2, **kw):
+    base = {"actor": spec, "prm": None, "world": world, "tp": tp, "pp": pp,
+            "dtype_bytes": dtype_bytes, "prompts": 8, "n": 2, "prompt_tokens": 16,
+            "max_tokens": 48, "mean_prompt": 16, "mean_response": 48, "micro_batch_size": 2,
+            "max_tokens_per_micro_batch": None, "mini_batches": 1, "recompute": False,
+            "needs_ref": False, "implicit": False, "judge": False, "engine": "vllm",
+            "gpu_memory_utilization": 0.5}
+    base.update(kw)
+    return Workload(**base)
+
+
+def _measured_peaks(shapes):
+    """Peak bytes torch allocates in one micro-batch's forward + chunked log-probs + backward
+    of a real fp32 stage (tests/memory_utils.LiveBytes: weights and grad buffers existed
+    before, so they are not counted)."""
+    from megaprm.models.logprobs import next_token_logprobs
+    from megaprm.parallel import pipeline
+    from megaprm.parallel.init import init_distributed
+
+    g = init_distributed(1, 1)
+    spec = spec_from_hf(tiny_config("qwen2", vocab_size=512, hidden_size=128,
+                                    intermediate_size=384, num_layers=2))
+    ddp = pipeline.wrap_ddp(pipeline.build_stage(spec, g, dtype=torch.float32, impl="sdpa"), g)
+    peaks = []
+    for b, s in shapes:
+        ids = torch.randint(0, spec.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+        with LiveBytes() as m:
+            logits = pipeline.gpt_forward(ddp, pipeline.TokenBatch(ids, torch.ones(b, s)))
+            next_token_logprobs(logits, ids, vocab_size=spec.vocab_size).sum().backward()
+            del logits
+        peaks.append(m.peak)
+    return spec, peaks
+
+
+def test_activation_and_logits_estimate_within_20_percent_of_measured_allocations(two_ranks):
+    spec, peaks = two_ranks[0]["peaks"]
+    for (b, s), peak in zip(SHAPES, peaks):
+        w = _workload(spec, dtype_bytes=4, micro_batch_size=b)
+        predicted = memory.activation_bytes(w, b * s) + memory.logits_bytes(w, b * s)
+        assert abs(predicted / peak - 1) < 0.20, (b, s, predicted, peak)
+
+
+def test_recompute_keeps_one_hidden_state_per_layer():
+    spec = spec_from_hf(hf_config_for("Qwen2.5-Math-7B", "m").config)
+    full, rec = (memory.activation_bytes(_workload(spec, recompute=r), 4096) for r in (0, 1))
+    assert rec < full / 5
+
+
+# ----------------------------------------------------------------------------- published runs
+
+def test_kv_cache_per_token_is_vllms_formula():
+    """layers x 2 x kv_heads x head_dim x dtype bytes: Llama-3.1-8B 128 KiB, Qwen2.5-7B
+    56 KiB (28 x 2 x 4 x 128 x 2), the latter split over tp 2."""
+    llama = spec_from_hf(hf_config_for("Llama-3.1-8B", "m").config)
+    qwen = spec_from_hf(hf_config_for("Qwen2.5-Math-7B", "m").config)
+    assert memory.kv_bytes_per_token(_workload(llama)) == 32 * 2 * 8 * 128 * 2 == 131072
+    assert memory.kv_bytes_per_token(_workload(qwen, tp=2, world=2)) == 28 * 2 * 4 * 128
+
+
+def test_decode_efficiency_is_the_one_taken_from_the_published_on_policy_run():
+    from megaprm.planner.hardware import DEFAULT_EFFICIENCY
+
+    assert abs(published.calibrated_decode_bw() - DEFAULT_EFFICIENCY.decode_bw) < 0.01
+
+
+@pytest.mark.parametrize("run", published.RUNS, ids=lambda r: r.name)
+def test_published_step_times_within_25_percent(run):
+    predicted = published.predicted_step(run)
+    assert abs(predicted / run.step_s - 1) < 0.25, (run.name, predicted, run.step_s)
+
+
+# ----------------------------------------------------------------------------- the command
+
+def _plan(capsys, *argv):
+    rc = main(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_plan_prints_a_table_and_the_same_numbers_as_json(capsys):
+    rc, text, _ = _plan(capsys, "configs/prof_grpo.yaml", "--gpus", "8", "--gpu-mem", "80")
+    assert rc == 0
+    for needle in ("actor", "reference", "PRM", "per GPU", "train", "rollout", "KV cache",
+                   "step", "shipped:Qwen2.5-Math-7B"):
+        assert needle in text
+    verdict = text.strip().splitlines()
+    assert any(v.startswith(("fits", "does not fit")) for v in verdict)
+    rc, js, _ = _plan(capsys, "configs/prof_grpo.yaml", "--gpus", "8", "--gpu-mem", "80",
+                      "--json")
+    data = json.loads(js)
+    roles = {m["role"]: m for m in data["models"]}
+    assert roles["actor"]["total"] == 7_615_616_512
+    assert roles["actor"]["per_gpu"] == 3_807_910_400  # tp 2: the stage built on meta
+    assert roles["PRM"]["per_gpu"] < roles["PRM"]["total"]
+    peak = f"{data['memory_bytes']['train_peak'] / 1e9:.1f}"
+    assert re.search(rf"peak\s+{re.escape(peak)}", text)
+    assert data["verdict"] in text and data["fits"] is False and data["knobs"]
+
+
+def test_plan_search_ranks_layouts_that_fit(capsys):
+    rc, js, _ = _plan(capsys, "configs/grpo.yaml", "--gpus", "8", "--json", "--search")
+    found = json.loads(js)["search"]
+    assert rc == 0 and found and all(p["fits"] for p in found)
+    steps = [p["step_seconds"] for p in found]
+    assert steps == sorted(steps)
+
+
+def test_plan_reads_a_config_json_directory_without_weights(tmp_path, capsys):
+    cfg = hf_config_for("Qwen2.5-Math-1.5B", "m").config
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    rc, js, _ = _plan(capsys, "configs/grpo.yaml", f"model.path={tmp_path / 'm'}", "--json")
+    actor = json.loads(js)["models"][0]
+    assert rc == 0 and actor["total"] == 1_543_714_304
+    assert actor["config"] == str(tmp_path / "m" / "config.json")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--gpu", "tpu9"], "--gpu 'tpu9' is not known"),
+    (["--gpu-mem", "-5"], "--gpu-mem -5.0 must be a positive"),
+    (["--gpus", "0"], "--gpus 0 must be a positive"),
+    (["--gpus", "3"], "not a multiple of tp x pp"),
+    (["model.path=/nowhere/NoSuchModel"], "no config.json there and no shipped config"),
+    (["--gpus", "6", "parallel.tp=3"], "tp=3 does not divide"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
+    rc, _, err = _plan(capsys, "configs/prof_grpo.yaml", *argv)
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_has_a_plan_in_the_docs(recipe):
+    from megaprm.config import read_yaml_with_overrides
+    from megaprm.planner import plan as planner
+
+    cfg = load_config(str(recipe))
+    raw = read_yaml_with_overrides(str(recipe), [], example="", override_example="")
+    w, _ = planner.workload_of(cfg, raw, 8)
+    assert planner.plan_workload(w, GPUS["h100"]).train_peak > 0
+    assert f"configs/{recipe.name}" in (ROOT / "docs" / "plan.md").read_text()
+
+
+# ----------------------------------------------------------------------------- preflight
+
+def test_preflight_refuses_a_run_that_does_not_fit_in_one_line():
+    cfg = load_config("configs/prof_grpo.yaml")
+    with pytest.raises(ConfigError) as e:
+        check_plan(cfg, 8, gpu=GPUS["h100"])
+    msg = str(e.value)
+    assert msg.startswith("does not fit: train peak") and "\n" not in msg
+    assert "activations" in msg and "try " in msg and "--no-plan-check" in msg
+    fits = load_config("configs/prof_grpo.yaml", ["parallel.tp=4", "model.recompute=true"])
+    check_plan(fits, 8, gpu=GPUS["h100"])  # no error
+
+
+def test_preflight_plan_check_applies_only_on_cuda():
+    """The rule: the ranks run on CUDA exactly when this machine has it (parallel.device);
+    without CUDA the check is skipped, so CPU runs are never blocked."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU rule is checked on a machine without CUDA")
+    assert local_gpu() is None
+    check_plan(load_config("configs/prof_grpo.yaml"), 8)  # would not fit a GPU; no error here
+
+
+def test_train_has_the_override_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "--no-plan-check" in capsys.readouterr().out
+
+
+def test_offload_switches_move_the_trainer_state_out_of_the_rollout_not_the_sync():
+    """Issue 30 item 1's lifecycle: wake weights -> sync -> offload -> wake KV -> generate."""
+    from megaprm.planner.memory import Params, rollout_terms, sync_terms
+
+    spec = spec_from_hf(hf_config_for("Qwen2.5-Math-7B", "m").config)
+    p = Params(actor_rank=100, actor_total=100, prm_rank=50, prm_total=50)
+    on = _workload(spec, needs_ref=True, actor_offload=True, ref_offload=True, prm_offload=True)
+    off = _workload(spec, needs_ref=True)
+    names = {n for n, _ in rollout_terms(on, p, 80e9)}
+    assert not names & {"actor weights", "actor optimizer", "reference weights", "PRM weights"}
+    assert {"actor weights", "reference weights", "PRM weights"} <= {
+        n for n, _ in rollout_terms(off, p, 80e9)}
+    assert dict(sync_terms(on, p)) == dict(sync_terms(off, p))  # offloaded after the sync
+
+
+def test_the_planner_knows_the_prm_heads_the_models_do():
+    from megaprm.models import prm
+    from megaprm.planner import params
+
+    assert params.PRM_HEADS == prm.PRM_HEADS
