@@ -205,7 +205,7 @@ class ActorConfig:
     # at 0.5, its actor's log-probs take no temperature)
     logprob_temperature: Any = "rollout"
     # parameters, grads and optimizer state to (pinned) host memory while the engine generates,
-    # back after it sleeps (trainer/lifecycle.py, docs/memory.md); bit-exact, costs two copies
+    # back after it sleeps (trainer/lifecycle.py, docs/lifecycle.md); bit-exact, costs two copies
     offload: bool = False
 
     def __post_init__(self):
