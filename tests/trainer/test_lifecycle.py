@@ -187,3 +187,17 @@ def test_the_stand_in_device_holds_no_tensor_while_the_engine_generates(tmp_path
     assert out["on"]["seen"] == [0], "a tensor stayed on the device during generation"
     assert out["off"]["seen"][0] > 0  # without the switches the models are there
     assert out["restored"] and out["trains_after"] == {"meta"}
+
+
+def test_offload_switches_are_booleans_outside_the_config_digest(tmp_path):
+    """The three keys the planner reads; a non-boolean names the field; switching them changes
+    no digested field (a run resumes with them changed)."""
+    from megaprm.config import ConfigError, load_config
+    from megaprm.trainer.loop import config_digest_fields
+
+    cfg = load_config(None, list(ON))
+    assert (cfg.actor.offload, cfg.ref.offload, cfg.prm.offload) == (True, True, True)
+    assert config_digest_fields(cfg) == config_digest_fields(load_config(None, list(OFF)))
+    for key in ("actor.offload", "ref.offload", "prm.offload"):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(None, [f"{key}=1"])
