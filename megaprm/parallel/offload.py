@@ -25,7 +25,7 @@ which is how the tests see the mechanics without a GPU.
 """
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Tuple
+from collections.abc import Iterator
 
 import torch
 
@@ -39,7 +39,7 @@ def _inner_module(model):
     return getattr(model, "module", model)
 
 
-def _model_tensors(model) -> Iterator[Tuple[torch.Tensor, str]]:
+def _model_tensors(model) -> Iterator[tuple[torch.Tensor, str]]:
     inner = _inner_module(model)
     for p in inner.parameters():
         yield p, KEEP
@@ -57,7 +57,7 @@ def _model_tensors(model) -> Iterator[Tuple[torch.Tensor, str]]:
                 yield t, kind
 
 
-def _optimizer_tensors(optimizer) -> Iterator[Tuple[torch.Tensor, str]]:
+def _optimizer_tensors(optimizer) -> Iterator[tuple[torch.Tensor, str]]:
     """Every tensor of a megaprm `Optimizer` (or a torch / Megatron one): the inner torch
     optimisers' parameters (Megatron: the fp32 masters), their grads and their state."""
     from megaprm.parallel.pipeline import _torch_optimizers
@@ -75,7 +75,7 @@ def _optimizer_tensors(optimizer) -> Iterator[Tuple[torch.Tensor, str]]:
                     yield v, KEEP
 
 
-def _host_copy(view: torch.Tensor, host: Optional[torch.Tensor]) -> torch.Tensor:
+def _host_copy(view: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
     """Device bytes -> host bytes (into `host` when its size fits, else a new buffer; pinned
     where the device is CUDA, so the copy back is asynchronous). Synchronous: the device storage
     is released right after."""
@@ -104,10 +104,10 @@ class Offload:
     def __init__(self, name: str, model, optimizer=None):
         self.name, self.model, self.optimizer = name, model, optimizer
         self.offloaded = False
-        self._moved: List[tuple] = []  # (storage, nbytes, kind)
+        self._moved: list[tuple] = []  # (storage, nbytes, kind)
         self._host: dict = {}           # storage key -> host uint8 buffer (KEEP storages)
 
-    def storages(self) -> List[tuple]:
+    def storages(self) -> list[tuple]:
         """(storage, kind) of every distinct storage on the model's device, KEEP before DROP
         when a storage is reached both ways (its values are kept)."""
         device = model_device(_inner_module(self.model))

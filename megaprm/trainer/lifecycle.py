@@ -20,7 +20,7 @@ updates - need all of them).
 """
 from __future__ import annotations
 
-from typing import Callable, List
+from collections.abc import Callable
 
 import torch
 
@@ -32,7 +32,7 @@ class Lifecycle:
     `update_weights(..., wake_kv_cache=False)` (the loop's, which also records its metrics);
     `offloads`: the models whose switch is on."""
 
-    def __init__(self, engine, sync: Callable[[], None], offloads: List[Offload]):
+    def __init__(self, engine, sync: Callable[[], None], offloads: list[Offload]):
         self.engine, self._sync, self.offloads = engine, sync, list(offloads)
         self.synced = False  # the engine's weights are awake and are the actor's current ones
 

@@ -1,8 +1,9 @@
 """parallel/offload.py on the CPU: a model's device storages are really released (0 bytes) and
 come back bit for bit - parameters, Megatron DDP's flat buffers, the optimizer's fp32 masters and
 Adam moments - grads as zeros, and the next optimizer step equals the one of a twin that was
-never offloaded. Both optimizers: torch AdamW (the CPU path) and Megatron's DistributedOptimizer
-at dp=2 (parameters as views of DDP's `param_data`, masters and moments sharded)."""
+never offloaded. Both optimizers, at dp=2: torch AdamW (the CPU path) and Megatron's
+DistributedOptimizer (parameters as views of DDP's `param_data`, masters and moments sharded)."""
+import pytest
 import torch
 
 from tests.distributed_utils import run_distributed
@@ -53,48 +54,48 @@ def _offload_work(rank, world, hf):
 
     g = init_distributed()
     spec = spec_from_hf(hf)
-    kind, megatron = ("adamw", False) if world == 1 else ("distributed", True)
-    if megatron:
-        _cuda_type_names()  # Megatron's optimizer checks the type names of CUDA tensors
+    _cuda_type_names()  # Megatron's optimizer checks the type names of CUDA tensors
 
-    def build():
+    def build(megatron):
         model = pipeline.build_stage(spec, g)
-        load_hf_weights(model, hf, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, pp=1,
-                        pp_rank=0)
+        load_hf_weights(model, hf, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, pp=1, pp_rank=0)
         ddp = pipeline.wrap_ddp(model, g, distributed_optimizer=megatron)
-        return ddp, pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-2, weight_decay=0.1),
-                                       g, megatron=megatron)
-    (a, opt_a), (b, opt_b) = build(), build()
-    _train(a, opt_a, g, [0, 1])
-    _train(b, opt_b, g, [0, 1])
-    before = _everything(a, opt_a)
-    off = Offload("actor", a, opt_a)
-    held = _device_bytes(a, opt_a)
-    freed = off.offload()
-    r = {"held": held, "freed": freed, "left": _device_bytes(a, opt_a),
-         "storages": len(off.storages()),
-         "zero_storages": all(st.nbytes() == 0 for st, _ in off.storages()),
-         "second_offload": off.offload()}
-    restored = off.reload()
-    after = _everything(a, opt_a)
-    r["restored"] = restored
-    r["second_reload"] = off.reload()
-    r["same_keys"] = before.keys() == after.keys()
-    r["bit_exact"] = [k for k in before if not torch.equal(before[k], after[k])]
-    r["grads_zero"] = all(bool((p.main_grad == 0).all()) for p in a.module.parameters())
-    r["twin_equal"] = [k for k, v in _everything(b, opt_b).items()
-                       if not torch.equal(v, after[k])]
-    # the next steps (one more offload between them) equal the never-offloaded twin's
-    norms_a = _train(a, opt_a, g, [2])
-    off.offload()
-    off.reload()
-    norms_a += _train(a, opt_a, g, [3])
-    norms_b = _train(b, opt_b, g, [2, 3])
-    r["norms_equal"] = norms_a == norms_b
-    ea, eb = _everything(a, opt_a), _everything(b, opt_b)
-    r["after_steps_diff"] = [k for k in ea if not torch.equal(ea[k], eb[k])]
-    r["entries"] = len(before)
-    return {kind: r}
+        return ddp, pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-2, weight_decay=0.1), g,
+                                       megatron=megatron)
+    out = {}
+    for kind, megatron in (("adamw", False), ("distributed", True)):
+        (a, opt_a), (b, opt_b) = build(megatron), build(megatron)
+        _train(a, opt_a, g, [0, 1])
+        _train(b, opt_b, g, [0, 1])
+        before = _everything(a, opt_a)
+        off = Offload("actor", a, opt_a)
+        held = _device_bytes(a, opt_a)
+        freed = off.offload()
+        r = {"held": held, "freed": freed, "left": _device_bytes(a, opt_a),
+             "storages": len(off.storages()),
+             "zero_storages": all(st.nbytes() == 0 for st, _ in off.storages()),
+             "second_offload": off.offload()}
+        restored = off.reload()
+        after = _everything(a, opt_a)
+        r["restored"] = restored
+        r["second_reload"] = off.reload()
+        r["same_keys"] = before.keys() == after.keys()
+        r["bit_exact"] = [k for k in before if not torch.equal(before[k], after[k])]
+        r["grads_zero"] = all(bool((p.main_grad == 0).all()) for p in a.module.parameters())
+        r["twin_equal"] = [k for k, v in _everything(b, opt_b).items()
+                           if not torch.equal(v, after[k])]
+        # the next steps (one more offload between them) equal the never-offloaded twin's
+        norms_a = _train(a, opt_a, g, [2])
+        off.offload()
+        off.reload()
+        norms_a += _train(a, opt_a, g, [3])
+        norms_b = _train(b, opt_b, g, [2, 3])
+        r["norms_equal"] = norms_a == norms_b
+        ea, eb = _everything(a, opt_a), _everything(b, opt_b)
+        r["after_steps_diff"] = [k for k in ea if not torch.equal(ea[k], eb[k])]
+        r["entries"] = len(before)
+        out[kind] = r
+    return out
 
 
 def _check(r):
@@ -110,16 +111,19 @@ def _check(r):
     assert r["norms_equal"] and r["after_steps_diff"] == []
 
 
-def test_offload_releases_storage_and_restores_adamw_state_bit_exactly(tmp_path):
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
     from megaprm.models.tiny import save_tiny_model
 
-    hf = save_tiny_model("qwen2", str(tmp_path / "policy"), **TINY)
-    _check(run_distributed(_offload_work, 1, hf, timeout=300)[0]["adamw"])
+    hf = save_tiny_model("qwen2", str(tmp_path_factory.mktemp("offload") / "policy"), **TINY)
+    return run_distributed(_offload_work, 2, hf, timeout=300)
 
 
-def test_offload_with_megatrons_distributed_optimizer_at_dp2(tmp_path):
-    from megaprm.models.tiny import save_tiny_model
+def test_offload_releases_storage_and_restores_adamw_state_bit_exactly(results):
+    for r in results:
+        _check(r["adamw"])
 
-    hf = save_tiny_model("qwen2", str(tmp_path / "policy"), **TINY)
-    for r in run_distributed(_offload_work, 2, hf, timeout=300):
+
+def test_offload_with_megatrons_distributed_optimizer_at_dp2(results):
+    for r in results:
         _check(r["distributed"])

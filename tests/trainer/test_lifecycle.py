@@ -10,6 +10,7 @@
   a scan of every live tensor finds none on `meta` with storage left. Without the switches it
   finds the models' (the check can fail); after the rollout the models train again there.
 """
+import functools
 import gc
 import json
 import os
@@ -49,6 +50,18 @@ def _held_bytes(tr) -> int:
     return sum(t.untyped_storage().nbytes() for t in ts)
 
 
+def _record_held_bytes(tr) -> list:
+    """The bytes the models hold at the start of every generation of the engine (a list that
+    fills as the trainer runs)."""
+    during, real = [], tr.engine.generate
+
+    def generate(*a, **k):
+        during.append(_held_bytes(tr))
+        return real(*a, **k)
+    tr.engine.generate = generate
+    return during
+
+
 def _runs(run_root, policy, prm):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
@@ -62,13 +75,7 @@ def _runs(run_root, policy, prm):
                             ["rollout.max_tokens=12", "actor.micro_batch_size=4",
                              "trainer.steps=2", "trainer.save_every=0", *extra, *switches])
             tr = RLTrainer(cfg, g, build_char_tokenizer())
-            during = []
-            real = tr.engine.generate
-
-            def generate(*a, **k):
-                during.append(_held_bytes(tr))
-                return real(*a, **k)
-            tr.engine.generate = generate
+            during = _record_held_bytes(tr)
             history = tr.fit()
             out[(method, name)] = {
                 "history": history, "during": during, "after": _held_bytes(tr),
@@ -99,7 +106,8 @@ def test_every_offload_switch_on_gives_the_same_run_bit_for_bit(models, tmp_path
             assert all(torch.equal(off["actor"][k], on["actor"][k]) for k in off["actor"])
     for method in RUNS:
         rows = {name: [{k: v for k, v in json.loads(x).items() if not k.startswith(PER_RANK)}
-                       for x in open(tmp_path / f"{method}-{name}" / "metrics.jsonl")]
+                       for x in (tmp_path / f"{method}-{name}" / "metrics.jsonl").read_text()
+                       .splitlines()]
                 for name in ("off", "on")}
         assert len(rows["on"]) == 2 and rows["on"] == rows["off"], method
 
@@ -158,8 +166,8 @@ def _stand_in_lifecycle(rank, world, hf):
                                                 offload.Offload("ref", ref),
                                                 offload.Offload("prm", prm)])):
         engine = _Engine()
-        life = Lifecycle(engine, lambda: engine.update_weights(None, wake_kv_cache=False),
-                         switches)
+        life = Lifecycle(engine, functools.partial(engine.update_weights, None,
+                                                   wake_kv_cache=False), switches)
         life.generate(engine.generate)
         out[name] = {"seen": engine.seen, "log": engine.log}
     out["restored"] = sizes == [p.untyped_storage().nbytes()
