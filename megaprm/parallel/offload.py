@@ -11,7 +11,10 @@ storages so that every view of a buffer follows):
   weights and any other tensor of its state on the device -> copied the same way;
 * grads: DDP's contiguous `grad_data`, `param.main_grad` and `.grad` of parameters and master
   weights -> resized to 0 without a copy and zero-filled on reload. They carry nothing between
-  steps: every mini-batch starts with `Optimizer.zero_grad` (as Megatron drops them too).
+  steps: every mini-batch starts with `Optimizer.zero_grad` (as Megatron drops them too);
+* tensors a module keeps outside its parameters and buffers (Megatron's rotary `inv_freq`) are
+  moved like parameters, and the lru caches of the forwards (Megatron's rotary cos/sin tables)
+  are emptied: the next forward recomputes them.
 
 Working on storages rather than tensors is what frees the memory: a `.data` swap would leave the
 bucket views, the masters that view the parameters (Megatron's fp32 shards) and autograd's
@@ -48,6 +51,10 @@ def _model_tensors(model) -> Iterator[tuple[torch.Tensor, str]]:
                 yield g, DROP
     for b in inner.buffers():
         yield b, KEEP
+    for m in inner.modules():  # plain tensor attributes (Megatron's rotary `inv_freq`)
+        for v in vars(m).values():
+            if isinstance(v, torch.Tensor):
+                yield v, KEEP
     ddp_buffers = ([] if model is inner else
                    [*model.buffers, *getattr(model, "expert_parallel_buffers", [])])
     for buf in ddp_buffers:  # flat param_data / grad_data, viewed by every bucket and param
@@ -73,6 +80,16 @@ def _optimizer_tensors(optimizer) -> Iterator[tuple[torch.Tensor, str]]:
             for v in st.values():
                 if isinstance(v, torch.Tensor):
                     yield v, KEEP
+
+
+def _clear_forward_caches(model) -> None:
+    """Empty the lru caches of the modules' forwards: Megatron's `RotaryEmbedding.forward`
+    keeps its cos/sin tables (device tensors no walk reaches) per sequence length. A forward
+    recomputes them, to the same values."""
+    for cls in {type(m) for m in _inner_module(model).modules()}:
+        clear = getattr(cls.forward, "cache_clear", None)
+        if clear is not None:
+            clear()
 
 
 def _host_copy(view: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
@@ -130,6 +147,7 @@ class Offload:
         released."""
         if self.offloaded:
             return 0
+        _clear_forward_caches(self.model)
         moved, freed = [], 0
         for st, kind in self.storages():
             n = st.nbytes()
