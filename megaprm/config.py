@@ -204,8 +204,12 @@ class ActorConfig:
     # KL): "rollout" (rollout.temperature, as verl does) or a number (PURE: 1.0 while sampling
     # at 0.5, its actor's log-probs take no temperature)
     logprob_temperature: Any = "rollout"
+    # parameters, grads and optimizer state to (pinned) host memory while the engine generates,
+    # back after it sleeps (trainer/lifecycle.py, docs/lifecycle.md); bit-exact, costs two copies
+    offload: bool = False
 
     def __post_init__(self):
+        _check(isinstance(self.offload, bool), "actor.offload", self.offload, "true or false")
         _check(self.skip_ratio_scope in ("token", "sequence"), "actor.skip_ratio_scope",
                self.skip_ratio_scope, "token or sequence (PURE's release)")
         t = self.logprob_temperature
@@ -254,8 +258,12 @@ class PRMConfig:
     # exact) | released (PROF-GRPO's prof_dp_rm.py: the batch left-padded to its longest row
     # and run with no attention mask, so real tokens attend to the padding)
     forward: str = "compact"
+    # the PRM's parameters (implicit PRM: and grads and optimizer state) to host memory while
+    # the engine generates (as actor.offload)
+    offload: bool = False
 
     def __post_init__(self):
+        _check(isinstance(self.offload, bool), "prm.offload", self.offload, "true or false")
         _check(self.kind in ("discriminative", "implicit", "oracle", "judge", "none"), "prm.kind",
                self.kind, "discriminative, implicit, oracle (exact step labels, arithmetic task), "
                "judge (a generative grader LLM at prm.path) or none")
@@ -269,6 +277,18 @@ class PRMConfig:
                "compact (exact) or released (left-padded, no attention mask, as PROF-GRPO)")
         _check(self.input_format in ("auto", "qwen25_math_prm", "pure", "raw", "megaprm"),
                "prm.input_format", self.input_format, "auto, qwen25_math_prm, pure, raw or megaprm")
+
+
+@dataclass
+class RefConfig:
+    """The reference policy: a frozen copy of `model.path`, built when a KL term needs it
+    (actor.kl_coef, advantage.pure.kl_coef) or PRIME's implicit PRM scores against it.
+    `offload`: its parameters to host memory while the engine generates (as actor.offload)."""
+
+    offload: bool = False
+
+    def __post_init__(self):
+        _check(isinstance(self.offload, bool), "ref.offload", self.offload, "true or false")
 
 
 VERIFIERS = ("math_verify", "hendrycks_math", "prime_math")
@@ -337,6 +357,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     prm: PRMConfig = field(default_factory=PRMConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
 

@@ -246,13 +246,15 @@ class RolloutEngine(Protocol):
     rollout) does, in the order vLLM requires: wake the weights only -> load the stream -> reset
     the prefix cache (cached KV was computed by the old weights) -> wake the KV cache. It also
     works on an awake engine (then it only loads and resets). It returns how many tensors it
-    loaded.
+    loaded. With `wake_kv_cache=False` it stops before the last step: the trainer offloads its
+    state in between and then calls `wake()` (verl's order, trainer/lifecycle.py).
 
     `load_weights` is the awake-only primitive (what `parallel.weight_sync.sync_weights` calls):
     on a sleeping engine it raises `EngineAsleepError`, since vLLM would write into unmapped
     memory or have the write overwritten by the stale offloaded copy at wake-up. `wake()` wakes
-    everything without loading (evaluation, not the RL loop). `generate` on a sleeping engine
-    raises `EngineAsleepError`.
+    everything still asleep without loading (the KV cache after `update_weights(wake_kv_cache=
+    False)`; everything for evaluation). `generate` while anything sleeps raises
+    `EngineAsleepError`.
 
     Streams: (hf_name, tensor) pairs, consumed once; with strict=True an unknown name raises at
     once and names the model never received raise after the stream ends (a partial update needs
@@ -264,7 +266,7 @@ class RolloutEngine(Protocol):
     def sleep(self) -> None: ...
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
-                       strict: bool = True) -> int: ...
+                       strict: bool = True, wake_kv_cache: bool = True) -> int: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
                      strict: bool = True) -> int: ...

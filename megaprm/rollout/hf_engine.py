@@ -108,7 +108,8 @@ class HFEngine:
         self.pad_token_id = int(pad)
         self.vocab_size = int(mc.vocab_size)
         self.max_positions = int(getattr(mc, "max_position_embeddings", 1 << 30))
-        self._asleep = False  # the RolloutEngine lifecycle state (see engine.RolloutEngine)
+        # the RolloutEngine lifecycle state (see engine.RolloutEngine): weights / KV cache asleep
+        self._asleep = self._kv_asleep = False
 
     @classmethod
     def from_pretrained(cls, model_dir: str, cfg: HFEngineConfig = HFEngineConfig()) -> HFEngine:
@@ -176,13 +177,14 @@ class HFEngine:
 
     @property
     def asleep(self) -> bool:
-        return self._asleep
+        return self._asleep or self._kv_asleep
 
     def sleep(self) -> None:
         """After a rollout. On GPU: the weights go to host memory and the cached blocks are
         released (vLLM's level-1 sleep: weights offloaded, KV cache dropped; this engine keeps no
         KV cache between calls). On CPU nothing is freed: only the state changes, so CPU runs go
         through the same calls and errors as GPU runs."""
+        self._kv_asleep = True
         if self._asleep:
             return
         if self.device.type == "cuda":
@@ -195,22 +197,27 @@ class HFEngine:
             self.model.to(self.device)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
-                       strict: bool = True) -> int:
+                       strict: bool = True, wake_kv_cache: bool = True) -> int:
         """Before a rollout: wake the weights, load the stream, (no prefix cache to reset),
-        wake the KV cache (nothing to do: this engine allocates its cache per call)."""
+        wake the KV cache (nothing to allocate: this engine builds its cache per call; the state
+        changes, so `wake_kv_cache=False` leaves `generate` refused until `wake()`, as vLLM)."""
         self._wake_weights()
         self._asleep = False
-        return self.load_weights(weights, strict=strict)
+        n = self.load_weights(weights, strict=strict)
+        if wake_kv_cache:
+            self._kv_asleep = False
+        return n
 
     def wake(self) -> None:
-        """Wake without loading (evaluation); the weights are the ones held at sleep()."""
+        """Wake whatever sleeps without loading: the KV cache after
+        `update_weights(wake_kv_cache=False)`, or the weights held at sleep() too (evaluation)."""
         self._wake_weights()
-        self._asleep = False
+        self._asleep = self._kv_asleep = False
 
     # ------------------------------------------------------------------------------ sampling
 
     def _check(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
-        if self._asleep:
+        if self.asleep:
             raise EngineAsleepError("HFEngine.generate() while asleep: call update_weights() "
                                     "(RL loop) or wake() before generating")
         longest = max((len(p) for p in prompts), default=0)

@@ -182,8 +182,10 @@ class VLLMEngine:
             self._sleeping = set(SLEEP_TAGS)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
-                       strict: bool = True) -> int:
-        """Before a rollout: wake weights -> load -> reset prefix cache -> wake KV cache."""
+                       strict: bool = True, wake_kv_cache: bool = True) -> int:
+        """Before a rollout: wake weights -> load -> reset prefix cache -> wake KV cache
+        (`wake_kv_cache=False`: left asleep, for `wake()` once the trainer's state is offloaded,
+        trainer/lifecycle.py)."""
         if not strict and self.cfg.sleep_level == 2 and "weights" in self._sleeping:
             raise ValueError("update_weights(strict=False) after a level-2 sleep: the weights "
                              "were dropped, so a partial stream leaves garbage; send every "
@@ -193,7 +195,7 @@ class VLLMEngine:
             self._sleeping.discard("weights")
         count = self._load(weights, strict)
         self.llm.reset_prefix_cache()
-        if "kv_cache" in self._sleeping:
+        if wake_kv_cache and "kv_cache" in self._sleeping:
             self.llm.wake_up(tags=["kv_cache"])
             self._sleeping.discard("kv_cache")
         return count
@@ -206,8 +208,9 @@ class VLLMEngine:
         return count
 
     def wake(self) -> None:
-        """Wake everything without loading (evaluation). After a level-2 sleep the weights are
-        gone, so this raises: use update_weights."""
+        """Wake everything asleep without loading: the KV cache after
+        `update_weights(wake_kv_cache=False)`, or all of it (evaluation). After a level-2 sleep
+        the weights are gone, so this raises: use update_weights."""
         if not self._sleeping:
             return
         if self.cfg.sleep_level == 2 and "weights" in self._sleeping:

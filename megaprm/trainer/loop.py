@@ -4,6 +4,10 @@
     -> implicit-PRM update + scores (PRIME) -> advantages (+ filter) -> PPO update (all or
     nothing) -> weight sync
 
+Memory (trainer/lifecycle.py, verl's order): train -> wake the engine's weights -> sync (the end
+of a step) -> offload the trainer's state (`*.offload`) -> wake the KV cache -> generate -> sleep
+the engine -> reload (the rollout of the next).
+
 Every rank runs the same code on its own data-parallel shard of the prompts; group statistics
 are reduced over the dp group inside the estimators; the Megatron models run under tp/pp
 through `parallel.pipeline`. Tensor shapes: B rollouts on this rank, R response tokens,
@@ -26,6 +30,7 @@ Rules the phases keep:
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -46,8 +51,10 @@ from megaprm.parallel import microbatch, pipeline, weight_sync
 from megaprm.parallel.device import resolve_dtype, to_host
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.host import agree, dp_mean, dp_reduce, dp_sum
+from megaprm.parallel.offload import Offload
 from megaprm.rollout.engine import RightPadded, RolloutBatch, SamplingParams
 from megaprm.trainer import checkpoint, model_source
+from megaprm.trainer.lifecycle import Lifecycle
 from megaprm.trainer.metrics import MetricsLogger, PhaseTimer
 
 
@@ -105,7 +112,10 @@ _NOT_DIGESTED = {"trainer": ("steps", "save_every", "resume", "resume_fallback",
                              "eval_every",
                              "eval_problems",
                              "wandb", "progress", "keep_last", "allow_config_change",
-                             "export_hf", "log_samples", "run_dir")}
+                             "export_hf", "log_samples", "run_dir"),
+                 # where the state sits while the engine generates, not what is computed: a run
+                 # may resume with offload switched on or off (bit-exact either way)
+                 "actor": ("offload",), "ref": ("offload",), "prm": ("offload",)}
 
 
 def config_digest_fields(cfg: Config) -> dict:
@@ -265,7 +275,7 @@ class RLTrainer:
                                  groups.pp_size)
         # The engine first, then asleep: vLLM's start-up check wants utilisation x total memory
         # free, which the actor, reference and PRM would no longer leave; the first
-        # `sync_weights` wakes it with the actor's weights.
+        # `sync_weights` wakes its weights with the actor's.
         self.engine = self._build_engine()
         self.engine.sleep()
         kw = dict(dtype=dtype, batching=self.batching,
@@ -310,6 +320,7 @@ class RLTrainer:
         self.skipped_steps = 0
         self.start_step = 0
         self.last_sync: dict = {}
+        self.lifecycle = Lifecycle(self.engine, self._stream_weights, self._offloads())
         self.sync_weights()
 
     @staticmethod
@@ -365,6 +376,22 @@ class RLTrainer:
                                    tp_size=g.tp_size, seed=self.cfg.trainer.seed,
                                    device=rank_device())
 
+    def _offloads(self) -> List[Offload]:
+        """The models whose `*.offload` switch is on, with their optimizers (PRIME's second
+        reference at T = 1 follows ref.offload)."""
+        cfg, out = self.cfg, []
+        if cfg.actor.offload:
+            out.append(Offload("actor", self.actor.model, self.actor.opt))
+        if cfg.ref.offload:
+            refs = [self.ref, getattr(self, "implicit_ref", None)]
+            out += [Offload("ref", r.model) for i, r in enumerate(refs)
+                    if r is not None and r not in refs[:i]]
+        if cfg.prm.offload and self.prm is not None:
+            out.append(Offload("prm", self.prm))
+        if cfg.prm.offload and self.implicit is not None:
+            out.append(Offload("prm", self.implicit.model, self.implicit.opt))
+        return out
+
     def _build_engine(self):
         """The colocated rollout engine on this rank's device (vLLM: external_launcher when
         world > 1, the trainer's tp, one seed per tp group); it starts from the policy's HF
@@ -381,14 +408,20 @@ class RLTrainer:
     # ------------------------------------------------------------------ phases
     def sync_weights(self) -> None:
         """Phase: new actor weights -> the colocated rollout engine (HF names, one collective
-        per bucket; the engine wakes its weights, loads, resets its prefix cache, wakes KV)."""
-        s = weight_sync.sync_into(self.engine.update_weights, self.actor.model, self.groups)
+        per bucket; the engine wakes its weights, loads and resets its prefix cache; its KV
+        cache wakes when it next generates, after the trainer's state is offloaded)."""
+        self.lifecycle.sync()
+
+    def _stream_weights(self) -> None:
+        load = functools.partial(self.engine.update_weights, wake_kv_cache=False)
+        s = weight_sync.sync_into(load, self.actor.model, self.groups)
         self.last_sync = {"weight_sync/seconds": s["seconds"],
                           "weight_sync/gbytes": s["bytes"] / 1e9, "weight_sync/gbps": s["gbps"]}
 
     def rollout(self, block: int, requeued: tuple = ()):
         """Phase: this rank's share of prompt block `block` (= the step without refill) -> n
-        samples each, then the engine sleeps (frees its memory for training). Same seed on every
+        samples each, between the trainer's state leaving the device and coming back
+        (`Lifecycle.generate`: the engine sleeps after it). Same seed on every
         tp/pp peer. `requeued`: global prompt ids (block * P + index) generated first, before
         the block's share (rollout.refill_surplus=requeue). Returns (batch, this rank's
         `Prompts`, global group ids [B])."""
@@ -408,9 +441,7 @@ class RLTrainer:
                                 stop_token_ids=(self.eos,),
                                 seed=(cfg.trainer.seed * 1_000_003 + block * 7919
                                       + g.dp_rank * 104_729) % (2**31))
-        self._engine_awake()
-        batch = self.engine.generate(ids, params)
-        self.engine.sleep()
+        batch = self.lifecycle.generate(lambda: self.engine.generate(ids, params))
         group_ids = ids_of_groups[batch.group_index].long()
         return batch, local, group_ids
 
@@ -514,10 +545,9 @@ class RLTrainer:
                            references=pick("references"), passed=passed)
 
     def _engine_awake(self) -> None:
-        """After a skipped step (or an evaluation) the engine sleeps: reload the actor's
-        (unchanged) weights through the one lifecycle (a level-2 sleep has dropped them)."""
-        if self.engine.asleep:
-            self.sync_weights()
+        """The engine awake with the actor's weights, for generating outside the loop (the
+        loop's own generations go through `Lifecycle.generate`)."""
+        self.lifecycle.awake()
 
     def outcome_reward(self, batch: RolloutBatch, prompts: Prompts, group_ids):
         """Phase: verifier. Arithmetic: exact per-step check; math: math-verify."""
@@ -1001,27 +1031,25 @@ class RLTrainer:
         """Held-out greedy accuracy (arithmetic: plus the exact flawed-step shares)."""
         from megaprm.trainer import evaluate
 
-        self._engine_awake()
         cfg = self.cfg
         n = cfg.trainer.eval_problems
         if cfg.data.task == "arithmetic":
             from megaprm.tasks.arithmetic import generate_problems
 
             problems = generate_problems(cfg.data.arithmetic, n, seed=HELD_OUT_SEED)
-            r = evaluate.evaluate_arithmetic(self.engine, self.tok, self.groups, problems,
-                                             max_tokens=cfg.rollout.max_tokens,
-                                             fmt=prompt_formatter(cfg.data, self.tok))
+            r = self.lifecycle.generate(lambda: evaluate.evaluate_arithmetic(
+                self.engine, self.tok, self.groups, problems, max_tokens=cfg.rollout.max_tokens,
+                fmt=prompt_formatter(cfg.data, self.tok)))
         else:
             from megaprm.tasks.datasets import load_prompts
 
             records, _ = load_prompts(cfg.data.eval_path, limit=n)
             fmt = prompt_formatter(cfg.data, self.tok)  # the training prompts' format
-            r = evaluate.evaluate_math(self.engine, self.tok, self.groups,
-                                       [fmt(x.prompt, x.meta.get("messages")) for x in records],
-                                       [x.answer for x in records],
-                                       max_tokens=cfg.rollout.max_tokens,
-                                       verifier=cfg.reward.verifier)
-        self.engine.sleep()
+            r = self.lifecycle.generate(lambda: evaluate.evaluate_math(
+                self.engine, self.tok, self.groups,
+                [fmt(x.prompt, x.meta.get("messages")) for x in records],
+                [x.answer for x in records], max_tokens=cfg.rollout.max_tokens,
+                verifier=cfg.reward.verifier))
         return {f"eval/{k}": float(v) for k, v in r.items()}
 
     # ------------------------------------------------------------------ checkpoints and loop

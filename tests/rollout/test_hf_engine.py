@@ -171,6 +171,26 @@ def test_with_the_task_tokenizer():
     assert len(texts) == 4 and all(isinstance(t, str) for t in texts)
 
 
+def test_update_without_the_kv_cache_refuses_generate_until_wake():
+    """The RL loop's split (trainer/lifecycle.py), as on vLLM: update_weights(wake_kv_cache=
+    False) loads, generate is refused until wake(), which then serves the loaded weights."""
+    from megaprm.rollout.engine import EngineAsleepError
+
+    model = _peaked_model("qwen2", seed=5)
+    other = _peaked_model("qwen2", seed=6)
+    eng = HFEngine(model, HFEngineConfig(eos_token_ids=(EOS,), pad_token_id=PAD))
+    params = SamplingParams(n=2, max_tokens=10, seed=4)
+    eng.sleep()
+    stream = [(n, p.detach()) for n, p in other.named_parameters()]
+    assert eng.update_weights(iter(stream), wake_kv_cache=False) == len(stream) and eng.asleep
+    with pytest.raises(EngineAsleepError):
+        eng.generate(PROMPTS, params)
+    eng.wake()
+    fresh = HFEngine(other, HFEngineConfig(eos_token_ids=(EOS,), pad_token_id=PAD))
+    assert not eng.asleep and torch.equal(eng.generate(PROMPTS, params).response_ids,
+                                          fresh.generate(PROMPTS, params).response_ids)
+
+
 def test_lifecycle_sleep_update_gives_the_same_generations():
     """generate -> sleep -> update_weights(same weights) -> generate repeats the first rollout
     bit for bit; a different stream gives the fresh engine's rollout; the errors of a sleeping

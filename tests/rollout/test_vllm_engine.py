@@ -80,6 +80,30 @@ def test_lifecycle_in_vllms_order_serves_the_new_weights(vllm, model_dir, level)
     assert all(torch.isfinite(b).all() for _, b in hf.named_buffers())
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_update_without_the_kv_cache_then_wake_is_the_same_order(vllm, model_dir, level):
+    """The RL loop's split (trainer/lifecycle.py): update_weights(wake_kv_cache=False) stops
+    before the KV cache, generate is refused until wake() wakes it, and the calls reaching vLLM
+    are the ones of a plain update_weights."""
+    from megaprm.rollout.engine import EngineAsleepError
+
+    eng = _engine(model_dir, sleep_level=level)
+    llm = eng.llm
+    eng.sleep()
+    other, stream = _other_weights()
+    assert eng.update_weights(iter(stream), wake_kv_cache=False) == len(stream)
+    assert eng.asleep and llm.executor.sleeping_tags == {"kv_cache"}
+    with pytest.raises(EngineAsleepError, match="kv_cache"):
+        eng.generate(PROMPTS, GREEDY)
+    eng.wake()
+    got = eng.generate(PROMPTS, GREEDY)
+    assert _ops(llm) == [f"sleep:{level}", "wake_up:weights", "load_weights",
+                         "reset_prefix_cache", "wake_up:kv_cache", "generate"]
+    assert llm.warnings == [] and llm.stale_prefix_hits == 0
+    assert got.response_token_lists() == HFEngine(other).generate(
+        PROMPTS, GREEDY).response_token_lists()
+
+
 def test_sampled_rollout_after_update_matches_the_transformers_distribution(vllm, model_dir):
     """Sampler log-probs are the tempered, nucleus-renormalised log-probs of the new weights."""
     eng = _engine(model_dir)
