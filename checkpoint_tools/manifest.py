@@ -70,20 +70,25 @@ def problems(ckpt_dir: str) -> list | None:
     mine = {rel: v for rel, v in files.items() if rel.startswith(prefix)}
     if not mine:
         return [f"{mpath} lists no file of {ckpt_dir}"]
-    out = []
-    for rel, entry in sorted(mine.items()):
-        full = os.path.join(base, rel)
-        try:
-            size, crc = entry
-            if not os.path.isfile(full):
-                out.append(f"{full} is missing")
-            elif os.path.getsize(full) != size:
-                out.append(f"{full} has {os.path.getsize(full)} bytes, {MANIFEST} says {size}")
-            elif crc32(full) != crc:
-                out.append(f"{full} fails its checksum (its bytes changed)")
-        except (OSError, ValueError, TypeError) as e:
-            out.append(f"{full} cannot be checked ({type(e).__name__}: {e})")
-    return out
+    out = [file_problem(os.path.join(base, rel), entry) for rel, entry in sorted(mine.items())]
+    return [p for p in out if p]
+
+
+def file_problem(full: str, entry, name: str | None = None) -> str | None:
+    """What is wrong with file `full` against its manifest entry [size, crc32] (None when it
+    matches); the line names it as `name` (default: its path)."""
+    name = name or full
+    try:
+        size, crc = entry
+        if not os.path.isfile(full):
+            return f"{name} is missing"
+        if os.path.getsize(full) != size:
+            return f"{name} has {os.path.getsize(full)} bytes, {MANIFEST} says {size}"
+        if crc32(full) != crc:
+            return f"{name} fails its checksum (its bytes changed)"
+    except (OSError, ValueError, TypeError) as e:
+        return f"{name} cannot be checked ({type(e).__name__}: {' '.join(str(e).split())[:400]})"
+    return None
 
 
 def check(ckpt_dir: str, error=ValueError) -> None:

@@ -345,13 +345,7 @@ def test_second_start_refused_and_kill_9_of_the_launcher_leaves_no_rank(policy, 
     finally:
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _pids_with(run_dir):
-        time.sleep(0.5)
-    survivors = _pids_with(run_dir)
-    for pid in survivors:  # never leave them behind, even when the test fails
-        os.kill(pid, signal.SIGKILL)
-    assert not survivors, f"ranks outlived their launcher: {survivors}"
+    _assert_none_left(lambda: _pids_with(run_dir), "ranks outlived their launcher")
 
 
 # ------------------------------------------------------------------------------ --launcher ray
@@ -379,14 +373,19 @@ def _pids_with_env(tag: str) -> list:
     return out
 
 
-def _assert_none_left(tag: str) -> None:
+def _assert_none_left(find, what: str = "processes outlived the Ray launcher") -> None:
+    """Within 30 s no process `find()` (pids, or an environment tag) names is left; any found
+    after that is killed (never left behind, even when the test fails) and fails the test."""
+    if isinstance(find, str):
+        tag = find
+        find = lambda: _pids_with_env(tag)  # noqa: E731
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _pids_with_env(tag):
+    while time.monotonic() < deadline and find():
         time.sleep(0.5)
-    survivors = _pids_with_env(tag)
-    for pid in survivors:  # never leave them behind, even when the test fails
+    survivors = find()
+    for pid in survivors:
         os.kill(pid, signal.SIGKILL)
-    assert not survivors, f"processes outlived the Ray launcher: {survivors}"
+    assert not survivors, f"{what}: {survivors}"
 
 
 ray_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")

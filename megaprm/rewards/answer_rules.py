@@ -25,7 +25,7 @@ class _RuleFailed(ValueError):
 
 # ----------------------------------------------------------------------------- boxed answers
 
-def _balanced_from(text: str, start: int) -> int | None:
+def closing_brace(text: str, start: int) -> int | None:
     """Index of the brace closing the first "{" at or after `start` (None if unclosed)."""
     depth = 0
     for j in range(start, len(text)):
@@ -47,7 +47,7 @@ def pure_boxed_answer(response: str) -> str | None:
     start = response.rfind("\\boxed")
     if start < 0:
         return None
-    end = _balanced_from(response, start)
+    end = closing_brace(response, start)
     if end is None:
         return None
     boxed = response[start:end + 1]
@@ -168,7 +168,7 @@ def _prime_boxed(text: str) -> str | None:
     left = text.find("{", start)
     if left < 0:
         return None
-    end = _balanced_from(text, left)
+    end = closing_brace(text, left)
     return None if end is None else text[left + 1:end].strip()
 
 

@@ -168,15 +168,10 @@ def last_boxed(text: str) -> str | None:
     i = text.find("{", start)
     if i < 0:
         return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None
+    from megaprm.rewards.answer_rules import closing_brace
+
+    j = closing_brace(text, i)
+    return None if j is None else text[i + 1 : j]
 
 
 def _answer_text(value: Any, name: str) -> str:

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from checkpoint_tools import manifest as manifest_file
 from megaprm.parallel.groups import Groups
 
 MANIFEST = "MANIFEST.json"
@@ -61,7 +62,6 @@ LATEST = "latest"
 FORMAT = "megaprm-trainer-checkpoint"
 VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
-_CHUNK = 8 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -196,14 +196,6 @@ def _barrier(groups: Groups) -> None:
 
 # ------------------------------------------------------------------------------------ manifest
 
-def _crc32(path: str) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
 def _files(root: str) -> list:
     out = []
     for d, _, names in os.walk(root):
@@ -219,7 +211,7 @@ def _checksum(root: str, files: list, groups: Groups) -> dict:
     mine = {}
     for rel in files[groups.rank::groups.world_size]:
         path = os.path.join(root, rel)
-        mine[rel] = [os.path.getsize(path), _crc32(path)]
+        mine[rel] = [os.path.getsize(path), manifest_file.crc32(path)]
     return mine
 
 
@@ -282,19 +274,9 @@ def verify(path: str, groups: Groups) -> list:
     if problem:
         return [problem]
     files = sorted(manifest["files"])
-    mine = []
-    for rel in files[groups.rank::groups.world_size]:
-        full = os.path.join(path, rel)
-        try:
-            size, crc = manifest["files"][rel]
-            if not os.path.isfile(full):
-                mine.append(f"{rel} is missing")
-            elif os.path.getsize(full) != size:
-                mine.append(f"{rel} has {os.path.getsize(full)} bytes, the manifest says {size}")
-            elif _crc32(full) != crc:
-                mine.append(f"{rel} fails its checksum (bytes changed)")
-        except (OSError, ValueError, TypeError) as e:
-            mine.append(f"{rel} cannot be checked ({_one_line(e)})")
+    mine = [manifest_file.file_problem(os.path.join(path, rel), manifest["files"][rel], rel)
+            for rel in files[groups.rank::groups.world_size]]
+    mine = [p for p in mine if p]
     if not _any_rank(bool(mine), groups):
         return []
     return sorted(p for part in _gather(mine, groups) for p in part)
