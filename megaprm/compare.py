@@ -297,8 +297,8 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
     trainer = RLTrainer(cfg, groups, tok)
     history = trainer.fit()
     rl_s = time.perf_counter() - t
-    trainer._engine_awake()
-    ev = evaluate_policy(trainer.engine, tok, groups, ccfg, cfg.rollout.temperature)
+    ev = trainer.lifecycle.generate(
+        lambda: evaluate_policy(trainer.engine, tok, groups, ccfg, cfg.rollout.temperature))
     _barrier(groups)  # rank 0 has written every step's metrics
     curves = _curves(d)
     rec = {"digest": digest, **asdict(spec), "name": spec.name, "overrides": overrides, **ev,

@@ -225,11 +225,15 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
     overrides += METHOD_OVERRIDES.get(dcfg.method, [])
     cfg = load_config(RL_YAML, overrides)
     trainer = RLTrainer(cfg, groups, tok)
-    before = evaluate(trainer.engine, tok, groups, dcfg.eval_problems)
+    # through the lifecycle: the engine sleeps between phases (its KV cache too) and the
+    # trainer's state leaves the device while it generates where *.offload says so
+    before = trainer.lifecycle.generate(
+        lambda: evaluate(trainer.engine, tok, groups, dcfg.eval_problems))
     t = time.perf_counter()
     history = trainer.fit()
     times["rl_s"] = time.perf_counter() - t
-    after = evaluate(trainer.engine, tok, groups, dcfg.eval_problems)
+    after = trainer.lifecycle.generate(
+        lambda: evaluate(trainer.engine, tok, groups, dcfg.eval_problems))
     phases = {}
     for h in history:
         for k, v in h.items():

@@ -57,13 +57,6 @@ class Lifecycle:
             self.synced = False
             self.reload()
 
-    def awake(self) -> None:
-        """The engine fully awake with the actor's weights, the trainer's state resident (a
-        caller that generates outside the loop: `megaprm compare`'s final evaluation)."""
-        if not self.synced:
-            self.sync()
-        self.engine.wake()
-
     def offload(self) -> int:
         freed = sum(o.offload() for o in self.offloads)
         if freed and torch.cuda.is_available():

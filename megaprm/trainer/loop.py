@@ -544,11 +544,6 @@ class RLTrainer:
                            correct_with_wrong_step=wrong, problems=pick("problems"),
                            references=pick("references"), passed=passed)
 
-    def _engine_awake(self) -> None:
-        """The engine awake with the actor's weights, for generating outside the loop (the
-        loop's own generations go through `Lifecycle.generate`)."""
-        self.lifecycle.awake()
-
     def outcome_reward(self, batch: RolloutBatch, prompts: Prompts, group_ids):
         """Phase: verifier. Arithmetic: exact per-step check; math: math-verify."""
         from megaprm.rewards.steps import segment_steps
