@@ -17,6 +17,7 @@ re-run; an interrupted one restarts from step 0.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -297,15 +298,14 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
     trainer = RLTrainer(cfg, groups, tok)
     history = trainer.fit()
     rl_s = time.perf_counter() - t
-    engine = trainer.engine
-    ev = trainer.lifecycle.generate(
-        lambda: evaluate_policy(engine, tok, groups, ccfg, cfg.rollout.temperature))
+    ev = trainer.lifecycle.generate(functools.partial(
+        evaluate_policy, trainer.engine, tok, groups, ccfg, cfg.rollout.temperature))
     _barrier(groups)  # rank 0 has written every step's metrics
     curves = _curves(d)
     rec = {"digest": digest, **asdict(spec), "name": spec.name, "overrides": overrides, **ev,
            "train_end": {k: _tail_mean(v) for k, v in curves.items()},
            "curves": curves, "rl_s": rl_s, "eval_s": time.perf_counter() - t - rl_s}
-    del trainer, engine, history
+    del trainer, history
     gc.collect()
     _write_json(res_path, rec, groups)
     return rec
