@@ -56,7 +56,7 @@ import torch.distributed as dist
 from checkpoint_tools import manifest as manifest_file
 from megaprm.parallel.groups import Groups
 
-MANIFEST = "MANIFEST.json"
+MANIFEST = manifest_file.MANIFEST  # one name for import-hf checkpoints and trainer steps
 TRAINER_FILE = "trainer.json"
 LATEST = "latest"
 FORMAT = "megaprm-trainer-checkpoint"
