@@ -765,7 +765,10 @@ def _import_rank(hf_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: in
 
 
 def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: int,
-                 max_shard_bytes: int, verify: bool) -> dict:
+                 max_shard_bytes: int, verify: bool, stream_only: bool = False) -> dict:
+    """One rank of export-hf. A world of one without verification streams file to file
+    (`_export_streaming`), else loads the stage. `stream_only`: return {"streamed": False,
+    "why": ...} instead of loading (the caller then loads at the checkpoint's layout)."""
     from checkpoint_tools.shards import ShardWriter
     from megaprm.parallel.weight_sync import iter_hf_weights
 
@@ -777,7 +780,7 @@ def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: 
         _import_loader_modules()  # module loading: process start, not conversion
         if g.world_size == 1 and not verify:  # nothing needs the weights in memory
             streamed = _export_streaming(ckpt_dir, model, spec, tmp, max_shard_bytes)
-            if streamed is not None:
+            if streamed["streamed"] or stream_only:
                 return _rank_report(g, None, tmp_dir=tmp, verify_s=0.0, **streamed)
         t0 = time.perf_counter()
         load_checkpoint(model, _model_dir(ckpt_dir))
@@ -797,16 +800,17 @@ def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: 
 
 
 def _export_streaming(ckpt_dir: str, model, spec: ModelSpec, tmp: str,
-                      max_shard_bytes: int) -> dict | None:
-    """export-hf file to file (`streaming.plan_export`, `streaming.write_shards`), or None where
-    the checkpoint needs a real load (then nothing was written)."""
+                      max_shard_bytes: int) -> dict:
+    """export-hf file to file (`streaming.plan_export`, `streaming.write_shards`), or
+    {"streamed": False, "why": ...} where the checkpoint needs a real load (then nothing was
+    written). `model`: a tp = pp = 1 stage, whatever layout the checkpoint was saved at."""
     from checkpoint_tools import streaming
 
     t0 = time.perf_counter()
     try:
         plan = streaming.plan_export(_model_dir(ckpt_dir), model, spec)
-    except streaming.NotStreamable:
-        return None
+    except streaming.NotStreamable as e:
+        return {"streamed": False, "why": str(e)}
     t_plan = time.perf_counter() - t0
     writer, files = streaming.write_shards(plan, tmp, max_shard_bytes)
     return {"load_s": t_plan, "write_s": time.perf_counter() - t0 - t_plan, "files": files,
@@ -958,8 +962,18 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
     tmp_dir = None if launch.under_torchrun() else layout.make_tmp(out_dir)
     t0 = time.perf_counter()
     try:
-        results = _run_ranks(_export_rank, _world(tp, pp), ckpt_dir, out_dir, tmp_dir, tp, pp,
-                             max_bytes, verify)
+        results, why = None, None
+        if not verify and not launch.under_torchrun():
+            # file to file in this process: the plan is made against a tp = pp = 1 stage (the
+            # chunks are in global coordinates), so a checkpoint saved at any tp and pp streams
+            # without spawning its layout's ranks
+            results = _run_ranks(_export_rank, 1, ckpt_dir, out_dir, tmp_dir, 1, 1, max_bytes,
+                                 False, True)
+            if not results[0]["streamed"]:
+                results, why = None, results[0]["why"]
+        if results is None:
+            results = _run_ranks(_export_rank, _world(tp, pp), ckpt_dir, out_dir, tmp_dir, tp,
+                                 pp, max_bytes, verify)
     except BaseException:
         _discard(tmp_dir)
         raise
@@ -974,6 +988,8 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
                   "bytes": r0["bytes"],
                   "peak_shard_bytes": r0["peak_shard_bytes"],
                   "streamed": r0.get("streamed", False), **_rss(results)}
+        if not report["streamed"] and not verify:
+            report["not_streamed_because"] = why or r0.get("why")
         report["verify"] = _verified("export-hf", r0["outputs"], r0["tmp_dir"], spec,
                                      meta.dtype, r0["verify_s"]) if verify else SKIPPED
         layout.commit(r0["tmp_dir"], out_dir, force)

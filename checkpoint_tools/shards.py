@@ -42,11 +42,52 @@ class FileBytes:
         return self.dtype.itemsize
 
 
+class Assembled:
+    """A tensor whose file bytes are blocks of its rows x columns (a row-parallel weight saved
+    in column-split chunks): `parts` = [(path, file offset, first row, rows, column byte, bytes
+    per row)], each block's bytes contiguous in its file, row after row. Written by reading
+    every block into its place in one buffer (`assemble`), then writing the buffer."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple, row_bytes: int, parts: list):
+        self.dtype, self.shape, self.row_bytes, self.parts = dtype, torch.Size(shape), \
+            row_bytes, parts
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def assemble(self, files: OpenFiles, buf: memoryview) -> memoryview:
+        """The tensor's bytes in `buf` (at least its size): one scatter `preadv` per block
+        (up to IOV_MAX rows a call) straight into the block's columns."""
+        row, out = self.row_bytes, buf[:self.numel() * self.element_size()]
+        for path, offset, r0, n, c0, w in self.parts:
+            fd = files.fd(path)
+            for first in range(0, n, _IOV_MAX):
+                k = min(_IOV_MAX, n - first)
+                views = [out[(r0 + i) * row + c0:(r0 + i) * row + c0 + w]
+                         for i in range(first, first + k)]
+                pos = offset + first * w
+                got = os.preadv(fd, views, pos)
+                if got != k * w:  # a short read: finish row by row (ShortFile at the end)
+                    for i, v in enumerate(views):
+                        if got < (i + 1) * w:
+                            skip = max(0, got - i * w)
+                            read_into(fd, v[skip:], pos + i * w + skip)
+        return out
+
+
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+
 def write_safetensors(path: str, tensors: dict, metadata: dict | None = None,
-                      direct: bool = True) -> None:
+                      direct: bool = True, scratch: list | None = None) -> None:
     """One safetensors file from name -> CPU tensor (non-contiguous ones are made contiguous
     one at a time). `direct`: write with O_DIRECT where the file system allows it (see
-    `_DirectFile`), else through the page cache."""
+    `_DirectFile`), else through the page cache. `scratch`: a one-item list holding the
+    buffer `Assembled` tensors are built in, reused across calls (grown as needed): fresh
+    memory costs page faults on every tensor."""
     header, offset = {}, 0
     if metadata:
         header["__metadata__"] = metadata
@@ -58,15 +99,26 @@ def write_safetensors(path: str, tensors: dict, metadata: dict | None = None,
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
     f = _DirectFile(path) if direct else _BufferedFile(path)
+    sources = None  # Assembled tensors' files
     try:
         f.write(memoryview(len(raw).to_bytes(8, "little") + raw))
         for t in tensors.values():
             if isinstance(t, FileBytes):
                 for src, offset, size in t.pieces:
                     f.copy_from(src, offset, size)
+            elif isinstance(t, Assembled):
+                scratch = scratch if scratch is not None else [None]
+                need = t.numel() * t.element_size()
+                if scratch[0] is None or len(scratch[0]) < need:
+                    scratch[0] = memoryview(bytearray(need))
+                if sources is None:
+                    sources = OpenFiles()
+                f.write(t.assemble(sources, scratch[0]))
             elif t.numel():
                 f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
     finally:
+        if sources is not None:
+            sources.close()
         f.close()
 
 
@@ -272,6 +324,7 @@ class ShardWriter:
         self._shards: list[list[str]] = []  # tensor names of each written shard
         self.total_bytes = 0
         self.peak_pending_bytes = 0
+        self._scratch: list = [None]  # Assembled tensors' buffer, kept across shards
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue a tensor for the current shard. It is written as given, not copied: a caller
@@ -293,7 +346,8 @@ class ShardWriter:
 
     def _flush(self) -> None:
         path = os.path.join(self.out_dir, f"partial-{len(self._shards) + 1:05d}.safetensors")
-        write_safetensors(path, self._pending, metadata={"format": "pt"}, direct=self.direct)
+        write_safetensors(path, self._pending, metadata={"format": "pt"}, direct=self.direct,
+                          scratch=self._scratch)
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 
@@ -301,6 +355,7 @@ class ShardWriter:
         """Write the last shard, give shards their final names, write the index. Returns files."""
         if self._pending or not self._shards:
             self._flush()
+        self._scratch = [None]
         n = len(self._shards)
         if n == 1:
             names = ["model.safetensors"]

@@ -18,9 +18,17 @@ ShardedTensor and requires them in one load. This reads the checkpoint's own ind
   copies them into the safetensors files (same order, grouping, header and index as an export
   from memory: tested byte for byte).
 
-Anything this does not cover raises `NotStreamable` and the caller loads the stage instead:
-chunks that are not whole rows of a parameter (a row-parallel weight saved at tp > 1), a dtype
-other than the checkpoint's, compressed or non-contiguous items.
+The checkpoint's layout does not matter: its chunks are in global coordinates, and the plan
+is made against a tp = pp = 1 model whatever tp and pp the checkpoint was saved at. A chunk that
+is whole rows of a parameter (column-parallel weights, the vocabulary, layers of a pp stage) is a
+byte range as above. A row-parallel weight saved at tp > 1 is split by columns: each of its
+chunks is a block of rows x columns, contiguous in its file. Such a tensor is assembled in
+memory, one tensor at a time (`shards.Assembled`: each chunk is read with one scatter `preadv`
+into its columns of a reused buffer), then written; the whole model is never held.
+
+Anything this does not cover raises `NotStreamable` and the caller loads the stage instead: a
+column-split parameter that is not one whole HF tensor, a dtype other than the checkpoint's,
+compressed or non-contiguous items.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ import zipfile
 import torch
 
 from checkpoint_tools.layout import ConversionError
-from checkpoint_tools.shards import FileBytes, ShardWriter, ShortFile
+from checkpoint_tools.shards import Assembled, FileBytes, ShardWriter, ShortFile
 from megaprm.models import mapping
 
 
@@ -62,6 +70,9 @@ def plan_export(model_dir: str, model, spec) -> list:
             raise NotStreamable(f"{rule.megatron_name}: a scalar or empty parameter")
         blocks = mapping.row_blocks(rule, spec, param.shape[0], 0, 1)
         row = param[0].numel() * param.itemsize
+        if any(r[4] is not None for r in ranges):  # column-split chunks: assembled in memory
+            plan.append(_assembled(rule, blocks, ranges, param, row))
+            continue
         for name in rule.hf_names:  # the order an export from memory writes them in
             parts = []
             for hf_name, src, dst, n in blocks:
@@ -72,6 +83,41 @@ def plan_export(model_dir: str, model, spec) -> list:
             plan.append((name, FileBytes(param.dtype, shape,
                                          _ordered(parts, name, shape, param))))
     return plan
+
+
+def _assembled(rule, blocks: list, ranges: list, param, row: int) -> tuple:
+    """(HF name, Assembled) of a parameter saved in column-split chunks: it must be one whole
+    HF tensor (row-parallel weights are: o_proj, down_proj, ...)."""
+    rows = param.shape[0]
+    if len(rule.hf_names) != 1 or [tuple(b) for b in blocks] != [(rule.hf_names[0], 0, 0,
+                                                                  rows)]:
+        raise NotStreamable(f"{rule.megatron_name}: column-split chunks of a parameter that "
+                            "is not one whole HF tensor")
+    parts = []
+    for lo, path, off, size, cols in ranges:
+        if cols is None:  # whole rows
+            if lo % row or size % row:
+                raise NotStreamable(f"{rule.megatron_name}: a chunk that is not whole rows")
+            cols = (lo // row, size // row, 0, row)
+        parts.append((path, off, *cols))
+    name = rule.hf_names[0]
+    _tiled(parts, name, rows, row)
+    return name, Assembled(param.dtype, tuple(param.shape), row, parts)
+
+
+def _tiled(parts: list, name: str, rows: int, row: int) -> None:
+    """The (path, offset, first row, rows, column byte, bytes per row) blocks cover the
+    tensor's rows x row bytes exactly once."""
+    area = 0
+    for i, (_, _, r0, n, c0, w) in enumerate(parts):
+        if r0 < 0 or c0 < 0 or r0 + n > rows or c0 + w > row or not n or not w:
+            raise NotStreamable(f"{name}: a chunk outside the tensor")
+        area += n * w
+        for _, _, r1, m, c1, v in parts[:i]:
+            if r0 < r1 + m and r1 < r0 + n and c0 < c1 + v and c1 < c0 + w:
+                raise NotStreamable(f"{name}: two chunks overlap")
+    if area != rows * row:
+        raise NotStreamable(f"{name}: {area} of {rows * row} bytes found in the checkpoint")
 
 
 DIRECT_ABOVE_BYTES = 1 << 30  # exports larger than this write with O_DIRECT
@@ -102,9 +148,10 @@ def write_shards(plan: list, out_dir: str, max_shard_bytes: int,
 
 
 def _cut(ranges: list, lo: int, hi: int) -> list:
-    """The parts of [(param byte lo, path, file offset, size)] inside [lo, hi), clipped."""
+    """The parts of [(param byte lo, path, file offset, size, None)] inside [lo, hi),
+    clipped (4-tuples)."""
     out = []
-    for start, path, off, size in ranges:
+    for start, path, off, size, _ in ranges:
         a, b = max(lo, start), min(hi, start + size)
         if a < b:
             out.append((a, path, off + a - start, b - a))
@@ -143,7 +190,9 @@ def _sharded_tensors(model) -> list:
 
 
 def _param_pieces(model, items: _Items) -> dict:
-    """{parameter data_ptr: [(param byte offset, .distcp path, file offset, size)]}."""
+    """{parameter data_ptr: [(param byte offset, .distcp path, file offset, size, cols)]}:
+    `cols` None for a run of whole rows, else (first row, rows, column byte, bytes per row) of a
+    column-split chunk in the parameter (`_Items.rows`)."""
     spans = sorted(((p.data_ptr(), p) for p in model.parameters()), key=lambda s: s[0])
     out: dict[int, list] = {}
     for st in _sharded_tensors(model):
@@ -159,10 +208,16 @@ def _param_pieces(model, items: _Items) -> dict:
         base = data.data_ptr() - owner.data_ptr()
         offsets = tuple(st.global_offset)
         sizes = (1,) * st.prepend_axis_num + tuple(st.local_shape)
-        for lo, path, off, size in items.rows(st.key, offsets, sizes, data.dtype):
-            out.setdefault(owner.data_ptr(), []).append((base + lo, path, off, size))
+        row = data[0].numel() * data.itemsize if data.dim() else 0
+        for lo, path, off, size, cols in items.rows(st.key, offsets, sizes, data.dtype):
+            if cols is not None:
+                if not row or base % row:
+                    raise NotStreamable(f"{st.key}: column-split chunk of a shard that is not "
+                                        "whole rows of its parameter")
+                cols = (base // row + cols[0], *cols[1:])
+            out.setdefault(owner.data_ptr(), []).append((base + lo, path, off, size, cols))
     for ranges in out.values():
-        ranges.sort()
+        ranges.sort(key=lambda r: r[:4])
     return out
 
 
@@ -173,10 +228,13 @@ class _Items:
         self.dir, self.meta = model_dir, meta
 
     def rows(self, key: str, offsets: tuple, sizes: tuple, dtype) -> list:
-        """[(byte offset in the shard, path, file offset, size)] for the shard of `key` at
-        `offsets` with `sizes` (global coordinates, layer axis included). Every chunk that
-        meets it must span the shard's full extent on all but one dim (its row dim, the first
-        of size > 1): then the chunk is a contiguous run of the shard's rows."""
+        """[(byte offset in the shard, path, file offset, size, cols)] for the shard of `key`
+        at `offsets` with `sizes` (global coordinates, layer axis included). A chunk that meets
+        it must span the shard's full extent on all dims but its row dim (the first of size
+        > 1) and, for a 2-D shard, its column dim (the last). Whole rows: a contiguous run of
+        the shard's bytes (`cols` None). Split by columns (a row-parallel weight saved at
+        tp > 1): `cols` = (first row, rows, column byte, bytes per row) of the block it holds,
+        its bytes contiguous in the file, row after row."""
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
         md = self.meta.state_dict_metadata.get(key)
@@ -186,6 +244,7 @@ class _Items:
             raise NotStreamable(f"{key}: saved as {md.properties.dtype}, exported as {dtype}")
         d = next((i for i, s in enumerate(sizes) if s > 1), len(sizes) - 1)
         row = dtype.itemsize * int(torch.Size(sizes[d + 1:]).numel())
+        col = d + 1 if len(sizes) == d + 2 else None  # a 2-D shard's column dim
         out = []
         for chunk in md.chunks:
             c_off, c_size = tuple(chunk.offsets), tuple(chunk.sizes)
@@ -193,9 +252,10 @@ class _Items:
                    for co, cs, o, s in zip(c_off, c_size, offsets, sizes)):
                 continue  # does not meet this shard
             if any((co, cs) != (o, s) for i, (co, cs, o, s) in
-                   enumerate(zip(c_off, c_size, offsets, sizes)) if i != d) or (
-                    c_off[d] < offsets[d] or c_off[d] + c_size[d] > offsets[d] + sizes[d]):
-                raise NotStreamable(f"{key}: chunk {c_off}+{c_size} is not whole rows of the "
+                   enumerate(zip(c_off, c_size, offsets, sizes)) if i not in (d, col)) or any(
+                    c_off[i] < offsets[i] or c_off[i] + c_size[i] > offsets[i] + sizes[i]
+                    for i in (d, col) if i is not None):
+                raise NotStreamable(f"{key}: chunk {c_off}+{c_size} is not a block of the "
                                     f"shard {offsets}+{sizes}")
             info = self.meta.storage_data.get(MetadataIndex(key, torch.Size(c_off)))
             if info is None:
@@ -205,7 +265,14 @@ class _Items:
                 raise NotStreamable(f"{key}: item written through transforms")
             path = os.path.join(self.dir, info.relative_path)
             off = self._item_bytes(path, info.offset, info.length, key, c_size, dtype)
-            out.append(((c_off[d] - offsets[d]) * row, path, off, c_size[d] * row))
+            r0 = c_off[d] - offsets[d]
+            if col is not None and c_size[col] != sizes[col]:
+                width = c_size[col] * dtype.itemsize
+                c0 = (c_off[col] - offsets[col]) * dtype.itemsize
+                out.append((r0 * row + c0, path, off, c_size[d] * width,
+                            (r0, c_size[d], c0, width)))
+            else:
+                out.append((r0 * row, path, off, c_size[d] * row, None))
         return out
 
     def _item_bytes(self, path: str, offset: int, length: int, key: str, shape: tuple,

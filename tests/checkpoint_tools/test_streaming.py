@@ -59,21 +59,60 @@ def test_streamed_export_equals_the_loading_export(tmp_path, monkeypatch, family
 
 
 def test_layers_saved_over_two_stages_stream(tmp_path):
-    """pp = 2 at save: layer chunks carry global layer offsets."""
+    """pp = 2 at save: layer chunks carry global layer offsets; exported in this process at
+    the checkpoint's own layout (no stage ranks spawned), same files as from a tp = 1 save."""
     hf = save_tiny_model("qwen2", str(tmp_path / "hf"), seed=8)
     import_hf(hf, str(tmp_path / "ck"), tp=1, pp=2, verify=False)
-    rep = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), tp=1, pp=1, verify=False)
-    assert rep["streamed"]
+    import_hf(hf, str(tmp_path / "ck1"), verify=False)
+    rep = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), verify=False)
+    ref = export_hf(str(tmp_path / "ck1"), str(tmp_path / "ref"), verify=False)
+    assert rep["streamed"] and rep["pp"] == 2
     _same_weights(hf, str(tmp_path / "out"))
+    assert _files(str(tmp_path / "out")) == _files(str(tmp_path / "ref"))
 
 
-def test_row_parallel_chunks_fall_back_to_loading(tmp_path):
-    """Saved at tp = 2: o_proj/down_proj chunks split columns, not rows -> the loading export."""
+def test_row_parallel_chunks_saved_at_tp2_stream(tmp_path, monkeypatch):
+    """Saved at tp = 2: o_proj/down_proj chunks split columns. They are assembled per tensor
+    (buffered and O_DIRECT writers, shards small enough that tensors straddle them), and the
+    files equal the export of a tp = 1 save and the source HF tensors bit for bit. Where the
+    plan is refused the export loads the stage at the checkpoint's layout instead."""
+    from checkpoint_tools import streaming
+
     hf = save_tiny_model("llama", str(tmp_path / "hf"), seed=9)
     import_hf(hf, str(tmp_path / "ck"), tp=2, pp=1, verify=False)
-    rep = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), tp=1, pp=1, verify=False)
-    assert not rep["streamed"]
+    import_hf(hf, str(tmp_path / "ck1"), verify=False)
+    ref = export_hf(str(tmp_path / "ck1"), str(tmp_path / "ref"), verify=False,
+                    max_shard_size="30KB")
+    rep = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), verify=False,
+                    max_shard_size="30KB")
+    assert rep["streamed"] and rep["tp"] == 2 and rep["files"] == ref["files"]
+    assert len(rep["files"]) > 1
+    assert _files(str(tmp_path / "out")) == _files(str(tmp_path / "ref"))
     _same_weights(hf, str(tmp_path / "out"))
+    monkeypatch.setattr(streaming, "DIRECT_ABOVE_BYTES", 0)
+    export_hf(str(tmp_path / "ck"), str(tmp_path / "direct"), verify=False,
+              max_shard_size="30KB")
+    assert _files(str(tmp_path / "direct")) == _files(str(tmp_path / "ref"))
+
+    def refuse(*a, **k):
+        raise streaming.NotStreamable("refused by the test")
+
+    monkeypatch.setattr(streaming, "plan_export", refuse)  # this process only: the spawned
+    rep = export_hf(str(tmp_path / "ck"), str(tmp_path / "loaded"), verify=False)  # ranks load
+    assert not rep["streamed"] and rep["not_streamed_because"] == "refused by the test"
+    _same_weights(hf, str(tmp_path / "loaded"))
+
+
+def test_assembled_blocks_must_tile_the_tensor():
+    from checkpoint_tools.streaming import NotStreamable, _tiled
+
+    _tiled([("f", 0, 0, 4, 0, 8), ("f", 32, 0, 4, 8, 8)], "w", 4, 16)  # two column halves
+    with pytest.raises(NotStreamable, match="overlap"):
+        _tiled([("f", 0, 0, 4, 0, 12), ("f", 32, 0, 4, 8, 8)], "w", 4, 16)
+    with pytest.raises(NotStreamable, match="48 of 64 bytes"):
+        _tiled([("f", 0, 0, 4, 0, 8), ("f", 32, 0, 2, 8, 8)], "w", 4, 16)
+    with pytest.raises(NotStreamable, match="outside"):
+        _tiled([("f", 0, 0, 4, 0, 8), ("f", 32, 0, 4, 12, 8)], "w", 4, 16)
 
 
 def test_truncated_or_incomplete_checkpoint(tmp_path):
