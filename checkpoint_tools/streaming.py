@@ -235,7 +235,10 @@ class _Items:
         the shard's bytes (`cols` None). Split by columns (a row-parallel weight saved at
         tp > 1): `cols` = (first row, rows, column byte, bytes per row) of the block it holds,
         its bytes contiguous in the file, row after row."""
-        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+        from torch.distributed.checkpoint.metadata import (
+            MetadataIndex,
+            TensorStorageMetadata,
+        )
 
         md = self.meta.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):

@@ -65,7 +65,7 @@ def test_layers_saved_over_two_stages_stream(tmp_path):
     import_hf(hf, str(tmp_path / "ck"), tp=1, pp=2, verify=False)
     import_hf(hf, str(tmp_path / "ck1"), verify=False)
     rep = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), verify=False)
-    ref = export_hf(str(tmp_path / "ck1"), str(tmp_path / "ref"), verify=False)
+    export_hf(str(tmp_path / "ck1"), str(tmp_path / "ref"), verify=False)
     assert rep["streamed"] and rep["pp"] == 2
     _same_weights(hf, str(tmp_path / "out"))
     assert _files(str(tmp_path / "out")) == _files(str(tmp_path / "ref"))
