@@ -7,6 +7,7 @@ dist_checkpointing). The measured list is in shared/notes/megatron-core-on-cpu.m
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -14,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 _INSTALLED = False
 _CPU = torch.device("cpu")
+_MODE = None  # the installed _CudaToCpuMode
 
 
 def _is_cuda(device) -> bool:
@@ -59,13 +61,34 @@ def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
 
 def install() -> None:
     """Idempotently redirect the CUDA entry points megatron-core uses; no-op with CUDA."""
-    global _INSTALLED
+    global _INSTALLED, _MODE
     if _INSTALLED or torch.cuda.is_available():
         return
     _redirect_entry_points()
     # 4. Literal device="cuda" allocations and .cuda() calls inside megatron-core.
-    _CudaToCpuMode().__enter__()
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
     _INSTALLED = True
+
+
+@contextlib.contextmanager
+def paused():
+    """Run a block without the CUDA->CPU function mode: for code that never names CUDA (the
+    rollout engine's transformers forward and sampling). Inside the mode every torch call goes
+    through its Python `__torch_function__` (a measured ~28k calls per RL step of the demo's
+    shape, +20% on generation: BENCHMARKS.md). A no-op where the mode is not installed or is
+    not the innermost one (then it stays in force)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    stack = _get_current_function_mode_stack()
+    if _MODE is None or not stack or stack[-1] is not _MODE:
+        yield
+        return
+    _MODE.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        _MODE.__enter__()
 
 
 def _redirect_entry_points() -> None:

@@ -7,7 +7,9 @@ per step for the rows still running; finished rows are dropped from the batch an
 
 Seeding (what is guaranteed): row r of a call draws its uniforms from its own generator seeded
 with `seed + r`, one uniform per generated token, so the random stream of a row never depends on
-the other rows. Given the same weights, prompts, params and seed, the outputs are identical run to
+the other rows. The draws are batched: each row's `max_tokens` uniforms are drawn up front in
+one call on its generator (the same values, in the same order, as one draw per token; the
+values of tokens after the row stops go unused), and step t reads column t for the active rows. Given the same weights, prompts, params and seed, the outputs are identical run to
 run on the same device. Across different batch compositions a row gets the same uniforms, but the
 logits may differ in the last bits (padding width / batch shape change the kernels' reduction
 order), which can flip a sample whose uniform lands within that rounding of a CDF boundary.
@@ -234,11 +236,23 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
+        # On the CPU, megatron-core's CUDA->CPU function mode (`parallel.cpu`) is not needed
+        # by transformers and would route every torch call of the decode loop through Python
+        from megaprm.parallel import cpu
+
+        with cpu.paused():
+            return self._generate(prompts, params)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         self._check(prompts, params)
         ids, mask = left_pad(prompts, self.pad_token_id, params.n)  # [B, P]
         b, r_max = ids.shape[0], params.max_tokens
         seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, ()))
-        gens = [torch.Generator().manual_seed(seed + r) for r in range(b)]
+        uniforms = None  # [B, max_tokens]: row r from its own generator, seeded seed + r
+        if not params.greedy:
+            gen = torch.Generator()
+            uniforms = 1.0 - torch.stack([torch.rand(r_max, generator=gen.manual_seed(seed + r))
+                                          for r in range(b)])
         stops = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)),
                              dtype=torch.long, device=self.device)
         resp = torch.full((b, r_max), self.pad_token_id, dtype=torch.long)
@@ -259,9 +273,7 @@ class HFEngine:
         next_pos = attn.sum(1, keepdim=True)  # [b_active, 1]
         active = torch.arange(b)  # rows of the batch still generating (indices into B)
         for t in range(r_max):
-            u = None
-            if not params.greedy:
-                u = 1.0 - torch.cat([torch.rand(1, generator=gens[int(r)]) for r in active])
+            u = None if uniforms is None else uniforms[active, t]
             tok, lp = sample_tokens(logits, params, u)
             resp[active, t] = tok.cpu()
             resp_lp[active, t] = lp.float().cpu()
