@@ -8,7 +8,9 @@ tokenizer, built offline), arithmetic prompts, 8 prompts x 8 samples per step, a
 tokens, temperature 1, GRPO advantages, token-mean loss, no KL, one optimiser step per batch,
 fp32, one torch thread per process. Measured: CPU seconds per step (`time.process_time` of each
 process around its step, summed over the ranks: what the step costs the machine, the figure
-to compare on a shared box), wall seconds, the 1-minute load before and after.
+to compare on a shared box), wall seconds, the 1-minute load before and after. Also the rollout
+engine alone at 64 and 32 rows, with and without the CUDA->CPU function mode around its
+decode loop (`generation_alone`).
 
 TRL (1.16.0) is never a megaprm dependency: the script makes its own venv (default
 runs/bench/trl-venv) whose `.pth` file puts the project's site-packages after its own, so
@@ -165,6 +167,58 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def generation_phase(model_dir: str, reps: int = 3) -> dict:
+    """The rollout engine alone (`HFEngine.generate`, 8 prompts, 48 tokens, T=1, one thread)
+    at 64 and 32 rows, with the CUDA->CPU function mode in force around the decode loop (as
+    before `cpu.paused`) and paused (now); min CPU-s over `reps` calls, and how many torch calls
+    the mode intercepted per call."""
+    import torch
+
+    torch.set_num_threads(1)
+    from megaprm.parallel import cpu
+    from megaprm.rollout.engine import SamplingParams
+    from megaprm.rollout.hf_engine import HFEngine, HFEngineConfig
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    eng = HFEngine.from_pretrained(model_dir, HFEngineConfig(
+        pad_token_id=tok.pad_token_id, eos_token_ids=(tok.eos_token_id,)))
+    cpu.install()  # as in a training process
+    prompts = [tok.encode(p.prompt) for p in _problems(PROMPTS, seed=0)]
+    calls, mode = [0], cpu._CudaToCpuMode.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        calls[0] += 1
+        return mode(self, func, types, args, kwargs)
+
+    cpu._CudaToCpuMode.__torch_function__ = counting
+    out = {}
+    for rows in (PROMPTS * SAMPLES, PROMPTS * SAMPLES // 2):
+        params = SamplingParams(n=rows // PROMPTS, max_tokens=MAX_TOKENS,
+                                temperature=TEMPERATURE, seed=3)
+        for name, fn in (("mode_in_force", eng._generate), ("mode_paused", eng.generate)):
+            best, n_calls, tokens = float("inf"), 0, 0
+            for _ in range(reps):
+                calls[0] = 0
+                c = _cpu_s()
+                batch = fn(prompts, params)
+                best = min(best, _cpu_s() - c)
+                n_calls, tokens = calls[0], int(batch.response_mask.sum())
+            out[f"{rows}_rows_{name}"] = {"cpu_s": best, "intercepted_calls": n_calls,
+                                          "tokens": tokens}
+    cpu._CudaToCpuMode.__torch_function__ = mode
+    return out
+
+
+def run_generation(model_dir: str) -> dict:
+    r = subprocess.run([sys.executable, "-W", "ignore", __file__, "--phase", "generation",
+                        "--model", model_dir], cwd=ROOT, capture_output=True, text=True,
+                       check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if r.returncode:
+        raise RuntimeError(f"generation phase failed:\n{r.stderr[-4000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------------------- TRL
@@ -324,12 +378,16 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--trl-venv", default=str(ROOT / "runs" / "bench" / "trl-venv"))
     ap.add_argument("--out", default=default_out("bench_peer_trl.json"))
-    ap.add_argument("--phase", choices=["trl", "megaprm-loss"], help=argparse.SUPPRESS)
+    ap.add_argument("--phase", choices=["trl", "megaprm-loss", "generation"],
+                    help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--batch", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.phase == "trl":
         print(json.dumps(trl_phase(a.model, a.steps, a.warmup, a.batch)))
+        return 0
+    if a.phase == "generation":
+        print(json.dumps(generation_phase(a.model)))
         return 0
     if a.phase == "megaprm-loss":
         megaprm_loss_and_grads(a.batch, a.model, a.batch + ".megaprm")
@@ -342,6 +400,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-peer-trl-model-") as tmp:
         model_dir = make_model(os.path.join(tmp, "policy"))
         batch = os.path.join(tmp, "batch.pt")
+        print("generation alone ...", file=sys.stderr, flush=True)
+        generation = run_generation(model_dir)
         for world in a.ranks:
             print(f"megaprm, {world} rank(s) ...", file=sys.stderr, flush=True)
             rows[f"megaprm_{world}_rank"] = run_megaprm(model_dir, world, a.steps, a.warmup)
@@ -373,7 +433,8 @@ def main(argv=None) -> int:
                         "temperature": TEMPERATURE, "loss": "token-mean", "kl": 0.0,
                         "dtype": "fp32", "threads_per_process": 1, "steps": a.steps,
                         "warmup": a.warmup},
-           "rows": rows, "ratios": ratios, "cross_check": check}
+           "rows": rows, "ratios": ratios, "cross_check": check,
+           "generation_alone": generation}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({"ratios": ratios, "cross_check": check,
