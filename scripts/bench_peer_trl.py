@@ -294,10 +294,9 @@ def trl_phase(model_dir: str, steps: int, warmup: int, batch_path: str) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data,
                           processing_class=tok, callbacks=[Clock()])
     build_cpu = _cpu_s() - c0
-    trainer.train()
-    timed = times[warmup:]
 
-    # the fixed batch: TRL's own generation and scoring of the next prompts, then its loss
+    # the fixed batch first, on the weights as loaded (megaprm's side loads the same HF
+    # directory): TRL's own generation and scoring of the last prompts, then its loss
     model.train()
     inputs = [{"prompt": p.prompt} for p in problems[-PROMPTS:] for _ in range(SAMPLES)]
     torch.manual_seed(1)
@@ -306,13 +305,18 @@ def trl_phase(model_dir: str, steps: int, warmup: int, batch_path: str) -> dict:
     # and gradient of 0 would check nothing)
     batch["advantages"] = torch.randn(len(inputs), generator=torch.Generator().manual_seed(2))
     model.zero_grad()
+    trainer.current_gradient_accumulation_steps = 1  # set by train() for each step
     loss = trainer.compute_loss(model, batch)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
              if p.grad is not None}
+    model.zero_grad()
     keep = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
     torch.save({k: batch[k].detach().cpu() for k in keep}, batch_path)
     torch.save({"loss": float(loss), "grads": grads}, batch_path + ".trl")
+
+    trainer.train()
+    timed = times[warmup:]
     import trl
 
     return {"trl": trl.__version__, "torch": torch.__version__,
@@ -357,9 +361,27 @@ def cross_check(batch_path: str, model_dir: str) -> dict:
     names = sorted(set(t["grads"]) & set(m["grads"]))
     tg = torch.cat([t["grads"][n].double().flatten() for n in names])
     mg = torch.cat([m["grads"][n].double().flatten() for n in names])
+    # transformers' embedding has padding_idx = pad_token_id: that row gets no gradient from the
+    # input side; Megatron's embedding has no such row. The untrained policy samples the pad
+    # token as a real token now and then, so the row is compared apart.
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        pad = json.load(f).get("pad_token_id")
+    emb = "model.embed_tokens.weight"
+    rest_t, rest_m = dict(t["grads"]), dict(m["grads"])
+    pad_row = None
+    if pad is not None and emb in rest_t:
+        keep = torch.arange(rest_t[emb].shape[0]) != pad
+        pad_row = {"trl_norm": float(rest_t[emb][pad].norm()),
+                   "megaprm_norm": float(rest_m[emb][pad].norm())}
+        rest_t[emb], rest_m[emb] = rest_t[emb][keep], rest_m[emb][keep]
+    rt = torch.cat([rest_t[n].double().flatten() for n in names])
+    rm = torch.cat([rest_m[n].double().flatten() for n in names])
     return {"trl_loss": t["loss"], "megaprm_loss": m["loss"],
             "loss_rel_diff": abs(t["loss"] - m["loss"]) / max(abs(t["loss"]), 1e-12),
             "grad_rel_diff": float((tg - mg).norm() / tg.norm().clamp_min(1e-30)),
+            "grad_rel_diff_without_pad_embedding_row": float((rt - rm).norm()
+                                                             / rt.norm().clamp_min(1e-30)),
+            "pad_embedding_row_grad": pad_row,
             "grad_norm_trl": float(tg.norm()), "grad_norm_megaprm": float(mg.norm()),
             "tensors_compared": len(names),
             "tensors_only_trl": sorted(set(t["grads"]) - set(m["grads"]))[:5],
