@@ -107,7 +107,8 @@ def build(out_dir: str, rec: dict, groups, tok, say=print) -> dict:
     res = train_prm(PRMTrainConfig(model_dir=prm_init, output_dir=prm_dir,
                                    **compare.prm_recipe(ccfg)), groups)
     times["prm_s"] = time.perf_counter() - t
-    man = {"recipe": rec, "digest": recipe_digest(rec), "sft_final_loss": sft_loss,
+    man = {"recipe": rec, "digest": recipe_digest(rec), "origin": "built",
+           "sft_final_loss": sft_loss,
            "prm_eval": {"auroc": res.eval.auroc, "f1": res.eval.f1,
                         "per_kind": res.eval.per_kind},
            "build": {**times, "world_size": groups.world_size, "torch": _torch_version()}}
@@ -135,41 +136,66 @@ def compare_tensors(a: dict, b: dict) -> dict:
     return out
 
 
+def _copy_start(src: str, dest: str, man: dict) -> None:
+    """The start files of src/{sft,prm} and a manifest (origin "shipped") into dest."""
+    import shutil
+
+    for m in ("sft", "prm"):
+        tmp = os.path.join(dest, m + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for f in START_FILES:
+            if os.path.isfile(os.path.join(src, m, f)):
+                shutil.copy(os.path.join(src, m, f), os.path.join(tmp, f))
+        shutil.rmtree(os.path.join(dest, m), ignore_errors=True)
+        os.replace(tmp, os.path.join(dest, m))
+    with open(os.path.join(dest, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump({**man, "origin": "shipped"}, f, indent=1)
+
+
 def ensure(run_dir: str, rec: dict, groups, tok, from_scratch: bool, say=print) -> dict:
-    """The start to use: {"sft", "prm", "source", "manifest", "seconds", ["rebuild_check"]}.
-    shipped (its digest equals rec's) unless from_scratch; else built into RUN_DIR/start,
-    reused there on a second run with the same recipe."""
+    """Put the start in RUN_DIR/sft and RUN_DIR/prm (where the *_tiny.yaml recipes look) and
+    return {"sft", "prm", "source", "manifest", "seconds", ["rebuild_check"]}: the shipped
+    start (copied) when its digest equals rec's and not from_scratch; else trained there, and
+    reused by a later run with the same recipe ("cached")."""
+    import torch.distributed as dist
+
     digest = recipe_digest(rec)
     shipped = read_manifest()
+    here = read_manifest(run_dir)
+    have = here is not None and here.get("digest") == digest and all(
+        os.path.isfile(os.path.join(run_dir, m, "model.safetensors")) for m in ("sft", "prm"))
     t = time.perf_counter()
+    res = {"sft": os.path.join(run_dir, "sft"), "prm": os.path.join(run_dir, "prm")}
     if not from_scratch and shipped is not None and shipped.get("digest") == digest:
-        say(f"[demo] start: the shipped warm-up policy and PRM ({SHIPPED_DIR}; held-out step "
-            f"AUROC {shipped['prm_eval']['auroc']:.3f}; `--from-scratch` rebuilds them, "
-            f"~{(shipped['build']['warmup_s'] + shipped['build']['prm_s']) / 60:.0f} min)",
-            flush=True)
-        return {"sft": os.path.join(SHIPPED_DIR, "sft"), "prm": os.path.join(SHIPPED_DIR, "prm"),
-                "source": "shipped", "manifest": shipped, "seconds": time.perf_counter() - t}
+        if not (have and here.get("tensors") == shipped.get("tensors")):
+            if groups.rank == 0:
+                os.makedirs(run_dir, exist_ok=True)
+                _copy_start(SHIPPED_DIR, run_dir, shipped)
+            if dist.is_initialized():
+                dist.barrier()
+        say(f"[demo] start: the shipped warm-up policy and PRM (megaprm/assets/demo, held-out "
+            f"step AUROC {shipped['prm_eval']['auroc']:.3f}; `--from-scratch` trains them, "
+            f"{(shipped['build']['warmup_s'] + shipped['build']['prm_s']) / 60:.0f} min on the "
+            "machine that built them)", flush=True)
+        return {**res, "source": "shipped", "manifest": shipped,
+                "seconds": time.perf_counter() - t}
     if not from_scratch:
         why = ("no shipped start" if shipped is None else
                "the shipped start was built with other settings")
         say(f"[demo] start: {why}; training the warm-up policy and the PRM", flush=True)
-    out = os.path.join(run_dir, "start")
-    man = read_manifest(out)
-    source = "cached"
-    if man is None or man.get("digest") != digest or not all(
-            os.path.isfile(os.path.join(out, m, "model.safetensors")) for m in ("sft", "prm")):
-        man = build(out, rec, groups, tok, say)
-        source = "built"
+    if have and here.get("origin") == "built":
+        say(f"[demo] start: reusing the one trained in {run_dir} (same recipe; held-out step "
+            f"AUROC {here['prm_eval']['auroc']:.3f})", flush=True)
+        man, source = here, "cached"
     else:
-        say(f"[demo] start: reusing {out} (same recipe; held-out step AUROC "
-            f"{man['prm_eval']['auroc']:.3f})", flush=True)
-    res = {"sft": os.path.join(out, "sft"), "prm": os.path.join(out, "prm"), "source": source,
-           "manifest": man, "seconds": time.perf_counter() - t}
+        man, source = build(run_dir, rec, groups, tok, say), "built"
+    res.update(source=source, manifest=man, seconds=time.perf_counter() - t)
     if shipped is not None and shipped.get("digest") == digest:
         diff = compare_tensors(man.get("tensors", {}), shipped.get("tensors", {}))
         res["rebuild_check"] = {"identical_to_shipped": not any(diff.values()),
                                 "differing_tensors": diff}
-        say("[demo] start rebuilt from scratch: every tensor is "
+        say("[demo] start trained from scratch: every tensor is "
             + ("identical to the shipped start's" if not any(diff.values()) else
                f"NOT identical to the shipped one ({sum(map(len, diff.values()))} tensors "
                "differ: another machine or torch build rounds differently)"), flush=True)
@@ -177,7 +203,7 @@ def ensure(run_dir: str, rec: dict, groups, tok, from_scratch: bool, say=print) 
 
 
 def ship(start_dir: str, dest: str | None = None) -> dict:
-    """Copy a built start (RUN_DIR/start) into the package (or `dest`), with its manifest."""
+    """Copy a built start (a directory `build` wrote) into the package (or `dest`)."""
     import shutil
 
     dest = dest or SHIPPED_DIR
