@@ -134,12 +134,16 @@ def test_from_scratch_rebuild_is_checked_against_the_shipped_start(tmp_path):
 
 
 def _rebuild_rank(tmp):
+    import torch
+
     from megaprm import demo_start
     from megaprm.parallel.init import destroy, init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
 
+    torch.set_num_threads(1)  # as a demo rank (OMP_NUM_THREADS=1): no spinning on a busy box
     groups = init_distributed(tp=1, pp=1, seed=0)
     tok = build_char_tokenizer()
+
     def quiet(*a, **k):
         return None
 
