@@ -229,6 +229,18 @@ def test_readme_demo_block_is_the_committed_runs_output():
     assert os.path.isfile(os.path.join(ROOT, "docs", "demo", "demo_curves.png"))
 
 
+def test_summary_says_what_prime_does_at_this_scale(capsys):
+    """Set against GRPO, PRIME (which reads no step-label PRM) gets the measured note."""
+    from megaprm import demo
+
+    s = _load(os.path.join(ROOT, "docs", "demo", "demo.json"))
+    s["config"]["method"] = "prime"
+    s["runs"]["prime"] = s["runs"].pop(demo.DEFAULT_METHOD)
+    demo.print_summary(s)
+    out = capsys.readouterr().out
+    assert demo.PRIME_NOTE in out and "PRIME after" in out
+
+
 def _summary(after_base, after_meth):
     def ev(a, f, w):
         return {"accuracy": a, "all_steps_correct": f, "correct_with_wrong_step": w}
