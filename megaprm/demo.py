@@ -466,7 +466,8 @@ def _times_line(s: dict) -> str:
     total = (f"wall {wall:.0f}s since `megaprm demo` started (ranks and imports included)"
              if wall is not None else f"total {s['total_s']:.0f}s")
     return ("; ".join(parts) + f"; {total}; CPU-seconds of the {s['world_size']} ranks "
-            f"{s['rank_cpu_s']:.0f}; load {s['load']['start']} -> {s['load']['end']}")
+            f"{s['rank_cpu_s']:.0f}; 1/5/15-min load {s['load']['start']} at the start, "
+            f"{s['load']['end']} at the end")
 
 
 def print_summary(s: dict) -> None:
@@ -534,8 +535,8 @@ def readme_block(s: dict, png: str = "docs/demo/demo_curves.png") -> str:
     base, meth = s["config"]["baseline"], s["config"]["method"]
     c = s["config"]
     lines = [(f"Measured {s['date']} with `make demo` ({_name(meth)} vs {_name(base)}, seed "
-             f"{c['seed']}, {c['rl_steps']} RL steps each, {s['world_size']} torchrun ranks, "
-             f"{s['device']}): greedy decoding on {s['before_rl']['problems']} held-out problems, "
+             f"{c['seed']}, {c['rl_steps']} RL steps each, {s['world_size']} torchrun ranks on "
+             f"{s['device'].upper()}): greedy decoding on {s['before_rl']['problems']} held-out problems, "
              f"every step checked exactly. PRM held-out step AUROC "
              f"{s['start']['prm_eval']['auroc']:.3f}. Output: "
              "[docs/demo/demo.json](docs/demo/demo.json)."), "",
