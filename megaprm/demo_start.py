@@ -165,6 +165,8 @@ def ensure(run_dir: str, rec: dict, groups, tok, from_scratch: bool, say=print) 
     here = read_manifest(run_dir)
     have = here is not None and here.get("digest") == digest and all(
         os.path.isfile(os.path.join(run_dir, m, "model.safetensors")) for m in ("sft", "prm"))
+    if dist.is_initialized():  # every rank has read the state before rank 0 changes it, so
+        dist.barrier()         # all take the same branch (and the same collectives) below
     t = time.perf_counter()
     res = {"sft": os.path.join(run_dir, "sft"), "prm": os.path.join(run_dir, "prm")}
     if not from_scratch and shipped is not None and shipped.get("digest") == digest:
