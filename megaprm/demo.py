@@ -530,6 +530,11 @@ def plot_curves(s: dict, path: str) -> str:
     return path
 
 
+# README's demo block before a measured run is committed (docs/demo/demo.json absent)
+NO_RUN_BLOCK = ("No measured run is committed yet: `make demo` prints the table, and "
+                "`.venv/bin/megaprm demo --write-readme` writes it here with docs/demo/demo.json.")
+
+
 def readme_block(s: dict, png: str = "docs/demo/demo_curves.png") -> str:
     """README's demo section, from a demo.json alone (so it is the run's numbers)."""
     base, meth = s["config"]["baseline"], s["config"]["method"]
