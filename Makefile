@@ -23,8 +23,9 @@ $(STAMP): setup.py
 test: install
 	$(PY) -m pytest -q -x --timeout=900 tests
 
+# `make demo DEMO_ARGS="--method prof_grpo"` picks another method, "--from-scratch" retrains the start
 demo: install
-	$(VENV)/bin/megaprm demo
+	$(VENV)/bin/megaprm demo $(DEMO_ARGS)
 
 # well over 10 minutes on a 2-core CPU (progress per benchmark); results in runs/bench/,
 # `make bench BENCH_ARGS=--update-results` rewrites the committed scripts/results/

@@ -12,7 +12,9 @@ setup(
     # packages too, so setuptools does not warn once per directory that it "would be ignored"
     packages=find_namespace_packages(include=["megaprm", "megaprm.*", "checkpoint_tools",
                                               "checkpoint_tools.*", "eval", "eval.*"]),
-    package_data={"megaprm": ["configs/*.yaml", "planner/hf_configs/*.json"],
+    package_data={"megaprm": ["configs/*.yaml", "planner/hf_configs/*.json",
+                              # the demo's shipped warm-up policy and PRM (~4 MB, demo_start)
+                              "assets/demo/manifest.json", "assets/demo/*/*"],
                   "eval": ["data/**/*", "data/*"]},
     include_package_data=True,
     install_requires=[

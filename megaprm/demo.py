@@ -1,64 +1,61 @@
-"""`megaprm demo`: the whole method on the embedded arithmetic task, on CPU, in minutes.
+"""`megaprm demo`: a process reward against GRPO on the embedded arithmetic task, on CPU, in
+minutes; one seed of the full comparison (`megaprm compare`, docs/compare.md).
 
-1. warm-up: a tiny Qwen2-shaped policy (char tokenizer) learns the task supervised, through the
-   Megatron actor (dp over the torchrun ranks);
-2. PRM: a tiny discriminative PRM (Megatron trunk + 2-class head) trained on exact step labels;
-3. RL with the chosen estimator (PROF-GRPO by default), rollouts from the transformers engine
-   fed by weight sync;
-4. a summary: greedy accuracy before/after RL on held-out problems, the share of correct
-   answers that rest on a wrong step (checked exactly), per-phase time.
+1. start: the warm-up policy (a tiny Qwen2-shaped policy taught the task supervised, through the
+   Megatron actor) and a good PRM (held-out step AUROC >= 0.9, docs/prm.md's recipe). Both ship
+   in the package (`demo_start`); `--from-scratch` rebuilds them (~6 CPU minutes on 2 ranks)
+   and says whether every tensor equals the shipped one;
+2. the warm-up policy is evaluated greedily on the comparison's held-out problems;
+3. RL with GRPO and with the process-reward method (PURE by default: the strongest in the full
+   comparison), the same runs `megaprm compare` makes for seed 0 (`compare.run_overrides`);
+4. both final policies are evaluated on the same problems, every step checked exactly; one table
+   (accuracy, fully correct, correct with a wrong step; before and after), the PRM's AUROC, a
+   PNG of both runs' curves, and whether the difference is larger than the seed-to-seed spread
+   the full comparison measured; time per part and CPU-seconds of the ranks.
+
+Output: RUN_DIR/demo.json (numbers, times, load, the generated texts), RUN_DIR/demo_curves.png;
+`--write-readme` copies both to docs/demo/ and regenerates README's demo block from the JSON
+(`readme_block`), so README's numbers are the run's.
 """
 from __future__ import annotations
 
+import functools
+import gc
 import hashlib
 import json
+import math
 import os
+import resource
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
-from megaprm.config import load_config
 from megaprm.parallel import pipeline
 from megaprm.parallel.groups import Groups
-from megaprm.parallel.launch import seconds_since_launch
 from megaprm.tasks.arithmetic import ArithmeticConfig, generate_problems
 from megaprm.trainer.export import save_hf
-
-
-@dataclass
-class DemoConfig:
-    run_dir: str = "runs/demo"
-    method: str = "prof_grpo"
-    seed: int = 0
-    warmup_steps: int = 400
-    warmup_batch: int = 64
-    warmup_lr: float = 2e-3
-    prm_examples: int = 3000
-    prm_stage1_steps: int = 60
-    prm_stage2_steps: int = 120
-    prm_lm_loss_weight: float = 0.0  # 1.0 measured no better at this short PRM schedule (0.696)
-    rl_steps: int = 40
-    eval_problems: int = 200
-    hidden: int = 128
-    layers: int = 4
-
-    def __post_init__(self):
-        from megaprm.algorithms.registry import METHODS
-
-        if self.method not in METHODS:
-            raise ValueError(f"--method={self.method!r}: choose one of {list(METHODS)}")
-
 
 TASK = ArithmeticConfig(num_ops=(2, 4), operand_max=20, ops="+-", seed=0)
 # the RL settings every demo / compare run starts from (model, PRM, run dir come as overrides)
 RL_YAML = os.path.join(os.path.dirname(__file__), "configs", "demo.yaml")
+# the full comparison's committed result (in a checkout; a wheel has no docs/): the spread
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMPARE_JSON = os.path.join(REPO_ROOT, "docs", "compare", "compare.json")
+# what `--write-readme` writes (relative to the working directory: the repo root for `make`)
+DOCS_DIR = os.path.join("docs", "demo")
+BASELINE = "grpo"
+# the strongest process-reward method of the full comparison (docs/compare.md: the lowest share
+# of correct answers resting on a wrong step, 0.076 against GRPO's 0.179, the one interval
+# separated from GRPO's)
+DEFAULT_METHOD = "pure"
 
 # what PRIME does at this scale, measured (docs/compare.md): said where a user meets it
 PRIME_NOTE = ("prime learns its implicit PRM from outcome labels alone; at the demo's response "
               "length and step budget it does not learn (loss ~ln 2) and accuracy usually falls "
-              "(docs/compare.md); no step-label PRM is trained for it")
+              "(docs/compare.md); the step-label PRM below is not used by it")
 
 # Each method's own knobs on the demo task; the actor, batch and schedule (configs/demo.yaml)
 # are shared, so methods differ only in their rewards and estimator. PRIME: the implicit PRM
@@ -71,6 +68,47 @@ METHOD_OVERRIDES = {
               "rollout.refill=accuracy", "rollout.max_refill_rounds=4"],
     "pure": ["advantage.pure.step_scores_are_probs=true"],
 }
+# the table's rows: (label, key of evaluate_arithmetic's result, the comparison's column)
+METRICS = (("accuracy", "accuracy", "greedy accuracy"),
+           ("fully correct (every step right)", "all_steps_correct", "greedy fully correct"),
+           ("correct answers resting on a wrong step", "correct_with_wrong_step",
+            "greedy correct with a wrong step"))
+CURVES = (("reward/outcome_mean", "outcome reward (train batch)"),
+          ("exact/correct_with_wrong_step_frac", "correct with a wrong step (train batch)"),
+          ("prm/score_mean", "PRM step score (mean)"),
+          ("response/length_mean", "response tokens (mean)"))
+
+
+@dataclass
+class DemoConfig:
+    run_dir: str = "runs/demo"
+    method: str = DEFAULT_METHOD
+    baseline: str = BASELINE
+    seed: int = 0
+    warmup_steps: int = 400
+    warmup_batch: int = 64
+    warmup_lr: float = 2e-3
+    prm_steps: int = 3000
+    prm_examples: int = 16000
+    rl_steps: int = 40
+    eval_problems: int = 200
+    hidden: int = 128
+    layers: int = 4
+    from_scratch: bool = False
+
+    def __post_init__(self):
+        from megaprm.algorithms.registry import METHODS
+
+        if self.method not in METHODS:
+            raise ValueError(f"--method={self.method!r}: choose one of {list(METHODS)}")
+        if self.method == self.baseline:
+            raise ValueError(f"--method={self.method}: that is the baseline the demo compares "
+                             f"with; pick a process-reward method, e.g. --method pure")
+        for k in ("warmup_steps", "prm_steps", "prm_examples", "rl_steps"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"--{k.replace('_', '-')}={getattr(self, k)}: must be >= 1")
+        if self.eval_problems < 2:
+            raise ValueError(f"--eval-problems={self.eval_problems}: must be >= 2")
 
 
 def init_policy(dcfg: DemoConfig, tokenizer, out_dir: str, rank: int) -> str:
@@ -136,18 +174,12 @@ def warmup(dcfg: DemoConfig, groups: Groups, tokenizer, init_dir: str, out_dir: 
     return loss
 
 
-def evaluate(engine, tokenizer, groups: Groups, n: int, seed: int = 99) -> dict:
-    """Greedy accuracy on held-out problems (dp-sharded) + exact step checks."""
-    from megaprm.trainer.evaluate import evaluate_arithmetic
 
-    return evaluate_arithmetic(engine, tokenizer, groups, generate_problems(TASK, n, seed=seed))
-
+# ------------------------------------------------------------------ stage cache (also compare's)
 
 def _stage_digest(dcfg: DemoConfig, stage: str) -> str:
-    """What a cached warm-up / PRM depends on: its own settings and everything before it."""
+    """What a cached warm-up depends on (`megaprm compare` caches its warm-up with it)."""
     keys = ["seed", "warmup_steps", "warmup_batch", "warmup_lr", "hidden", "layers"]
-    if stage == "prm":
-        keys += ["prm_examples", "prm_stage1_steps", "prm_stage2_steps", "prm_lm_loss_weight"]
     blob = {k: getattr(dcfg, k) for k in keys}
     blob["task"] = repr(TASK)
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
@@ -171,111 +203,368 @@ def _mark_done(out_dir: str, digest: str, groups: Groups, **info) -> None:
         dist.barrier()
 
 
+# ------------------------------------------------------------------------------ evaluation
+
+def held_out_problems(n: int) -> list:
+    """The comparison's held-out problems (the trainer's HELD_OUT_SEED)."""
+    from megaprm.trainer.loop import HELD_OUT_SEED
+
+    return generate_problems(TASK, n, seed=HELD_OUT_SEED)
+
+
+class _Recording:
+    """An engine whose `generate` keeps what it returned (the texts behind the numbers)."""
+
+    def __init__(self, engine):
+        self.engine, self.batches = engine, []
+
+    def generate(self, *args, **kwargs):
+        out = self.engine.generate(*args, **kwargs)
+        self.batches.append(out)
+        return out
+
+
+def evaluate(engine, tokenizer, groups: Groups, problems: list) -> dict:
+    """Greedy evaluation with the project's `evaluate_arithmetic` (dp-sharded, exact step
+    checks), plus every rank's generated texts in problem order (for an independent recount)."""
+    from megaprm.trainer.evaluate import evaluate_arithmetic
+
+    rec = _Recording(engine)
+    res = evaluate_arithmetic(rec, tokenizer, groups, problems)
+    (batch,) = rec.batches
+    per = len(problems) // groups.dp_size  # evaluate_arithmetic's shard of this rank
+    mine = problems[groups.dp_rank * per:(groups.dp_rank + 1) * per]
+    local = [[mine[g].prompt, t, r] for g, t, r in zip(batch.group_index.tolist(),
+                                                       batch.decode_responses(tokenizer),
+                                                       batch.finish_reason)]
+    if groups.dp_size > 1:
+        parts = [None] * groups.dp_size
+        dist.all_gather_object(parts, local, group=groups.host_dp)
+        local = [x for part in parts for x in part]
+    return {**res, "prompts": [x[0] for x in local], "texts": [x[1] for x in local],
+            "finish": [x[2] for x in local]}
+
+
+def _rank_cpu_seconds(groups: Groups) -> float:
+    """CPU-seconds (user + system) of every rank so far, summed over the ranks."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    t = torch.tensor([ru.ru_utime + ru.ru_stime], dtype=torch.float64)
+    if groups.world_size > 1:
+        dist.all_reduce(t)
+    return float(t.item())
+
+
+def _load() -> list:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# ------------------------------------------------------------------------------ the run
+
 def run(dcfg: DemoConfig, groups: Groups) -> dict:
-    """Warm-up and PRM are cached in RUN_DIR/sft and RUN_DIR/prm (reused when their settings
-    match, so another method costs only its RL); RL goes to RUN_DIR/rl/<method>."""
+    """Start (shipped or rebuilt), the before-RL evaluation, RL for the baseline and the method
+    (RUN_DIR/rl/<method>-s<seed>, made afresh), their evaluations; the report (rank 0 writes
+    RUN_DIR/demo.json and RUN_DIR/demo_curves.png)."""
+    from megaprm import compare, demo_start
+    from megaprm.config import RolloutConfig, load_config
+    from megaprm.parallel.device import rank_device
+    from megaprm.rollout.factory import build_engine
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer.loop import RLTrainer
-    from megaprm.trainer.prm_training import PRMTrainConfig, train_prm
+    from megaprm.trainer.metrics import read_metrics
 
     t0 = time.perf_counter()
-    times = {}
-    rd = dcfg.run_dir
-    tok = build_char_tokenizer()
-    sft_dir, prm_dir = os.path.join(rd, "sft"), os.path.join(rd, "prm")
-    rl_dir = os.path.join(rd, "rl", dcfg.method)
+    load_start = _load()
     say = print if groups.rank == 0 else (lambda *a, **k: None)
-
-    t = time.perf_counter()
-    sft_digest = _stage_digest(dcfg, "sft")
-    sft = _cached(sft_dir, sft_digest)
-    if sft is None:
-        init_dir = init_policy(dcfg, tok, os.path.join(rd, "init"), groups.rank)
-        sft = {"final_loss": warmup(dcfg, groups, tok, init_dir, sft_dir)}
-        _mark_done(sft_dir, sft_digest, groups, **sft)
-    else:
-        say(f"[demo] warm-up: reusing {sft_dir} (same settings)", flush=True)
-    times["warmup_s"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    prm_digest = _stage_digest(dcfg, "prm")
-    prm_report = _cached(prm_dir, prm_digest)
-    if dcfg.method == "prime":  # its implicit PRM is the policy's copy, trained during RL
+    times = {}
+    tok = build_char_tokenizer()
+    rec = demo_start.recipe(dcfg.warmup_steps, dcfg.prm_steps, dcfg.prm_examples)
+    if dcfg.method == "prime":
         say(f"[demo] {PRIME_NOTE}", flush=True)
-        prm_report = None
-    elif prm_report is None:
-        prm_cfg = PRMTrainConfig(model_dir=sft_dir, output_dir=prm_dir, arithmetic=TASK,
-                                 num_train=dcfg.prm_examples, num_eval=512, seed=dcfg.seed,
-                                 stage1_steps=dcfg.prm_stage1_steps, stage1_lr=1e-3,
-                                 stage2_steps=dcfg.prm_stage2_steps, stage2_lr=1e-3,
-                                 global_batch_size=32, micro_batch_size=16, weight_decay=0.0,
-                                 lm_loss_weight=dcfg.prm_lm_loss_weight)
-        prm_result = train_prm(prm_cfg, groups)
-        prm_report = {"auroc": prm_result.eval.auroc, "f1": prm_result.eval.f1,
-                      "train_s": prm_result.train_seconds}
-        _mark_done(prm_dir, prm_digest, groups, **prm_report)
-    else:
-        say(f"[demo] PRM: reusing {prm_dir} (same settings)", flush=True)
-    times["prm_s"] = time.perf_counter() - t
+    start = demo_start.ensure(dcfg.run_dir, rec, groups, tok, dcfg.from_scratch, say)
+    times["start"] = time.perf_counter() - t0
+    man = start["manifest"]
 
-    overrides = [f"trainer.run_dir={rl_dir}", f"model.path={sft_dir}",
-                 f"prm.path={prm_dir if prm_report is not None else 'null'}",
-                 f"trainer.steps={dcfg.rl_steps}",
-                 f"trainer.seed={dcfg.seed}", f"advantage.method={dcfg.method}"]
-    overrides += METHOD_OVERRIDES.get(dcfg.method, [])
-    cfg = load_config(RL_YAML, overrides)
-    trainer = RLTrainer(cfg, groups, tok)
-    # through the lifecycle: the engine sleeps between phases (its KV cache too) and the
-    # trainer's state leaves the device while it generates where *.offload says so
-    before = trainer.lifecycle.generate(
-        lambda: evaluate(trainer.engine, tok, groups, dcfg.eval_problems))
+    problems = held_out_problems(dcfg.eval_problems)
     t = time.perf_counter()
-    history = trainer.fit()
-    times["rl_s"] = time.perf_counter() - t
-    after = trainer.lifecycle.generate(
-        lambda: evaluate(trainer.engine, tok, groups, dcfg.eval_problems))
-    phases = {}
-    for h in history:
-        for k, v in h.items():
-            if k.startswith("timing/") and k != "timing/step_s":
-                phases[k[7:]] = phases.get(k[7:], 0.0) + v
-    summary = {"method": dcfg.method, "world_size": groups.world_size,
-               "sft_final_loss": sft.get("final_loss"), "prm": prm_report,
-               "before_rl": before, "after_rl": after, "times_s": times,
-               "rl_steps_run": len(history), "rl_phase_times_s": phases,
-               "total_s": time.perf_counter() - t0,
-               "dirs": {"warmup": sft_dir, "prm": prm_dir, "rl": rl_dir}}
+    engine = build_engine(RolloutConfig(engine="hf"), start["sft"], tok,
+                          world_size=groups.world_size, tp_size=1, seed=0, device=rank_device())
+    before = evaluate(engine, tok, groups, problems)
+    del engine
+    times["eval_before_rl"] = time.perf_counter() - t
+    say(f"[demo] before RL: accuracy {before['accuracy']:.3f} on {before['problems']} held-out "
+        f"problems ({times['eval_before_rl']:.0f}s)", flush=True)
+
+    ccfg = compare.CompareConfig(rl_steps=dcfg.rl_steps, eval_problems=dcfg.eval_problems,
+                                 warmup_steps=dcfg.warmup_steps, prm_steps=dcfg.prm_steps,
+                                 prm_examples=dcfg.prm_examples,
+                                 # metrics.jsonl and the PNG are the record; wandb's offline
+                                 # writer costs seconds a run and floods the demo's output
+                                 wandb="disabled")
+    runs = {}
+    for m in (dcfg.baseline, dcfg.method):
+        spec = compare.RunSpec(m, "implicit" if m == "prime" else "learned", dcfg.seed)
+        d = os.path.join(dcfg.run_dir, "rl", f"{m}-s{dcfg.seed}")
+        if groups.rank == 0 and os.path.isdir(d):
+            shutil.rmtree(d)
+        if groups.world_size > 1:
+            dist.barrier()
+        overrides = compare.run_overrides(spec, ccfg, start["sft"], start["prm"])
+        cfg = load_config(RL_YAML, [f"trainer.run_dir={d}", *overrides])
+        say(f"[demo] RL: {m}, {dcfg.rl_steps} steps of {cfg.data.prompts_per_step} prompts x "
+            f"{cfg.rollout.n} samples", flush=True)
+        t = time.perf_counter()
+        trainer = RLTrainer(cfg, groups, tok)
+        history = trainer.fit()
+        rl_s = time.perf_counter() - t
+        t = time.perf_counter()
+        after = trainer.lifecycle.generate(
+            functools.partial(evaluate, trainer.engine, tok, groups, problems))
+        eval_s = time.perf_counter() - t
+        if groups.world_size > 1:
+            dist.barrier()  # rank 0 has written every step's metrics
+        rows = read_metrics(d)
+        phases = {}
+        for h in history:
+            for k, v in h.items():
+                if k.startswith("timing/") and k != "timing/step_s":
+                    phases[k[7:]] = phases.get(k[7:], 0.0) + v
+        runs[m] = {"method": m, "dir": d, "overrides": overrides, "after_rl": after,
+                   "rl_steps_run": len(history), "rl_s": rl_s, "eval_s": eval_s,
+                   "rl_phase_times_s": phases,
+                   "curves": {k: [r.get(k) for r in rows] for k, _ in CURVES}}
+        times[f"rl_{m}"] = rl_s
+        times[f"eval_{m}"] = eval_s
+        del trainer, history
+        gc.collect()
+        say(f"[demo] {m}: accuracy {after['accuracy']:.3f} after RL ({rl_s:.0f}s RL, "
+            f"{eval_s:.0f}s evaluation)", flush=True)
+
+    from megaprm.parallel.launch import seconds_since_launch
+
+    summary = {
+        "config": asdict(dcfg), "world_size": groups.world_size, "device": str(rank_device()),
+        "task": repr(TASK), "held_out_seed_problems": dcfg.eval_problems,
+        "start": {"source": start["source"], "recipe_digest": man["digest"],
+                  "sft_final_loss": man.get("sft_final_loss"), "prm_eval": man["prm_eval"],
+                  "build_s": man.get("build"), "rebuild_check": start.get("rebuild_check")},
+        "before_rl": before, "runs": runs, "times_s": times,
+        "total_s": time.perf_counter() - t0, "wall_since_launch_s": seconds_since_launch(),
+        "rank_cpu_s": _rank_cpu_seconds(groups), "load": {"start": load_start, "end": _load()},
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+    summary["spread"] = spread(summary, _read_compare(COMPARE_JSON))
     if groups.rank == 0:
-        with open(os.path.join(rl_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2, default=float)
+        os.makedirs(dcfg.run_dir, exist_ok=True)
+        with open(os.path.join(dcfg.run_dir, "demo.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1, default=float)
+        plot_curves(summary, os.path.join(dcfg.run_dir, "demo_curves.png"))
     return summary
 
 
-def print_summary(s: dict) -> None:
-    b, a = s["before_rl"], s["after_rl"]
-    print("\n================ megaprm demo summary ================")
-    print(f"method                       : {s['method']}  ({s['world_size']} torchrun ranks, CPU)")
-    if s["prm"] is not None:  # PRIME uses no discriminative PRM: its AUROC does not apply
-        print(f"PRM step AUROC (held-out)    : {s['prm'].get('auroc', float('nan')):.3f}")
-    else:
-        print(f"PRM                          : {PRIME_NOTE}")
-    print(f"greedy accuracy  before RL   : {b['accuracy']:.3f}   after RL: {a['accuracy']:.3f}"
-          f"   ({b['problems']} held-out problems)")
-    print(f"correct answers with a wrong step (exact): before {b['correct_with_wrong_step']:.3f}"
-          f"   after {a['correct_with_wrong_step']:.3f}")
-    print(f"fully correct solutions      : before {b['all_steps_correct']:.3f}   after "
-          f"{a['all_steps_correct']:.3f}")
+# ------------------------------------------------------------------ the comparison's spread
+
+def _read_compare(path: str) -> dict | None:
+    """docs/compare/compare.json, or None (not in a checkout, unreadable): read defensively,
+    only `rows[*].method/prm/seeds` and `rows[*][column].per_seed` are used."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            rep = json.load(f)
+        return rep if isinstance(rep, dict) and isinstance(rep.get("rows"), list) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _row(rep: dict, method: str) -> dict | None:
+    for r in rep.get("rows", []):
+        if isinstance(r, dict) and r.get("method") == method and r.get("prm") != "oracle" \
+                and not r.get("hack"):
+            return r
+    return None
+
+
+def _per_seed(row: dict, column: str) -> dict:
+    cell = row.get(column)
+    vals = cell.get("per_seed") if isinstance(cell, dict) else None
+    seeds = row.get("seeds") or list(range(len(vals or [])))
+    if not isinstance(vals, list) or len(vals) != len(seeds):
+        return {}
+    return {s: float(v) for s, v in zip(seeds, vals) if isinstance(v, (int, float))}
+
+
+def spread(summary: dict, rep: dict | None) -> dict:
+    """Per metric: the demo's difference (method - baseline, after RL) and the full comparison's
+    per-seed differences of the same two methods (paired by seed). A single seed's difference
+    is `within` the spread when it is no larger than 2 standard deviations of those per-seed
+    differences (what seed-to-seed noise alone gives one seed in ~95% of draws, normal
+    approximation); the comparison's mean difference comes with its 95% t-interval."""
+    from megaprm.compare import t975
+
+    base, meth = summary["config"]["baseline"], summary["config"]["method"]
+    out = {"baseline": base, "method": meth, "metrics": {}}
+    rb, rm = (_row(rep, base), _row(rep, meth)) if rep else (None, None)
+    if rep is None:
+        out["note"] = f"no full comparison found ({COMPARE_JSON})"
+    elif rb is None or rm is None:
+        out["note"] = (f"the full comparison has no {meth if rm is None else base} row "
+                       "(`megaprm compare --methods ...` adds it)")
+    for label, key, column in METRICS:
+        d = summary["runs"][meth]["after_rl"][key] - summary["runs"][base]["after_rl"][key]
+        m = {"label": label, "demo_diff": d}
+        if rb is not None and rm is not None:
+            a, b = _per_seed(rm, column), _per_seed(rb, column)
+            diffs = [a[s] - b[s] for s in sorted(set(a) & set(b), key=str)]
+            if len(diffs) >= 2:
+                mean = sum(diffs) / len(diffs)
+                sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (len(diffs) - 1))
+                m.update(compare_diffs=diffs, compare_mean=mean, compare_sd=sd,
+                         compare_ci95=t975(len(diffs) - 1) * sd / math.sqrt(len(diffs)),
+                         within=abs(d) <= 2 * sd)
+        out["metrics"][key] = m
+    return out
+
+
+def spread_sentences(sp: dict) -> list:
+    """Plain sentences on whether one seed's differences mean anything."""
+    meth, base = _name(sp["method"]), _name(sp["baseline"])
+    if sp.get("note"):
+        return [(f"One seed only, and {sp['note']}: no spread to judge this run's differences "
+                "against.")]
+    lines = [(f"One seed's difference {meth} - {base} against the seed-to-seed spread the full "
+             "comparison measured (2 standard deviations of its per-seed differences):")]
+    for m in sp["metrics"].values():
+        if "within" not in m:
+            continue
+        verdict = ("within the spread: this seed alone cannot tell the two methods apart"
+                   if m["within"] else "larger than the spread")
+        lines.append(f"- {m['label']}: {m['demo_diff']:+.3f} (spread ±{2 * m['compare_sd']:.3f})"
+                     f", {verdict}; over {len(m['compare_diffs'])} seeds the comparison measured "
+                     f"{m['compare_mean']:+.3f} ± {m['compare_ci95']:.3f} (95%).")
+    return lines
+
+
+# ------------------------------------------------------------------------------ the report
+
+def _name(m: str) -> str:
+    return {"prof_grpo": "PROF-GRPO", "drgrpo": "Dr. GRPO"}.get(m, m.upper())
+
+
+def table_rows(s: dict) -> list:
+    """[(label, before, baseline after, method after)] from a demo.json."""
+    base, meth = s["config"]["baseline"], s["config"]["method"]
+    return [(label, s["before_rl"][key], s["runs"][base]["after_rl"][key],
+             s["runs"][meth]["after_rl"][key]) for label, key, _ in METRICS]
+
+
+def _times_line(s: dict) -> str:
     t = s["times_s"]
-    wall = seconds_since_launch()
-    print(f"time: warm-up {t['warmup_s']:.0f}s  PRM {t['prm_s']:.0f}s  RL {t['rl_s']:.0f}s  "
-          f"(RL steps run now: {s['rl_steps_run']}); "
-          + (f"wall {wall:.0f}s since `megaprm demo` started (ranks, imports and evaluation "
-             "included)" if wall is not None else f"total {s['total_s']:.0f}s"))
-    print("RL phases (s): " + "  ".join(f"{k} {v:.1f}" for k, v in s["rl_phase_times_s"].items()))
-    d = s["dirs"]
-    prm = (f"PRM {d['prm']}" if s["prm"] is not None
-           else "the implicit PRM in the RL run's checkpoints/step_N/prm")
-    print(f"wrote: warm-up policy {d['warmup']}, {prm}, RL run {d['rl']} "
-          f"(metrics.jsonl, samples.jsonl, checkpoints/, summary.json; plots: "
-          f"megaprm plot {d['rl']})")
-    print("=======================================================\n")
+    base, meth = s["config"]["baseline"], s["config"]["method"]
+    src = s["start"]["source"]
+    parts = [f"start {t['start']:.0f}s ({src})", f"evaluation before RL {t['eval_before_rl']:.0f}s"]
+    for m in (base, meth):
+        parts.append(f"{_name(m)} RL {t[f'rl_{m}']:.0f}s + evaluation {t[f'eval_{m}']:.0f}s")
+    wall = s.get("wall_since_launch_s")
+    total = (f"wall {wall:.0f}s since `megaprm demo` started (ranks and imports included)"
+             if wall is not None else f"total {s['total_s']:.0f}s")
+    return ("; ".join(parts) + f"; {total}; CPU-seconds of the {s['world_size']} ranks "
+            f"{s['rank_cpu_s']:.0f}; 1/5/15-min load {s['load']['start']} at the start, "
+            f"{s['load']['end']} at the end")
+
+
+def print_summary(s: dict) -> None:
+    base, meth = s["config"]["baseline"], s["config"]["method"]
+    st = s["start"]
+    b = s["before_rl"]
+    print("\n==================== megaprm demo ====================")
+    print(f"{_name(meth)} (process reward) vs {_name(base)}: {s['config']['rl_steps']} RL steps "
+          f"each from the same warm-up policy, seed {s['config']['seed']}, "
+          f"{s['world_size']} ranks ({s['device']})")
+    print(f"PRM held-out step AUROC: {st['prm_eval']['auroc']:.3f} (start: {st['source']})"
+          + (f"\n{PRIME_NOTE}" if meth == "prime" else ""))
+    print(f"greedy, {b['problems']} held-out problems, every step checked exactly:")
+    w = max(len(r[0]) for r in table_rows(s))
+    print(f"  {'':{w}}  {'before RL':>9}  {_name(base) + ' after':>12}  "
+          f"{_name(meth) + ' after':>12}")
+    for label, x, y, z in table_rows(s):
+        print(f"  {label:{w}}  {x:9.3f}  {y:12.3f}  {z:12.3f}")
+    for line in spread_sentences(s["spread"]):
+        print(line)
+    rc = st.get("rebuild_check")
+    if rc is not None:
+        print("start rebuilt from scratch: " + ("every tensor identical to the shipped one"
+                                                if rc["identical_to_shipped"] else
+                                                "tensors differ from the shipped ones"))
+    print("time: " + _times_line(s))
+    for m in (base, meth):
+        ph = s["runs"][m]["rl_phase_times_s"]
+        print(f"{_name(m)} RL phases (s): " + "  ".join(f"{k} {v:.1f}" for k, v in ph.items()))
+    rd = s["config"]["run_dir"]
+    print(f"wrote: {rd}/demo.json, {rd}/demo_curves.png, RL runs "
+          + ", ".join(s["runs"][m]["dir"] for m in (base, meth)))
+    print("======================================================\n", flush=True)
+
+
+def plot_curves(s: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base, meth = s["config"]["baseline"], s["config"]["method"]
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.4))
+    for ax, (key, title) in zip(axes, CURVES):
+        for m, style in ((base, "-"), (meth, "-")):
+            ys = s["runs"][m]["curves"].get(key) or []
+            pts = [(i + 1, y) for i, y in enumerate(ys) if y is not None and math.isfinite(y)]
+            if pts:
+                ax.plot(*zip(*pts), style, label=_name(m), lw=1.4)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("RL step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"megaprm demo: {_name(meth)} vs {_name(base)} (seed {s['config']['seed']}, "
+                 f"PRM AUROC {s['start']['prm_eval']['auroc']:.3f})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+# README's demo block before a measured run is committed (docs/demo/demo.json absent)
+NO_RUN_BLOCK = ("No measured run is committed yet: `make demo` prints the table, and "
+                "`.venv/bin/megaprm demo --write-readme` writes it here with docs/demo/demo.json.")
+
+
+def readme_block(s: dict, png: str = "docs/demo/demo_curves.png") -> str:
+    """README's demo section, from a demo.json alone (so it is the run's numbers)."""
+    base, meth = s["config"]["baseline"], s["config"]["method"]
+    c = s["config"]
+    lines = [(f"Measured {s['date']} with `make demo` ({_name(meth)} vs {_name(base)}, seed "
+             f"{c['seed']}, {c['rl_steps']} RL steps each, {s['world_size']} torchrun ranks on "
+             f"{s['device'].upper()}): greedy decoding on {s['before_rl']['problems']} held-out problems, "
+             f"every step checked exactly. PRM held-out step AUROC "
+             f"{s['start']['prm_eval']['auroc']:.3f}. Output: "
+             "[docs/demo/demo.json](docs/demo/demo.json)."), "",
+             f"| | before RL (warm-up) | {_name(base)} after RL | {_name(meth)} after RL |",
+             "| --- | --- | --- | --- |"]
+    for label, x, y, z in table_rows(s):
+        lines.append(f"| {label} | {x:.3f} | {y:.3f} | {z:.3f} |")
+    lines.append("")
+    lines += spread_sentences(s["spread"])
+    lines += ["", "Time: " + _times_line(s) + ".", "", f"![demo curves]({png})"]
+    return "\n".join(lines)
+
+
+def write_readme(summary_path: str, readme: str = "README.md", docs_dir: str = DOCS_DIR) -> None:
+    """Copy a run's demo.json and PNG to docs/demo/ and regenerate README's demo block."""
+    from megaprm.readme import replace_block
+
+    with open(summary_path, encoding="utf-8") as f:
+        s = json.load(f)
+    os.makedirs(docs_dir, exist_ok=True)
+    png = os.path.join(os.path.dirname(summary_path), "demo_curves.png")
+    if os.path.abspath(summary_path) != os.path.abspath(os.path.join(docs_dir, "demo.json")):
+        shutil.copy(summary_path, os.path.join(docs_dir, "demo.json"))
+        if os.path.isfile(png):
+            shutil.copy(png, os.path.join(docs_dir, "demo_curves.png"))
+    replace_block(readme, "demo", readme_block(s, os.path.join(docs_dir, "demo_curves.png")))

@@ -3,7 +3,6 @@ multi-rank through the launcher, two "nodes" on one machine, the HF -> RL -> exp
 trip, the demo's cached warm-up, and each README troubleshooting row -> one line, exit 2."""
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -168,27 +167,6 @@ def test_train_prm_two_ranks(policy, tmp_path):
     assert os.path.isfile(tmp_path / "prm" / "config.json")
 
 
-def test_demo_then_another_method_reuses_warmup_and_prm(tmp_path):
-    short = ["--nproc", "1", "--run-dir", str(tmp_path / "demo"), "--warmup-steps", "2",
-             "--prm-steps", "3", "--rl-steps", "1", "--eval-problems", "8"]
-    p = run([*MEGAPRM, "demo", *short])
-    assert p.returncode == 0, p.stderr[-4000:]
-    assert "megaprm demo summary" in p.stdout
-    t0 = time.time()
-    p = run([*MEGAPRM, "demo", *short, "--method", "grpo"])
-    wall = time.time() - t0
-    assert p.returncode == 0, p.stderr[-4000:]
-    assert "warm-up: reusing" in p.stdout and "PRM: reusing" in p.stdout, p.stdout
-    summary = json.load(open(tmp_path / "demo" / "rl" / "grpo" / "summary.json"))
-    # the time printed is the command's wall time (ranks and imports included), not the phases'
-    said = float(re.search(r"wall (\d+)s since `megaprm demo` started", p.stdout).group(1))
-    assert summary["total_s"] < said <= wall + 1, (said, wall, summary["total_s"])
-    assert summary["method"] == "grpo" and summary["rl_steps_run"] == 1
-    rows = open(tmp_path / "demo" / "rl" / "grpo" / "metrics.jsonl").read().splitlines()
-    assert len(rows) == 1
-    assert os.path.isfile(tmp_path / "demo" / "rl" / "prof_grpo" / "summary.json")
-
-
 def test_prm_path_unread_by_the_prm_kind_is_announced_before_ranks(policy, tmp_path, capsys):
     from megaprm.config import load_config
     from megaprm.trainer.preflight import check_rl_launch
@@ -202,23 +180,6 @@ def test_prm_path_unread_by_the_prm_kind_is_announced_before_ranks(policy, tmp_p
                                            f"read with prm.kind={kind}\n")
     check_rl_launch(load_config("configs/grpo_tiny.yaml", [*base, "prm.kind=none"]), 1)
     assert capsys.readouterr().err == ""
-
-
-def test_demo_summary_prints_only_what_applies_to_the_method(capsys):
-    """PRIME trains no discriminative PRM: its summary has no PRM AUROC, and says what PRIME
-    does at the demo's scale instead."""
-    from megaprm import demo
-
-    ev = {"accuracy": 0.5, "problems": 8, "correct_with_wrong_step": 0.1, "all_steps_correct": 0.4}
-    base = {"world_size": 2, "before_rl": ev, "after_rl": ev, "rl_steps_run": 1, "total_s": 3.0,
-            "times_s": {"warmup_s": 1.0, "prm_s": 0.0, "rl_s": 2.0}, "rl_phase_times_s": {},
-            "dirs": {"warmup": "w", "prm": "p", "rl": "r"}}
-    demo.print_summary({**base, "method": "grpo", "prm": {"auroc": 0.91}})
-    assert "PRM step AUROC (held-out)    : 0.910" in capsys.readouterr().out
-    demo.print_summary({**base, "method": "prime", "prm": None})
-    out = capsys.readouterr().out
-    assert "AUROC" not in out and demo.PRIME_NOTE in out and "docs/compare.md" in out
-    assert "PRM p," not in out and "implicit PRM in the RL run's checkpoints" in out
 
 
 def _six_head_model(root):

@@ -7,8 +7,8 @@ per-batch statistics are reduced through `megaprm.parallel.reductions` with a fi
 collectives per call. The result equals the single-process computation on the concatenated
 batch up to floating-point summation order.
 
-Section numbers (§) refer to `shared/research/algorithms.md`; where paper and released code
-differ (⚠ there), the released code is the default and the paper form is a switch.
+Section numbers (§) refer to docs/algorithms.md; where paper and released code differ
+("code ≠ paper" there), the released code is the default and the paper form is a switch.
 
 Shapes: B samples on this rank, T response tokens (right padding), S steps per response.
 """

@@ -3,7 +3,7 @@
 Each returns a keep-mask `[B]` (bool) over this rank's samples. Group members may live on
 different DP ranks: the accuracy filter reduces per-group sums (3 collectives), PROF all-gathers
 one row of per-sample scalars (5 collectives), and every rank then takes the same decisions.
-Section numbers (§) refer to `shared/research/algorithms.md`.
+Section numbers (§) refer to docs/algorithms.md.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Slow, obvious Python-loop references for the estimators and filters (research § in each).
 
-Written from the formulas in shared/research/algorithms.md, one sample and one token at a time,
+Written from the formulas in docs/algorithms.md, one sample and one token at a time,
 with plain floats; the vectorised / distributed code in megaprm.algorithms is tested against
 these. Also the random-batch generator the tests share.
 """
