@@ -106,7 +106,7 @@ def check_resume(cfg: Config, world_size: int) -> None:
             f"{path} was written with (world, tp, pp) = {have} but this run has {want}; resume "
             "with the same layout, or export the policy (checkpoint_tools export-hf) and start a "
             "new run_dir from it")
-    from megaprm.trainer.loop import config_digest_fields
+    from megaprm.trainer.run_config import config_digest_fields
 
     if state.get("config") is not None and not cfg.trainer.allow_config_change:
         changed = checkpoint.config_diff(state["config"], config_digest_fields(cfg))
