@@ -42,15 +42,17 @@ import time
 import uuid
 from typing import List
 
+import torch
+
 from megaprm.config import Config, save_config, to_dict
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.parallel.device import resolve_dtype
 from megaprm.parallel.groups import Groups
-from megaprm.parallel.host import agree, dp_mean, dp_sum
-from megaprm.parallel.offload import Offload
+from megaprm.parallel.host import agree, dp_mean, dp_reduce, dp_sum
 from megaprm.trainer import (
     actor_update,
     advantages,
+    correction,
     evaluate,
     implicit_prm,
     model_source,
@@ -68,7 +70,6 @@ from megaprm.trainer.data import (
     make_data,
     prompt_formatter,
 )
-from megaprm.trainer.lifecycle import Lifecycle
 from megaprm.trainer.metrics import MetricsLogger, PhaseTimer
 from megaprm.trainer.policy import (
     Batching,
@@ -143,8 +144,7 @@ class RLTrainer:
         # The engine first, then asleep: vLLM's start-up check wants utilisation x total memory
         # free, which the actor, reference and PRM would no longer leave; the first
         # `sync_weights` wakes its weights with the actor's.
-        self.engine = self._build_engine()
-        self.engine.sleep()
+        self.engine = rollout_source.build_engine(self)  # None: the rollout ranks hold it
         kw = dict(dtype=dtype, batching=self.batching,
                   build={"impl": cfg.model.impl, "compile": cfg.model.compile,
                          "recompute": cfg.model.recompute})
@@ -188,43 +188,13 @@ class RLTrainer:
         self.start_step = 0
         self.last_sync: dict = {}
         self.update_logprobs_t = None
-        self.lifecycle = Lifecycle(self.engine, self._stream_weights, self._offloads())
-        self.source = rollout_source.ColocatedSource(self.lifecycle, self.engine)
+        self.lifecycle, self.source = rollout_source.make_source(self)
         self.sync_weights()
 
     @staticmethod
     def tokenizer_dir(model_path: str) -> str:
         """Where the tokenizer of `model.path` lives (the HF dir, or a checkpoint's hf/)."""
         return model_source.resolve(model_path, "model.path").hf_dir
-
-    def _offloads(self) -> List[Offload]:
-        """The models whose `*.offload` switch is on, with their optimizers (PRIME's second
-        reference at T = 1 follows ref.offload)."""
-        cfg, out = self.cfg, []
-        if cfg.actor.offload:
-            out.append(Offload("actor", self.actor.model, self.actor.opt))
-        if cfg.ref.offload:
-            refs = [self.ref, getattr(self, "implicit_ref", None)]
-            out += [Offload("ref", r.model) for i, r in enumerate(refs)
-                    if r is not None and r not in refs[:i]]
-        if cfg.prm.offload and self.prm is not None:
-            out.append(Offload("prm", self.prm))
-        if cfg.prm.offload and self.implicit is not None:
-            out.append(Offload("prm", self.implicit.model, self.implicit.opt))
-        return out
-
-    def _build_engine(self):
-        """The colocated rollout engine on this rank's device (vLLM: external_launcher when
-        world > 1, the trainer's tp, one seed per tp group); it starts from the policy's HF
-        config and holds the actor's weights after the first sync (it reads no weights: the
-        actor's are checked and loaded once, by the actor)."""
-        from megaprm.parallel.device import rank_device
-        from megaprm.rollout.factory import build_engine
-
-        g = self.groups
-        return build_engine(self.cfg.rollout, self.src.hf_dir, self.tok,
-                            world_size=g.world_size, tp_size=g.tp_size,
-                            seed=self.cfg.trainer.seed, device=rank_device(), load_weights=False)
 
     # ------------------------------------------------------------------ the phases
     sync_weights = rollout_source.sync_weights
@@ -273,7 +243,8 @@ class RLTrainer:
         lengths = rp.attention_mask.long().sum(1)
         R = batch.response_ids.shape[1]
         # one update on-policy: the old log-probs are the update's own (actor_update's doc)
-        reuse = actor_update.reuses_new_logprobs(cfg, self.temperature)
+        stale = cfg.rollout.max_staleness > 0  # off-policy: pi_old recomputed, corrected
+        reuse = actor_update.reuses_new_logprobs(cfg, self.temperature, on_policy=not stale)
         logp_old_t = logp_sampler_t = None
         with t("old_logprobs"):
             # the monitor compares with the sampler at its own temperature (PURE: T=0.5 while
@@ -298,6 +269,15 @@ class RLTrainer:
                 prm_metrics = self.prime_prm(sb, rp, lengths, imp_ref_t)
         with t("advantages"):
             adv = self.advantages(sb, logp_old, logp_ref)
+        drawn = getattr(batch, "row_versions", None)  # the weight version of each row
+        lag = (self.source.version - drawn if drawn is not None
+               else torch.zeros(rp.input_ids.shape[0], dtype=torch.long))
+        off_metrics = {}
+        if stale and cfg.rollout.correction == "tis":  # correction.py: weights on advantages
+            w, off_metrics = correction.tis_weights(
+                targets_to_response(logp_sampler_t, rp, R), batch.sampler_logprobs,
+                batch.response_mask.float(), cfg.rollout.tis_cap)
+            adv.advantages = adv.advantages * w
         adv_t = response_to_targets(adv.advantages, rp)
         # refill's top-up groups (the cap was hit) did not pass: no gradient from them
         keep = adv.keep if sb.passed is None else adv.keep & sb.passed
@@ -316,7 +296,12 @@ class RLTrainer:
                 logp_sampler_t = logp_sampler_t[order.argsort()]
             logp_old = targets_to_response(logp_sampler_t, rp, R)
         logp_sampler = targets_to_response(logp_sampler_t, rp, R)
+        off_metrics.update(correction.lag_metrics(lag, logp_sampler, batch.sampler_logprobs,
+                                                  batch.response_mask.float()))
+        off_metrics.update(dp_reduce({k: off_metrics[k] for k in (
+            "rollout/staleness_max", "rollout/is_weight_max") if k in off_metrics}, g, op="max"))
         metrics = {**step_metrics.rollout_metrics(self, sb, adv, logp_old, logp_sampler),
+                   **off_metrics,
                    **prm_metrics, **refill_metrics, **self._judge_metrics,
                    **self._fallback_metrics, **update_metrics}
         with t("weight_sync"):
@@ -384,6 +369,7 @@ class RLTrainer:
                           side_files_from=self.src.hf_dir)
             if g.rank == 0:
                 print(f"[megaprm] final policy exported to {out}", flush=True)
+        self.source.stop()
         self.logger.close()
         if self.lock is not None:
             self.lock.release()

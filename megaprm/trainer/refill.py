@@ -138,7 +138,7 @@ def _join_rollouts(parts: list, n: int) -> RolloutBatch:
         return torch.nn.functional.pad(x, (0, w - x.shape[1]), value=v)
     cat = torch.cat
     B = sum(r.numel() for _, r in parts)
-    return RolloutBatch(
+    out = RolloutBatch(
         prompt_ids=cat([left(b.prompt_ids[r], P, pad) for b, r in parts]),
         prompt_mask=cat([left(b.prompt_mask[r], P, 0) for b, r in parts]),
         response_ids=cat([right(b.response_ids[r], R, pad) for b, r in parts]),
@@ -146,4 +146,7 @@ def _join_rollouts(parts: list, n: int) -> RolloutBatch:
         sampler_logprobs=cat([right(b.sampler_logprobs[r], R, 0.0) for b, r in parts]),
         finish_reason=[b.finish_reason[i] for b, r in parts for i in r.tolist()],
         group_index=torch.arange(B // n).repeat_interleave(n), pad_token_id=pad)
+    if all(hasattr(b, "row_versions") for b, _ in parts):  # the weight version of each row
+        out.row_versions = cat([b.row_versions[r] for b, r in parts])
+    return out
 

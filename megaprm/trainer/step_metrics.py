@@ -85,6 +85,8 @@ def warn_on_drift(tr, step: int, metrics: dict) -> None:
     """The engine and the trainer disagree on the sampled tokens' log-probs: a wrong
     temperature, stale engine weights, or a numerics problem (docs/rollout.md)."""
     d = metrics.get("rollout/logprob_diff_max")
+    if metrics.get("rollout/staleness_max", 0.0) > 0:  # stale samples differ by design
+        return
     if d is not None and d > LOGPROB_DIFF_WARN and tr.groups.rank == 0:
         print(f"[megaprm] warning: step {step}: sampler vs trainer log-prob max |diff| "
               f"{d:.3g} > {LOGPROB_DIFF_WARN} (see docs/rollout.md)", flush=True)

@@ -1,0 +1,69 @@
+"""Separate placement (rollout/remote.py): the last rollout.ranks ranks of one launch draw the
+samples, the first ones train. On-policy (max_staleness 0) a run equals the colocated run on the
+trainer's ranks; with max_staleness 1 the rollout ranks draw one block ahead and no batch is
+consumed more than one weight version after the one it was drawn with."""
+import pytest
+
+from megaprm.parallel import launch
+from tests.rl_setup import rl_config, tiny_policy_and_prm
+
+PER_RANK = ("timing/", "throughput/", "weight_sync/")  # wall-clock: differs between runs
+BASE = ["rollout.max_tokens=16", "actor.micro_batch_size=8", "trainer.save_every=0",
+        "trainer.steps=3", "trainer.eval_every=3", "trainer.eval_problems=8",
+        "actor.entropy_coef=0.01"]  # a gradient every step (the tiny policy earns no reward)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tiny_policy_and_prm(tmp_path_factory.mktemp("models"))
+
+
+def _run(run_dir, policy, prm, extra):
+    """One rank of a launch, as `megaprm train` runs it: split the world, then train or serve."""
+    from megaprm.parallel.init import init_distributed
+    from megaprm.rollout import remote
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer.loop import RLTrainer
+
+    cfg = rl_config(run_dir, policy, prm, "grpo", [*BASE, *extra])
+    tok = build_char_tokenizer()
+    placement = remote.split_world(cfg)
+    if placement is not None and placement.is_rollout:
+        return {"drawn": remote.serve(cfg, placement, tok)}
+    return RLTrainer(cfg, init_distributed(), tok).fit()
+
+
+def _same(a: dict, b: dict) -> None:
+    for k, v in a.items():
+        if not k.startswith(PER_RANK):
+            assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+def test_separate_on_policy_equals_colocated_and_stale_stays_within_k(models, tmp_path):
+    policy, prm = models
+    colocated = launch.spawn(_run, 2, str(tmp_path / "colocated"), policy, prm, [])
+    sep = ["rollout.placement=separate", "rollout.ranks=1"]
+    separate = launch.spawn(_run, 3, str(tmp_path / "separate"), policy, prm, sep)
+    # the same samples, the same updates: every logged metric of every step (the trainer's two
+    # ranks log the same dp-reduced values), the held-out evaluation included
+    for step_c, step_s in zip(colocated[0], separate[0]):
+        _same(step_c, step_s)
+        assert step_s["rollout/staleness_max"] == 0.0
+    assert len(separate[0]) == 3 and "eval/accuracy" in separate[0][-1]
+    # 3 blocks x 2 dp shards drawn by the one rollout rank, nothing more
+    assert separate[2] == {"drawn": 6}
+
+    stale = launch.spawn(_run, 3, str(tmp_path / "stale"), policy, prm,
+                         [*sep, "rollout.max_staleness=1"])
+    hist = stale[0]
+    # block 0 is drawn with the first weights; block s > 0 was ordered while step s-1 trained
+    assert [m["rollout/staleness_max"] for m in hist] == [0.0, 1.0, 1.0]
+    assert all("rollout/logprob_gap_lag1" in m for m in hist[1:])
+    for m in hist[1:]:  # the correction's weights, truncated at the cap
+        assert 0 < m["rollout/is_weight_mean"] <= 2.0 and m["rollout/is_weight_max"] > 0
+        assert 0.0 <= m["rollout/is_truncated_frac"] <= 1.0
+    # step 0 is on-policy in both runs: the same samples and the same update
+    _same({k: v for k, v in colocated[0][0].items() if not k.startswith("rollout/is_")},
+          hist[0])
+    # one block ahead: 4 blocks ordered (the last one never consumed)
+    assert stale[2] == {"drawn": 8}
