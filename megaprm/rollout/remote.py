@@ -240,6 +240,7 @@ def serve(cfg, placement: Placement, tokenizer) -> int:
     alone = Groups(world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, cp_size=1,
                    tp_rank=0, pp_rank=0, dp_rank=0, cp_rank=0)
     version, drawn = -1, 0
+    kill_at = int(os.environ.get("MEGAPRM_KILL_ROLLOUT_AT", "-1"))  # tests only: SIGKILL here
     while True:
         msg = recv(placement, 0, CTRL)
         if msg[0] == "weights":
@@ -248,6 +249,10 @@ def serve(cfg, placement: Placement, tokenizer) -> int:
         elif msg[0] == "generate":
             block, shards = msg[1], msg[2]
             for ids, params, dsts in shards:
+                if drawn == kill_at:
+                    import signal
+
+                    os.kill(os.getpid(), signal.SIGKILL)
                 batch = engine.generate(ids, params)
                 drawn += 1
                 for dst in dsts:

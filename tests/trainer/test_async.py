@@ -67,3 +67,42 @@ def test_separate_on_policy_equals_colocated_and_stale_stays_within_k(models, tm
           hist[0])
     # one block ahead: 4 blocks ordered (the last one never consumed)
     assert stale[2] == {"drawn": 8}
+
+
+def test_a_killed_rank_ends_the_run_in_one_line_and_resume_continues(models, tmp_path):
+    """`megaprm train --nproc 3 rollout.placement=separate rollout.ranks=1`: kill -9 of the
+    rollout rank (drawing block 2), then of the trainer ranks (after step 2's log) each end the
+    whole launch with one line naming the killed rank, leave no rank behind, and the next start
+    resumes from the last checkpoint (step 1) and finishes the run."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    from tests.test_megaprm_cli import FAST, MEGAPRM, ROOT, _assert_none_left, _pids_with
+
+    policy, _ = models
+    run_dir = str(tmp_path / "run")
+    cmd = [*MEGAPRM, "train", "--config", "configs/grpo_tiny.yaml", f"model.path={policy}",
+           f"trainer.run_dir={run_dir}", *FAST, "--nproc", "3", "rollout.placement=separate",
+           "rollout.ranks=1", "trainer.steps=4", "trainer.save_every=1"]
+
+    def launch_(**env):
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+
+    # 2 prompts on 2 dp ranks: the rollout rank draws 2 batches a block; 4 = blocks 0 and 1
+    for env, victim in (({"MEGAPRM_KILL_ROLLOUT_AT": "4"}, "rank 2"),
+                        ({"MEGAPRM_KILL_AT": "2:after_log"}, "rank ")):
+        p = launch_(**env)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 128 + signal.SIGKILL, p.stderr[-3000:]
+        assert last.startswith(f"megaprm: {victim}") and "killed by SIGKILL" in last, last
+        _assert_none_left(lambda: _pids_with(run_dir), "ranks outlived the killed rank")
+        ckpts = os.path.join(run_dir, "checkpoints")
+        assert open(os.path.join(ckpts, "latest")).read() == "step_000001"
+    p = launch_()
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resumed from" in p.stdout and "step_000001" in p.stdout
+    rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
