@@ -15,6 +15,11 @@ _NOT_DIGESTED = {"trainer": ("steps", "save_every", "resume", "resume_fallback",
                  # where the state sits while the engine generates, not what is computed: a run
                  # may resume with offload switched on or off (bit-exact either way)
                  "actor": ("offload",), "ref": ("offload",), "prm": ("offload",)}
+# where the engine runs (rollout.placement, rollout.ranks) is not what is computed either: an
+# on-policy run draws the same samples in both placements (docs/rollout.md)
+_NOT_DIGESTED["rollout"] = ("placement", "ranks")
+# read only off-policy: on-policy digests stay those of checkpoints written before they existed
+_OFF_POLICY = ("rollout.max_staleness", "rollout.correction", "rollout.tis_cap")
 
 
 def config_digest_fields(cfg: Config) -> dict:
@@ -35,6 +40,9 @@ def config_digest_fields(cfg: Config) -> dict:
         for k in keys:
             d.get(section, {}).pop(k, None)
     walk("", d)
+    if not flat.get("rollout.max_staleness"):
+        for k in _OFF_POLICY:
+            flat.pop(k, None)
     return flat
 
 

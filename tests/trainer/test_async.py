@@ -106,3 +106,31 @@ def test_a_killed_rank_ends_the_run_in_one_line_and_resume_continues(models, tmp
     assert "resumed from" in p.stdout and "step_000001" in p.stdout
     rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["rollout.placement=separate"], "rollout.ranks=0 is not valid: >= 1"),
+    (["rollout.max_staleness=1"], "rollout.max_staleness=1 is not valid: 0 with rollout."),
+    (["rollout.placement=separate", "rollout.ranks=1", "rollout.refill=std",
+      "rollout.refill_surplus=requeue"], "rollout.refill_surplus='requeue' is not valid: drop"),
+    (["rollout.correction=is"], "rollout.correction='is' is not valid: none or tis"),
+])
+def test_async_keys_are_checked_in_one_line(overrides, says):
+    from megaprm.config import ConfigError, load_config
+    from tests.rl_setup import DEMO_YAML
+
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO_YAML, overrides)
+    assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def test_preflight_counts_only_the_trainer_ranks():
+    from megaprm.config import ConfigError, load_config
+    from megaprm.trainer.preflight import check_batch, trainer_world
+    from tests.rl_setup import DEMO_YAML
+
+    cfg = load_config(DEMO_YAML, ["rollout.placement=separate", "rollout.ranks=1"])
+    assert trainer_world(cfg, 3) == 2 and trainer_world(load_config(DEMO_YAML), 3) == 3
+    with pytest.raises(ConfigError, match="leaves no trainer rank"):
+        trainer_world(cfg, 1)
+    check_batch(cfg, trainer_world(cfg, 3))  # 2 trainer dp ranks divide the prompts
