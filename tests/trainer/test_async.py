@@ -69,6 +69,43 @@ def test_separate_on_policy_equals_colocated_and_stale_stays_within_k(models, tm
     assert stale[2] == {"drawn": 8}
 
 
+def _run_method(run_dir, policy, prm, method, extra):
+    from megaprm.parallel.init import init_distributed
+    from megaprm.rollout import remote
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer.loop import RLTrainer
+
+    cfg = rl_config(run_dir, policy, prm, method, [*BASE, "trainer.steps=2", *extra])
+    tok = build_char_tokenizer()
+    placement = remote.split_world(cfg)
+    if placement is not None and placement.is_rollout:
+        return {"drawn": remote.serve(cfg, placement, tok)}
+    return RLTrainer(cfg, init_distributed(), tok).fit()
+
+
+@pytest.mark.parametrize("method,extra", [
+    ("prime", ["rollout.refill=std", "rollout.max_refill_rounds=2"]),
+    ("prof_grpo", [])], ids=["prime-refill", "prof_grpo-prm"])
+def test_every_kind_of_method_runs_one_step_stale(models, tmp_path, method, extra):
+    """max_staleness 1 with PRIME's online implicit PRM and refill drawing further blocks from
+    the stream, and with a discriminative PRM scoring on the trainer ranks."""
+    policy, prm = models
+    out = launch.spawn(_run_method, 3, str(tmp_path), policy, prm, method,
+                       ["rollout.placement=separate", "rollout.ranks=1",
+                        "rollout.max_staleness=1", *extra])
+    hist = out[0]
+    assert len(hist) == 2 and all(m["guard/skipped_total"] == 0 for m in hist)
+    assert all(m["rollout/staleness_max"] <= 1 for m in hist)
+    assert hist[1]["rollout/staleness_max"] == 1.0
+    if method == "prime":
+        assert all("prm/loss" in m for m in hist)
+        rounds = sum(m["rollout/refill_rounds"] + 1 for m in hist)
+        # every round took one block of the stream; one block ordered ahead; 2 dp shards each
+        assert out[2]["drawn"] == 2 * (rounds + 1)
+    else:
+        assert all("prm/outcome_agreement" in m for m in hist)
+
+
 def test_a_killed_rank_ends_the_run_in_one_line_and_resume_continues(models, tmp_path):
     """`megaprm train --nproc 3 rollout.placement=separate rollout.ranks=1`: kill -9 of the
     rollout rank (drawing block 2), then of the trainer ranks (after step 2's log) each end the
