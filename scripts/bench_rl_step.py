@@ -57,7 +57,7 @@ def make_model(out_dir: str) -> str:
 
 
 def rank_main(model_dir: str, run_dir: str, tp: int, pp: int, steps: int, warmup: int,
-              overrides: list) -> dict:
+              overrides: list, threads: int = 0) -> dict:
     """One rank: build the trainer, run warmup + steps RL steps, return per-step phase times
     (a separate placement's rollout rank serves and returns its CPU seconds)."""
     from megaprm.config import load_config
@@ -70,6 +70,10 @@ def rank_main(model_dir: str, run_dir: str, tp: int, pp: int, steps: int, warmup
         f"model.path={model_dir}", f"trainer.run_dir={run_dir}", f"parallel.tp={tp}",
         f"parallel.pp={pp}", "prm.kind=none", "advantage.method=grpo", "trainer.wandb=disabled",
         "trainer.progress=false", f"trainer.steps={steps + warmup}", *overrides])
+    if threads:  # the same per rank in every run (spawn's default divides the cores by world)
+        import torch
+
+        torch.set_num_threads(threads)
     placement = remote.split_world(cfg)
     if placement is not None and placement.is_rollout:
         c0 = time.process_time()
@@ -107,7 +111,7 @@ def run_placement(model_dir: str, spec: str, args) -> dict:
                         f"rollout.max_staleness={k}"], 2
     with tempfile.TemporaryDirectory(prefix="bench-rl-async-") as run_dir:
         ranks = spawn(rank_main, world, model_dir, run_dir, 1, 1, args.steps, args.warmup,
-                      [*args.overrides, *extra])
+                      [*args.overrides, *extra], args.threads)
     tr = ranks[0]
     keys = ("step_s", *PHASES)
     return {"placement": spec, "world_size": world,
@@ -143,7 +147,7 @@ def main_placements(args) -> int:
         "workload": {"overrides": args.overrides, "prm": "none", "advantage": "grpo",
                      "task": "arithmetic"},
         "steps": args.steps, "warmup": args.warmup, "phases": list(PHASES),
-        "placements": results}
+        "threads_per_rank": args.threads, "placements": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     for r in results:
@@ -196,6 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--placements", nargs="+", default=None,
                     help="colocated and/or separate:K (K = rollout.max_staleness) instead of "
                          "--layouts")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="--placements: torch threads per rank, the same in every placement")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.placements:
