@@ -153,8 +153,36 @@ class RolloutConfig:
     # passing groups beyond the step's share: drop (verl's DAPO recipe) | requeue (PRIME's
     # release: their prompts are generated again first in the next step's first round)
     refill_surplus: str = "drop"
+    # where the engine runs (docs/rollout.md "Placement"): colocated (on every trainer rank,
+    # sharing its device) | separate (the last `ranks` ranks of the launch run the engine alone)
+    placement: str = "colocated"
+    ranks: int = 0                       # separate: how many rollout ranks (the last of the world)
+    # separate: batches the rollout ranks may draw ahead of the trainer; a batch is consumed at
+    # most this many weight versions after the one it was drawn with (0: on-policy)
+    max_staleness: int = 0
+    # off-policy correction of the update against the engine's log-probs (docs/rollout.md):
+    # none | tis (token-level truncated importance sampling, verl's rollout correction)
+    correction: str = "tis"
+    tis_cap: float = 2.0                 # C: importance weights above it are truncated to it
 
     def __post_init__(self):
+        _check(self.placement in ("colocated", "separate"), "rollout.placement", self.placement,
+               "colocated or separate")
+        _check(isinstance(self.ranks, int) and self.ranks >= 0, "rollout.ranks", self.ranks,
+               "an integer >= 0 (rollout ranks of a separate placement)")
+        _check(self.placement == "colocated" or self.ranks >= 1, "rollout.ranks", self.ranks,
+               ">= 1 with rollout.placement=separate (the last ranks of the launch)")
+        _check(isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+               "rollout.max_staleness", self.max_staleness, "an integer >= 0")
+        _check(self.max_staleness == 0 or self.placement == "separate", "rollout.max_staleness",
+               self.max_staleness, "0 with rollout.placement=colocated (the engine shares the "
+               "trainer's ranks: nothing runs ahead); set rollout.placement=separate")
+        _check(self.placement == "colocated" or self.refill_surplus == "drop",
+               "rollout.refill_surplus", self.refill_surplus,
+               "drop with rollout.placement=separate (requeued prompts are not streamed)")
+        _check(self.correction in ("none", "tis"), "rollout.correction", self.correction,
+               "none or tis (token-level truncated importance sampling)")
+        _check(self.tis_cap >= 1.0, "rollout.tis_cap", self.tis_cap, ">= 1")
         _check(self.engine in ("hf", "vllm"), "rollout.engine", self.engine, "hf or vllm")
         _check(self.refill in REFILL_FILTERS, "rollout.refill", self.refill,
                "none, accuracy (mean outcome in advantage.prime.acc_low..acc_high) or std "

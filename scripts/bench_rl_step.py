@@ -14,6 +14,15 @@ layout measured in the same run (`vs_1_1_1` = layout time / (1,1,1) time; < 1 is
 
 On a 2-core CPU this measures the overhead of the parallel plumbing (collectives, pipeline
 schedule, resharded weight sync), not a speed-up: two ranks share two cores.
+
+    python scripts/bench_rl_step.py --placements colocated separate:0 separate:1 separate:2
+                                    [--out runs/bench/bench_rl_step_async.json]
+
+compares placements instead (docs/rollout.md): one trainer rank with the engine colocated, vs
+one trainer rank + one rollout rank (`rollout.placement=separate rollout.ranks=1`) at
+`rollout.max_staleness` k. Per phase the trainer's wall time (its `rollout` phase is then the
+wait for the batch), the step's wall time, and each rank's CPU seconds per step; the
+colocated run of the same invocation is the baseline (`vs_colocated`).
 """
 from __future__ import annotations
 
@@ -48,30 +57,105 @@ def make_model(out_dir: str) -> str:
 
 
 def rank_main(model_dir: str, run_dir: str, tp: int, pp: int, steps: int, warmup: int,
-              overrides: list) -> dict:
-    """One rank: build the trainer, run warmup + steps RL steps, return per-step phase times."""
+              overrides: list, threads: int = 0) -> dict:
+    """One rank: build the trainer, run warmup + steps RL steps, return per-step phase times
+    (a separate placement's rollout rank serves and returns its CPU seconds)."""
     from megaprm.config import load_config
     from megaprm.parallel.init import destroy, init_distributed
+    from megaprm.rollout import remote
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer.loop import RLTrainer
 
-    groups = init_distributed(tp=tp, pp=pp, seed=0)
     cfg = load_config(str(ROOT / "megaprm" / "configs" / "demo.yaml"), [
         f"model.path={model_dir}", f"trainer.run_dir={run_dir}", f"parallel.tp={tp}",
         f"parallel.pp={pp}", "prm.kind=none", "advantage.method=grpo", "trainer.wandb=disabled",
         "trainer.progress=false", f"trainer.steps={steps + warmup}", *overrides])
+    if threads:  # the same per rank in every run (spawn's default divides the cores by world)
+        import torch
+
+        torch.set_num_threads(threads)
+    placement = remote.split_world(cfg)
+    if placement is not None and placement.is_rollout:
+        c0 = time.process_time()
+        drawn = remote.serve(cfg, placement, build_char_tokenizer())
+        return {"role": "rollout", "drawn": drawn, "cpu_s": time.process_time() - c0}
+    groups = init_distributed(tp=tp, pp=pp, seed=0)
     t0 = time.perf_counter()
     trainer = RLTrainer(cfg, groups, build_char_tokenizer())
     build_s = time.perf_counter() - t0
     rows = []
+    c0 = None
     for s in range(warmup + steps):
+        if s == warmup:
+            c0 = time.process_time()
         t0 = time.perf_counter()
         m = trainer.step(s)
         total = time.perf_counter() - t0
         if s >= warmup:
-            rows.append({"step_s": total, **{p: m.get(f"timing/{p}_s", 0.0) for p in PHASES}})
+            rows.append({"step_s": total, **{p: m.get(f"timing/{p}_s", 0.0) for p in PHASES},
+                         "staleness": m.get("rollout/staleness_max", 0.0)})
+    cpu = time.process_time() - c0
+    trainer.source.stop()
     destroy()
-    return {"build_s": build_s, "steps": rows}
+    return {"role": "trainer", "build_s": build_s, "steps": rows, "cpu_s": cpu}
+
+
+def run_placement(model_dir: str, spec: str, args) -> dict:
+    """`colocated` (1 rank) or `separate:k` (1 trainer + 1 rollout rank, max_staleness k)."""
+    from megaprm.parallel.launch import spawn
+
+    extra, world = [], 1
+    if spec != "colocated":
+        k = int(spec.split(":")[1])
+        extra, world = ["rollout.placement=separate", "rollout.ranks=1",
+                        f"rollout.max_staleness={k}"], 2
+    with tempfile.TemporaryDirectory(prefix="bench-rl-async-") as run_dir:
+        ranks = spawn(rank_main, world, model_dir, run_dir, 1, 1, args.steps, args.warmup,
+                      [*args.overrides, *extra], args.threads)
+    tr = ranks[0]
+    keys = ("step_s", *PHASES)
+    return {"placement": spec, "world_size": world,
+            "median_s": {k: round(statistics.median(s[k] for s in tr["steps"]), 4)
+                         for k in keys},
+            "staleness_max": max(s["staleness"] for s in tr["steps"]),
+            "cpu_s_per_step": {r["role"]: round(r["cpu_s"] / args.steps, 4) for r in ranks},
+            "steps_s": [{k: round(v, 4) for k, v in s.items()} for s in tr["steps"]]}
+
+
+def main_placements(args) -> int:
+    import torch
+
+    load0 = os.getloadavg()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-rl-model-") as tmp:
+        model_dir = make_model(os.path.join(tmp, "policy"))
+        for spec in args.placements:
+            print(f"placement {spec} ...", file=sys.stderr, flush=True)
+            results.append(run_placement(model_dir, spec, args))
+    base = next((r for r in results if r["placement"] == "colocated"), None)
+    for r in results:
+        if base is not None:
+            r["vs_colocated"] = {k: round(v / base["median_s"][k], 3) if base["median_s"][k]
+                                 else None for k, v in r["median_s"].items()}
+    out = {
+        "benchmark": "RL step per phase: colocated engine vs separate rollout rank at staleness k",
+        "baseline": "the colocated placement (1 rank), same workload, same run",
+        "device": {"kind": "cuda" if torch.cuda.is_available() else "cpu", "cpu": cpu_name(),
+                   "cores": os.cpu_count(), "load_avg_at_start": [round(x, 2) for x in load0],
+                   "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "torch": torch.__version__, "python": platform.python_version(), "model": MODEL,
+        "workload": {"overrides": args.overrides, "prm": "none", "advantage": "grpo",
+                     "task": "arithmetic"},
+        "steps": args.steps, "warmup": args.warmup, "phases": list(PHASES),
+        "threads_per_rank": args.threads, "placements": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    for r in results:
+        print(f"{r['placement']}: step {r['median_s']['step_s']:.3f} s, rollout wait "
+              f"{r['median_s']['rollout']:.3f} s, cpu/step {r['cpu_s_per_step']}"
+              + (f" ({r['vs_colocated']['step_s']:.2f}x of colocated)" if base else ""))
+    print(f"wrote {args.out}")
+    return 0
 
 
 def run_layout(model_dir: str, tp: int, pp: int, dp: int, args) -> dict:
@@ -113,8 +197,17 @@ def main(argv=None) -> int:
                     default=["data.prompts_per_step=4", "rollout.n=4", "rollout.max_tokens=32",
                              "actor.micro_batch_size=8", "actor.mini_batches=1"],
                     help="config overrides shared by every layout (the workload)")
-    ap.add_argument("--out", default=default_out("bench_rl_step.json"))
+    ap.add_argument("--placements", nargs="+", default=None,
+                    help="colocated and/or separate:K (K = rollout.max_staleness) instead of "
+                         "--layouts")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="--placements: torch threads per rank, the same in every placement")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.placements:
+        args.out = args.out or default_out("bench_rl_step_async.json")
+        return main_placements(args)
+    args.out = args.out or default_out("bench_rl_step.json")
 
     import torch
 

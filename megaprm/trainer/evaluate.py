@@ -58,3 +58,32 @@ def evaluate_math(engine, tokenizer, groups: Groups, prompts: list, answers: lis
     counts = dp_reduce({"total": len(scores), "correct": float(scores.sum())}, groups)
     return {"accuracy": counts["correct"] / max(counts["total"], 1),
             "problems": int(counts["total"])}
+
+
+def evaluate_trainer(tr) -> dict:
+    """Phase (every `trainer.eval_every` steps): held-out greedy accuracy of the trainer's
+    policy through its rollout source's engine (arithmetic: plus the exact flawed-step
+    shares)."""
+    return {f"eval/{k}": float(v) for k, v in tr.source.evaluate().items()}
+
+
+def evaluate_with(cfg, engine, tok, groups) -> dict:
+    """The held-out evaluation of `trainer.eval_problems` problems through `engine` (dp-sharded
+    over `groups`; a separate placement's rollout rank evaluates them all)."""
+    from megaprm.trainer.data import HELD_OUT_SEED, prompt_formatter
+
+    n = cfg.trainer.eval_problems
+    fmt = prompt_formatter(cfg.data, tok)  # the training prompts' format
+    if cfg.data.task == "arithmetic":
+        from megaprm.tasks.arithmetic import generate_problems
+
+        problems = generate_problems(cfg.data.arithmetic, n, seed=HELD_OUT_SEED)
+        return evaluate_arithmetic(engine, tok, groups, problems,
+                                   max_tokens=cfg.rollout.max_tokens, fmt=fmt)
+    from megaprm.tasks.datasets import load_prompts
+
+    records, _ = load_prompts(cfg.data.eval_path, limit=n)
+    return evaluate_math(engine, tok, groups,
+                         [fmt(x.prompt, x.meta.get("messages")) for x in records],
+                         [x.answer for x in records], max_tokens=cfg.rollout.max_tokens,
+                         verifier=cfg.reward.verifier)

@@ -14,6 +14,7 @@ def check_rl_launch(cfg: Config, world_size: int) -> None:
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.trainer import model_source
 
+    world_size = trainer_world(cfg, world_size)
     dp = check_layout(world_size, cfg.parallel.tp, cfg.parallel.pp)
     src = model_source.resolve(cfg.model.path, "model.path")
     spec_from_hf(src.hf_dir).check_parallel(cfg.parallel.tp, cfg.parallel.pp)
@@ -40,6 +41,18 @@ def check_rl_launch(cfg: Config, world_size: int) -> None:
                               ".parquet prompt file")
     check_batch(cfg, dp)
     check_resume(cfg, world_size)
+
+
+def trainer_world(cfg: Config, world_size: int) -> int:
+    """The trainer's ranks in a launch of `world_size`: all of them colocated, the first
+    world_size - rollout.ranks under a separate placement (the rollout ranks run no Megatron)."""
+    if cfg.rollout.placement != "separate":
+        return world_size
+    if cfg.rollout.ranks >= world_size:
+        raise ConfigError(f"rollout.ranks={cfg.rollout.ranks} leaves no trainer rank in a launch "
+                          f"of {world_size} processes; launch more (--nproc) or lower "
+                          "rollout.ranks")
+    return world_size - cfg.rollout.ranks
 
 
 def check_plan(cfg: Config, world_size: int, gpu=None) -> None:
@@ -106,7 +119,7 @@ def check_resume(cfg: Config, world_size: int) -> None:
             f"{path} was written with (world, tp, pp) = {have} but this run has {want}; resume "
             "with the same layout, or export the policy (checkpoint_tools export-hf) and start a "
             "new run_dir from it")
-    from megaprm.trainer.loop import config_digest_fields
+    from megaprm.trainer.run_config import config_digest_fields
 
     if state.get("config") is not None and not cfg.trainer.allow_config_change:
         changed = checkpoint.config_diff(state["config"], config_digest_fields(cfg))

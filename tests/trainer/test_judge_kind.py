@@ -55,6 +55,7 @@ def _work(run_dir, policy, prm, grader, canned):
     import megaprm.rewards.judge as J
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer import advantages as phase
     from megaprm.trainer import loop
 
     g = init_distributed()
@@ -77,7 +78,7 @@ def _work(run_dir, policy, prm, grader, canned):
         sb.outcome = (torch.arange(sb.outcome.numel()) % 3 == 0).float()
         return sb
     tr.outcome_reward = outcome
-    real_judge, real_adv = J.judge_process_scores, loop.compute_advantages
+    real_judge, real_adv = J.judge_process_scores, phase.compute_advantages
 
     def judge(engine, tok, problems, refs, texts, outcome, jcfg):
         res = real_judge(engine, tok, problems, refs, texts, outcome, jcfg)
@@ -89,7 +90,7 @@ def _work(run_dir, policy, prm, grader, canned):
         out = real_adv(acfg, inputs, **kw)
         seen["inputs"], seen["out"] = inputs, out
         return out
-    J.judge_process_scores, loop.compute_advantages = judge, compute
+    J.judge_process_scores, phase.compute_advantages = judge, compute
     hist = tr.fit()
     seen["calls"] = calls
     seen["group_ids"] = seen["inputs"].group_ids

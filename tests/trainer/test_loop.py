@@ -584,3 +584,75 @@ def test_prof_grpo_runs_on_the_oracle_prm(models, tmp_path):
     policy, prm = models
     no_model, m = launch.spawn(_oracle_rl_work, 1, str(tmp_path), policy, prm)[0]
     assert no_model and m["guard/skipped_total"] == 0 and "prm/outcome_agreement" in m
+
+
+# ------------------------------------------------------------------ old-log-prob forward skipped
+
+def _reuse_work(run_dir, policy, prm):
+    """Three trainers from the same weights take step 0 on the same samples: the default (one
+    mini-batch on-policy: the old-log-prob forward skipped), the same with the forward forced
+    (the reference path), and two mini-batches (the forward needed). Returns per trainer the
+    actor forwards outside the update, the step's metrics and the grads it applied."""
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer import actor_update, loop
+
+    g = init_distributed()
+    real = actor_update.reuses_new_logprobs
+    out = {}
+    for name, extra, forced in (("skip", ["actor.mini_batches=1"], None),
+                                ("forward", ["actor.mini_batches=1"], False),
+                                ("two_minibatches", ["actor.mini_batches=2"], None)):
+        cfg = _config(os.path.join(run_dir, name), policy, prm, "grpo",
+                      ["trainer.steps=1", "rollout.temperature=0.8", "actor.kl_coef=0.01",
+                       "actor.entropy_coef=0.01", "actor.shuffle_mini_batches=true", *extra])
+        tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
+        calls, grads = [], []
+        real_step = tr.actor.opt.step
+
+        def step():  # the grads the optimiser applies (after the dp/tp finalisation)
+            out = real_step()
+            grads.append([p.main_grad.detach().clone() for p in tr.actor.model.parameters()])
+            return out
+        tr.actor.opt.step = step
+        real_lp = tr.actor.logprobs
+        tr.actor.logprobs = lambda *a, **k: (calls.append(1), real_lp(*a, **k))[1]
+        actor_update.reuses_new_logprobs = real if forced is None else (lambda *a, **k: forced)
+        try:
+            metrics = tr.step(0)
+        finally:
+            actor_update.reuses_new_logprobs = real
+        out[name] = (len(calls), metrics, grads[0])
+    return out
+
+
+def test_old_logprob_forward_is_skipped_exactly_when_it_equals_the_update_forward(models,
+                                                                                  tmp_path):
+    """One mini-batch on-policy: no old-log-prob forward, and the step's losses, ratios, monitor
+    and applied grads equal those of the path with the forward (the ratio is 1 by
+    construction, TRL's detach); with two mini-batches the forward runs."""
+    from megaprm.config import load_config
+    from megaprm.trainer.actor_update import reuses_new_logprobs
+
+    policy, prm = models
+    out = launch.spawn(_reuse_work, 1, str(tmp_path), policy, prm)[0]
+    (n_skip, m_skip, g_skip), (n_fwd, m_fwd, g_fwd) = out["skip"], out["forward"]
+    assert (n_skip, n_fwd, out["two_minibatches"][0]) == (0, 1, 1)
+    for k, v in m_fwd.items():
+        if not k.startswith(PER_RANK):
+            assert m_skip[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert m_skip["actor/ratio_mean"] == 1.0 and m_skip["rollout/logprob_diff_max"] > 0
+    assert len(g_skip) == len(g_fwd)
+    for a, b in zip(g_skip, g_fwd):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert any(float(a.abs().max()) > 0 for a in g_skip)
+
+    def cfg(*o):
+        return load_config(DEMO_YAML, [f"model.path={policy}", "rollout.temperature=0.8",
+                                       "actor.mini_batches=1", *o])
+    t = 0.8
+    assert reuses_new_logprobs(cfg(), t)
+    assert not reuses_new_logprobs(cfg("actor.mini_batches=2"), t)
+    assert not reuses_new_logprobs(cfg(), t, on_policy=False)
+    assert not reuses_new_logprobs(cfg("actor.logprob_temperature=1.0"), 1.0)
+    assert not reuses_new_logprobs(cfg("advantage.method=pure", "advantage.pure.kl_coef=0.01"), t)

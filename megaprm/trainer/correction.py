@@ -1,0 +1,52 @@
+"""The off-policy side of a step: how stale its samples are, how far the sampler's log-probs
+are from the trainer's per version lag, and the correction of the update for the difference.
+
+Correction (`rollout.correction: tis`, applied when `rollout.max_staleness` > 0): token-level
+truncated importance sampling as in verl's rollout correction (docs/algo/rollout_corr.md and
+rollout_corr_math.md, `rollout_is: token` with `rollout_is_threshold`; Liu, Li et al. 2025,
+"When Speed Kills Stability"). Decoupled PPO: the PPO ratio is taken against the trainer's own
+log-probs before the update (the proximal policy pi_old, recomputed by the old-log-prob
+forward), and each token's policy-gradient term is weighted by
+
+    w_t = min(pi_old(a_t) / pi_behav(a_t), C),    detached,
+
+pi_behav the engine's log-probs of the sampled token (the policy that drew it, `rollout.tis_cap`
+= C). Since w_t >= 0 multiplies the whole clipped term, min(r A, clip(r) A) * w = min(r (w A),
+clip(r) (w A)) (and likewise for the dual clip), the weight is applied to the advantages; the
+entropy and KL terms are left unweighted, as verl does. Both log-probs are at the sampling
+temperature (the one the engine drew at).
+"""
+from __future__ import annotations
+
+import torch
+
+MAX_LOG_RATIO = 20.0  # as the PPO ratio's clamp (algorithms/losses.py)
+
+
+def lag_metrics(lag: torch.Tensor, trainer_lp: torch.Tensor, sampler_lp: torch.Tensor,
+                mask: torch.Tensor) -> dict:
+    """lag [B]: trainer version - the version each row was drawn with; trainer_lp, sampler_lp
+    [B, R] at the sampling temperature; mask [B, R]. `rollout/staleness` (mean over rows),
+    `rollout/staleness_max`, and per lag d present `rollout/logprob_gap_lag{d}`: mean |trainer -
+    sampler| over its rows' tokens."""
+    m = {"rollout/staleness": float(lag.float().mean()),
+         "rollout/staleness_max": float(lag.max())}
+    diff = (trainer_lp - sampler_lp).abs() * mask
+    for d in sorted(set(lag.tolist())):
+        rows = lag == d
+        m[f"rollout/logprob_gap_lag{d}"] = float(diff[rows].sum()
+                                                 / mask[rows].sum().clamp(min=1))
+    return m
+
+
+def tis_weights(trainer_lp: torch.Tensor, sampler_lp: torch.Tensor, mask: torch.Tensor,
+                cap: float) -> tuple:
+    """w [B, R] = min(exp(trainer - sampler), cap) on valid tokens (0 elsewhere), and its
+    metrics: `rollout/is_weight_mean` (after truncation), `rollout/is_weight_max` (before),
+    `rollout/is_truncated_frac` (share of valid tokens above the cap)."""
+    ratio = torch.exp((trainer_lp - sampler_lp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)) * mask
+    w = ratio.clamp(max=cap)
+    n = mask.sum().clamp(min=1)
+    return w, {"rollout/is_weight_mean": float(w.sum() / n),
+               "rollout/is_weight_max": float(ratio.max()) if ratio.numel() else 0.0,
+               "rollout/is_truncated_frac": float(((ratio > cap) & (mask > 0)).sum() / n)}

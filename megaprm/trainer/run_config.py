@@ -1,0 +1,54 @@
+"""What a run is, for resuming and locking: the digested config a checkpoint must match, the
+run-directory lock's environment key, and the one temperature of the update's log-probs.
+Imported by the loop and by the launcher's preflight (no import of either)."""
+from __future__ import annotations
+
+from megaprm.config import Config, to_dict
+
+LOCK_ENV = "MEGAPRM_RUN_DIR_LOCKED"  # set by the launcher that holds the run directory's lock
+
+_NOT_DIGESTED = {"trainer": ("steps", "save_every", "resume", "resume_fallback", "replace_run",
+                             "eval_every",
+                             "eval_problems",
+                             "wandb", "progress", "keep_last", "allow_config_change",
+                             "export_hf", "log_samples", "run_dir"),
+                 # where the state sits while the engine generates, not what is computed: a run
+                 # may resume with offload switched on or off (bit-exact either way)
+                 "actor": ("offload",), "ref": ("offload",), "prm": ("offload",)}
+# where the engine runs (rollout.placement, rollout.ranks) is not what is computed either: an
+# on-policy run draws the same samples in both placements (docs/rollout.md)
+_NOT_DIGESTED["rollout"] = ("placement", "ranks")
+# read only off-policy: on-policy digests stay those of checkpoints written before they existed
+_OFF_POLICY = ("rollout.max_staleness", "rollout.correction", "rollout.tis_cap")
+
+
+def config_digest_fields(cfg: Config) -> dict:
+    """The flattened config a checkpoint must match to be resumed: method, model, data, rollout,
+    update and seed (not run length, logging or checkpoint cadence)."""
+    flat = {}
+
+    def walk(prefix, node):
+        for k, v in node.items():
+            key = f"{prefix}.{k}" if prefix else k
+            if isinstance(v, dict):
+                walk(key, v)
+            else:
+                flat[key] = list(v) if isinstance(v, tuple) else v
+    d = to_dict(cfg)
+    d.pop("parallel", None)  # the layout is checked separately (world, tp, pp)
+    for section, keys in _NOT_DIGESTED.items():
+        for k in keys:
+            d.get(section, {}).pop(k, None)
+    walk("", d)
+    if not flat.get("rollout.max_staleness"):
+        for k in _OFF_POLICY:
+            flat.pop(k, None)
+    return flat
+
+
+
+def logprob_temperature(cfg: Config) -> float:
+    """The temperature of every log-prob the update uses (`actor.logprob_temperature`):
+    rollout.temperature unless a number is set (PURE's release: T = 1 while sampling at 0.5)."""
+    t = cfg.actor.logprob_temperature
+    return float(cfg.rollout.temperature if t == "rollout" else t)

@@ -1,0 +1,93 @@
+"""The step's metrics beyond the update's: rollout, reward and PRM statistics with the
+sampler-vs-trainer log-prob guard, a few samples per step to samples.jsonl, and the drift
+warning."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from megaprm.algorithms.registry import AdvantageOutputs
+from megaprm.trainer.batch import ScoredBatch
+
+LOGPROB_DIFF_WARN = 1e-2     # fp32 engines agree to ~1e-6; bf16 vLLM vs Megatron ~1e-2 typical
+
+
+def rollout_metrics(tr, sb: ScoredBatch, adv: AdvantageOutputs, logp_old,
+                     logp_sampler) -> dict:
+    """Rank-local means (averaged over dp by `fit`) and the sampler-vs-trainer guard.
+    logp_old [B, R]: the actor's at the log-prob temperature (what the update uses);
+    logp_sampler [B, R]: the actor's at the sampling temperature (what the guard compares
+    with the engine's; the same tensor when the two temperatures agree)."""
+    b = sb.rollout
+    lens = b.response_lengths.float()
+    mask = b.response_mask.float()
+    diff = (b.sampler_logprobs - logp_sampler).abs() * mask
+    m = {"reward/outcome_mean": float(sb.outcome.mean()),
+         "response/length_mean": float(lens.mean()),
+         "response/length_max": float(lens.max()),
+         "response/length_min": float(lens.min()),
+         "response/truncated_frac": float(sum(r == "length" for r in b.finish_reason)
+                                          / max(1, b.batch_size)),
+         "response/steps_mean": float(sb.seg.num_steps.float().mean()),
+         "response/tokens_per_step": float(lens.sum() / sb.seg.num_steps.sum().clamp(min=1)),
+         "filter/keep_frac": float(adv.keep.float().mean()),
+         "rollout/sampler_logprob_mean": float((b.sampler_logprobs * mask).sum()
+                                               / mask.sum().clamp(min=1)),
+         "rollout/trainer_logprob_mean": float((logp_sampler * mask).sum()
+                                               / mask.sum().clamp(min=1)),
+         # the two temperatures: sampling (engine, guard) and log-probs (the update)
+         "rollout/sampling_temperature": float(tr.cfg.rollout.temperature),
+         "rollout/logprob_temperature": float(tr.temperature),
+         "rollout/update_logprob_mean": float((logp_old * mask).sum()
+                                              / mask.sum().clamp(min=1)),
+         # verl's training/rollout_probs_diff: the engine and the trainer must agree
+         "rollout/logprob_diff_mean": float(diff.sum() / mask.sum().clamp(min=1)),
+         "rollout/logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
+         }
+    if sb.correct_with_wrong_step is not None:
+        correct = sb.outcome > 0.5
+        m["exact/correct_with_wrong_step_frac"] = float(
+            sb.correct_with_wrong_step[correct].float().mean()) if correct.any() else 0.0
+    if sb.step_scores is not None:
+        s, smask = sb.step_scores, sb.step_mask
+        min_score = torch.where(smask, s, torch.ones_like(s)).min(1).values
+        prm_ok = min_score >= tr.cfg.prm.low_score
+        correct = sb.outcome > 0.5
+        m["prm/score_mean"] = float(s[smask].mean()) if smask.any() else 0.0
+        m["prm/outcome_agreement"] = float((prm_ok == correct).float().mean())
+        m["prm/correct_with_low_prm_frac"] = float(
+            (~prm_ok[correct]).float().mean()) if correct.any() else 0.0
+    if sb.q is not None:
+        m["prm/implicit_q_mean"] = float(sb.q.sum() / b.response_mask.sum().clamp(min=1))
+    m.update(adv.metrics)
+    return m
+
+def log_samples(tr, step: int, sb: ScoredBatch) -> None:
+    """A few generations per step to samples.jsonl (rank 0's first rollouts)."""
+    n = tr.cfg.trainer.log_samples
+    if tr.groups.rank != 0 or n <= 0:
+        return
+    b = sb.rollout
+    texts = b.decode_responses(tr.tok)
+    prompts = b.decode_prompts(tr.tok, skip_special_tokens=True)
+    with open(os.path.join(tr.run_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
+        for i in range(min(n, b.batch_size)):
+            row = {"step": step, "prompt": prompts[i], "response": texts[i],
+                   "outcome": float(sb.outcome[i]), "finish_reason": b.finish_reason[i]}
+            if sb.step_scores is not None:
+                k = int(sb.seg.num_steps[i])
+                row["step_scores"] = [round(float(x), 4) for x in sb.step_scores[i, :k]]
+            f.write(json.dumps(row) + "\n")
+
+def warn_on_drift(tr, step: int, metrics: dict) -> None:
+    """The engine and the trainer disagree on the sampled tokens' log-probs: a wrong
+    temperature, stale engine weights, or a numerics problem (docs/rollout.md)."""
+    d = metrics.get("rollout/logprob_diff_max")
+    if metrics.get("rollout/staleness_max", 0.0) > 0:  # stale samples differ by design
+        return
+    if d is not None and d > LOGPROB_DIFF_WARN and tr.groups.rank == 0:
+        print(f"[megaprm] warning: step {step}: sampler vs trainer log-prob max |diff| "
+              f"{d:.3g} > {LOGPROB_DIFF_WARN} (see docs/rollout.md)", flush=True)
+
