@@ -214,7 +214,8 @@ def main() -> None:
     nbytes = raw[0]["bytes"]
     raw_min = min(r["seconds"] for r in raw)
     raw_med = _median([r["seconds"] for r in raw])
-    gbps = lambda s: nbytes / s / 1e9
+    def gbps(s):
+        return nbytes / s / 1e9
     base_mb = min(b["peak_rss_mb"] for b in baseline)
     import_s = min(b["import_s"] for b in baseline)
 
