@@ -62,30 +62,39 @@ def _lines(path):
         return [json.loads(x) for x in f]
 
 
-def _run_until_killed(args, done_file, timeout=1200):
+def _run_until_killed(args, done_file, log, timeout=1200):
     """Start `megaprm compare`, kill its whole process group (launcher and ranks) once
     `done_file` exists: a run stopped in the middle of its next cell."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    t0 = time.time()
-    try:
-        while not os.path.exists(done_file):
-            assert proc.poll() is None, proc.stdout.read()[-4000:]
-            assert time.time() - t0 < timeout, "the first cell never finished"
-            time.sleep(0.5)
-        time.sleep(2)  # into the next cell
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out = proc.communicate()[0]
-    assert proc.returncode == -signal.SIGKILL, out[-3000:]
-    return out
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        t0 = time.time()
+        try:
+            while not os.path.exists(done_file):
+                assert proc.poll() is None, log.read_text()[-4000:]
+                assert time.time() - t0 < timeout, "the first cell never finished"
+                time.sleep(0.5)
+            time.sleep(2)  # into the next cell
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    for _ in range(40):  # no process of the group is left behind
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.25)
+    else:
+        raise AssertionError("a process of the killed run is still alive")
 
 
 def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     rd = tmp_path / "cmp"
     first = rd / "rl" / "grpo-learned-s0" / "result.json"
-    _run_until_killed([*MEGAPRM, "compare", "--run-dir", str(rd), *TINY], first)
+    _run_until_killed([*MEGAPRM, "compare", "--run-dir", str(rd), *TINY], first,
+                      tmp_path / "killed.log")
     mtime = os.path.getmtime(first)
     assert not os.path.exists(rd / "compare.json")  # killed before the end
     # resumed: the finished cell is read back, not re-run; the rest runs
