@@ -33,9 +33,13 @@ if TYPE_CHECKING:  # the parser imports this module: torch and the packages load
 
 # labelled variants: (the method, overrides on top of its own). `prime_scaled`: PRIME with the
 # implicit PRM's beta scaled from the released 0.05 (responses of ~600+ tokens) to ~32-token
-# responses (docs/compare.md, "PRIME at this response length")
-VARIANTS = {"prime_scaled": ("prime", ["prm.beta=1.0"])}
-ALL_METHODS = ("grpo", "rloo", "prof_grpo", "papo", "pure", "prime", "prime_scaled", "blend")
+# responses; `prime_scaled_lr`: the same beta with a 10x smaller PRM learning rate, so that the
+# outcome logit moves about as fast per update as with the released pair (docs/compare.md,
+# "PRIME at this response length")
+VARIANTS = {"prime_scaled": ("prime", ["prm.beta=1.0"]),
+            "prime_scaled_lr": ("prime", ["prm.beta=1.0", "prm.optim.lr=1e-5"])}
+ALL_METHODS = ("grpo", "rloo", "prof_grpo", "papo", "pure", "prime", "prime_scaled",
+               "prime_scaled_lr", "blend")
 REFERENCE = "grpo"  # the paired differences are taken from this method's run of the same seed
 # methods whose advantages read the discriminative/oracle step scores (the others ignore them:
 # their oracle row would be the same run, so it is not re-run)
