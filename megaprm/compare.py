@@ -556,6 +556,11 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
                     "separated": bool(boot["lo"] > 0 or boot["hi"] < 0)}
         curve = _mean_curve([r["curves"].get("reward/outcome_mean", []) for r in recs])
         row["plateau"] = _plateau(curve)
+        row["plateau_wrong_step"] = _plateau(_mean_curve(
+            [r["curves"].get("exact/correct_with_wrong_step_frac", []) for r in recs]))
+        if base_method(key[0]) == "prime":  # the implicit PRM's loss: ln 2 = not learning
+            row["implicit_prm_loss"] = _plateau(_mean_curve(
+                [r["curves"].get("prm/loss", []) for r in recs]))
         rows.append(row)
     return rows
 
@@ -616,12 +621,14 @@ def verdict(r: dict) -> str:
                 f"({cell['mean']:+.3f} [{cell['lo']:+.3f}, {cell['hi']:+.3f}])")
 
     name = f"{row_label(r)} with the {r['prm']} process reward"
+    seeds = (f"{len(p['seeds'])} paired seeds" if len(p["seeds"]) > 1 else
+             "1 paired seed: the interval is the evaluation's alone, not the seeds'")
     sampled = ""
     if sw and sa:
         sampled = (f" Sampled: {say(sw, 'the wrong-step share')}; "
                    f"{say(sa, 'accuracy')}.")
     return (f"**{r['method']} / {r['prm']}**: {name} is {say(w, 'the greedy wrong-step share')}; "
-            f"{say(a, 'greedy accuracy')} ({len(p['seeds'])} paired seeds).{sampled}")
+            f"{say(a, 'greedy accuracy')} ({seeds}).{sampled}")
 
 
 def markdown(report: dict, title: bool = True) -> str:
@@ -638,7 +645,8 @@ def markdown(report: dict, title: bool = True) -> str:
     lines += [(f"PRM (learned): held-out step AUROC {report['prm'].get('auroc', float('nan')):.3f}"
               f" ({report['prm'].get('trunk', '')}). Seeds per row: {seeds_note}. Cells: mean "
               f"over seeds [95% interval of a two-level bootstrap: seeds, then the held-out "
-              f"problems within each seed]. 'correct with a wrong step' is a share of the "
+              f"problems within each seed; a row with one seed has the evaluation's interval "
+              f"alone]. 'correct with a wrong step' is a share of the "
               f"correct answers; sampled: {report['sampled_n']} samples per problem at the "
               f"rollout temperature. Built on {report['device']} (load {report['load']}): "
               f"warm-up {_min(c['warmup'])}, PRM training {_min(c['prm_train'])}, RL and "
@@ -686,15 +694,27 @@ def markdown(report: dict, title: bool = True) -> str:
     flat = [r for r in report["rows"] if r.get("plateau", {}).get("last") is not None
             and not r["same_run_as_learned"]]
     if flat:
-        lines += ["", ("### Where the training curves flatten (train outcome reward, mean over "
-                      "seeds)"), "",
-                  ("| method | process reward | first 10 steps | last 10 steps | 90% of the rise "
-                  "by step | slope over the last quarter (per 100 steps) |"), "|---|---|---|---|---|---|"]
+        lines += ["", ("### Where the training curves flatten (mean over seeds of the training "
+                       "batches' monitors; 10-step windows)"), "",
+                  ("| method | process reward | outcome reward: first 10 steps | last 10 | 90% of "
+                   "the rise by step | slope over the last quarter (per 100 steps) | wrong-step "
+                   "share: first 10 | last 10 | slope over the last quarter |"),
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in flat:
-            pl = r["plateau"]
+            pl, pw = r["plateau"], r.get("plateau_wrong_step") or {}
+            wrong = ("- | - | -" if pw.get("last") is None else
+                     f"{pw['first']:.3f} | {pw['last']:.3f} | {pw['slope_last_quarter']:+.3f}")
             lines.append(f"| {row_label(r)} | {r['prm']} | {pl['first']:.3f} | {pl['last']:.3f} | "
                          f"{'-' if pl['step90'] is None else pl['step90']} | "
-                         f"{pl['slope_last_quarter']:+.3f} |")
+                         f"{pl['slope_last_quarter']:+.3f} | {wrong} |")
+    prime = [r for r in report["rows"] if (r.get("implicit_prm_loss") or {}).get("last")
+             is not None and not r["same_run_as_learned"]]
+    if prime:
+        lines += ["", "### PRIME's implicit PRM: its loss on each fresh batch (ln 2 = 0.693: chance)",
+                  "", "| method | first 10 steps | last 10 steps |", "|---|---|---|"]
+        for r in prime:
+            pl = r["implicit_prm_loss"]
+            lines.append(f"| {row_label(r)} | {pl['first']:.3f} | {pl['last']:.3f} |")
     h = report.get("hack")
     if h:
         te = h["train_end"]
