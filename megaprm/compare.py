@@ -813,6 +813,35 @@ def plot(report: dict, results: list, out_dir: str) -> list[str]:
     plt.close(fig)
     written.append(p)
 
+    paired = [r for r in rows if r.get("paired")]
+    if paired:  # each row's paired difference from GRPO: interval, mean and every seed's own
+        cols = [c for c in PAIRED if any(c in r["paired"] for r in paired)]
+        fig, axes = plt.subplots(1, len(cols), figsize=(4.2 * len(cols), 0.5 * len(paired) + 1.8),
+                                 squeeze=False, sharey=True)
+        for ax, col in zip(axes.flat, cols):
+            for y, r in enumerate(paired):
+                d = r["paired"].get(col)
+                if not d:
+                    continue
+                color = "tab:red" if d["separated"] else "tab:gray"
+                ax.plot([d["lo"], d["hi"]], [y, y], color=color, lw=2)
+                ax.plot([d["mean"]], [y], "o", color=color)
+                ax.plot(d["per_seed"], [y + 0.2] * len(d["per_seed"]), "x", color="k", ms=4)
+            ax.axvline(0, color="k", lw=0.8)
+            ax.set_title(f"Δ {col}\nvs GRPO, same seed", fontsize=9)
+            ax.grid(axis="x", alpha=0.3)
+        axes.flat[0].set_yticks(range(len(paired)),
+                                [f"{r['method']} ({r['prm']}, {len(r['paired']['seeds'])} s)"
+                                 for r in paired], fontsize=7)
+        axes.flat[0].invert_yaxis()  # the table's order, top down
+        fig.suptitle("paired difference from GRPO: 95% bootstrap interval (red: excludes 0), "
+                     "mean (o), each seed (x)", fontsize=9)
+        fig.tight_layout()
+        p = os.path.join(out_dir, "compare_paired.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+
     keys = ("reward/outcome_mean", "exact/correct_with_wrong_step_frac", "prm/outcome_agreement")
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.8), squeeze=False)
     groups: dict = {}

@@ -158,7 +158,8 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     # table, plots
     md = (rd / "compare.md").read_text()
     assert "| prof_grpo | oracle |" in md and "Reward hacking" in md and "Paired difference" in md
-    for png in ("compare_bars.png", "compare_curves.png", "reward_hacking.png"):
+    for png in ("compare_bars.png", "compare_paired.png", "compare_curves.png",
+                "reward_hacking.png"):
         assert os.path.getsize(rd / "plots" / png) > 10_000
 
     # the docs are generated from the report alone: --from-json writes the blocks that
