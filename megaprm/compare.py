@@ -642,6 +642,10 @@ def markdown(report: dict, title: bool = True) -> str:
     if title:
         lines += [(f"# megaprm compare: {report['rl_steps']} RL steps, up to {report['seeds']} "
                   f"seed(s), {report['eval_problems']} held-out problems"), ""]
+    if report.get("missing"):
+        lines += [(f"**Partial run: {len(report['planned']) - len(report['missing'])} of "
+                  f"{len(report['planned'])} planned cells finished**; not yet run: "
+                  f"{', '.join(report['missing'])} (the same command resumes it)."), ""]
     lines += [(f"PRM (learned): held-out step AUROC {report['prm'].get('auroc', float('nan')):.3f}"
               f" ({report['prm'].get('trunk', '')}). Seeds per row: {seeds_note}. Cells: mean "
               f"over seeds [95% interval of a two-level bootstrap: seeds, then the held-out "
@@ -741,6 +745,9 @@ def readme_table(report: dict) -> str:
              "| --- | --- | --- | --- | --- | --- |",
              (f"| warm-up (before RL) | - | {b['accuracy']:.3f} | - | "
              f"{b['correct_with_wrong_step']:.3f} | - |")]
+    if report.get("missing"):
+        lines.append(f"| (partial run: {len(report['missing'])} of {len(report['planned'])} "
+                     "planned cells not yet run) | | | | | |")
     for r in report["rows"]:
         if r["same_run_as_learned"]:
             continue
