@@ -95,12 +95,43 @@ def cmd_compare(args) -> int:
     def csv(text):
         return tuple(x for x in (text or "").split(",") if x)
 
+    def method_seeds(text):
+        out = {}
+        for item in csv(text):
+            name, _, k = item.partition("=")
+            if not k.isdigit():
+                raise ValueError(f"--method-seeds {item!r}: write METHOD=SEEDS, e.g. "
+                                 "--method-seeds rloo=3,blend=3")
+            out[name] = int(k)
+        return out
+
+    if args.from_json:  # tables only: no ranks, no runs
+        import json
+
+        if not os.path.isfile(args.from_json):
+            raise FileNotFoundError(f"--from-json {args.from_json}: no such file; give a "
+                                    "compare.json written by `megaprm compare`")
+        with open(args.from_json, encoding="utf-8") as f:
+            report = json.load(f)
+        if args.write_readme:
+            for path in compare.write_docs(report, readme=args.readme, doc=args.doc):
+                print(f"[compare] regenerated the compare block of {path}")
+        else:
+            print(compare.markdown(report), end="")
+        return 0
+
     ccfg = compare.CompareConfig(
         run_dir=args.run_dir, methods=csv(args.methods), seeds=args.seeds,
+        method_seeds=method_seeds(args.method_seeds),
         oracle=csv(args.oracle), rl_steps=args.rl_steps, hack_steps=args.hack_steps,
         eval_problems=args.eval_problems, sampled_n=args.sampled_n,
         warmup_steps=args.warmup_steps, prm_steps=args.prm_steps,
         prm_examples=args.prm_examples, wandb=args.wandb, extra=list(args.overrides))
+    if args.write_readme:  # the markers must be there before an hour of runs
+        from megaprm.readme import read_block
+
+        for path in (args.readme, args.doc):
+            read_block(path, "compare")
 
     def preflight():
         from megaprm.config import load_config
@@ -116,9 +147,12 @@ def cmd_compare(args) -> int:
         from megaprm.parallel.init import destroy, init_distributed
 
         groups = init_distributed(tp=1, pp=1, seed=0)
-        report = compare.run(ccfg, groups)
+        report = compare.run(ccfg, groups, only_finished=args.only_finished)
         if groups.rank == 0:
             print("\n" + compare.markdown(report))
+            if args.write_readme:
+                for path in compare.write_docs(report, readme=args.readme, doc=args.doc):
+                    print(f"[compare] regenerated the compare block of {path}")
             print(f"[compare] wrote {ccfg.run_dir}/compare.json, compare.md and "
                   + ", ".join(report["plots"]))
         destroy()
@@ -356,6 +390,19 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("--prm-steps", type=int, default=defaults.prm_steps)
     cp.add_argument("--prm-examples", type=int, default=defaults.prm_examples)
     cp.add_argument("--wandb", default=defaults.wandb, choices=("offline", "online", "disabled"))
+    cp.add_argument("--method-seeds", default="",
+                    help="fewer seeds for some rows, e.g. rloo=3,blend=3 (each <= --seeds; the "
+                         "runs are seed-major, so a run cut short keeps complete seeds)")
+    cp.add_argument("--only-finished", action="store_true",
+                    help="run nothing new: report the cells already finished in --run-dir")
+    cp.add_argument("--from-json", default="",
+                    help="no runs: print (or with --write-readme, write) the tables of an "
+                         "existing compare.json")
+    cp.add_argument("--write-readme", action="store_true",
+                    help="regenerate the '<!-- megaprm:compare -->' blocks of --readme and --doc "
+                         "from the run's report")
+    cp.add_argument("--readme", default="README.md")
+    cp.add_argument("--doc", default="docs/compare.md")
     cp.add_argument("overrides", nargs="*", help="dotted overrides for every RL run, e.g. "
                                                  "actor.optim.lr=1e-4")
     add_launch_args(cp, cpu_default=2)

@@ -31,27 +31,44 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the parser imports this module: torch and the packages load in the ranks
     from megaprm.parallel.groups import Groups
 
-ALL_METHODS = ("grpo", "rloo", "prof_grpo", "papo", "pure", "prime", "blend")
+# labelled variants: (the method, overrides on top of its own). `prime_scaled`: PRIME with the
+# implicit PRM's beta scaled from the released 0.05 (responses of ~600+ tokens) to ~32-token
+# responses; `prime_scaled_lr`: the same beta with a 10x smaller PRM learning rate, so that the
+# outcome logit moves about as fast per update as with the released pair (docs/compare.md,
+# "PRIME at this response length")
+VARIANTS = {"prime_scaled": ("prime", ["prm.beta=1.0"]),
+            "prime_scaled_lr": ("prime", ["prm.beta=1.0", "prm.optim.lr=1e-5"])}
+ALL_METHODS = ("grpo", "rloo", "prof_grpo", "papo", "pure", "prime", "prime_scaled",
+               "prime_scaled_lr", "blend")
+REFERENCE = "grpo"  # the paired differences are taken from this method's run of the same seed
 # methods whose advantages read the discriminative/oracle step scores (the others ignore them:
 # their oracle row would be the same run, so it is not re-run)
 READS_STEP_SCORES = ("prof_grpo", "papo", "pure", "blend")
 # monitors kept per RL step for the curves (metrics.jsonl keys)
 CURVE_KEYS = ("reward/outcome_mean", "exact/correct_with_wrong_step_frac",
               "prm/outcome_agreement", "prm/score_mean", "prm/correct_with_low_prm_frac",
-              "response/steps_mean", "response/tokens_per_step", "response/length_mean",
-              "actor/entropy")
+              "prm/loss", "response/steps_mean", "response/tokens_per_step",
+              "response/length_mean", "actor/entropy")
 SAMPLED_SEED = 424_242
+EVAL_FORMAT = "per-problem-v1"
+
+
+def base_method(name: str) -> str:
+    """The registry method a (possibly variant) row name runs."""
+    return VARIANTS[name][0] if name in VARIANTS else name
 
 
 @dataclass
 class CompareConfig:
     run_dir: str = "runs/compare"
     methods: tuple = ALL_METHODS
-    seeds: int = 3
+    seeds: int = 5
+    # fewer seeds for some methods (method -> seeds, at most `seeds`), e.g. {"rloo": 3}
+    method_seeds: dict = field(default_factory=dict)
     oracle: tuple = ("grpo", "prof_grpo", "papo")
     rl_steps: int = 40
     hack_steps: int = 40          # the reward-hacking run (PURE on the PRM alone); 0 = none
-    eval_problems: int = 200
+    eval_problems: int = 1000
     sampled_n: int = 4            # samples per held-out problem at the rollout temperature
     warmup_steps: int = 400       # the demo's warm-up
     # the PRM recipe of docs/prm.md that reached held-out step AUROC 0.942 on this task in
@@ -61,6 +78,7 @@ class CompareConfig:
     prm_examples: int = 16000
     prm_hidden: int = 64
     prm_layers: int = 4
+    bootstrap_reps: int = 2000
     wandb: str = "offline"
     extra: list = field(default_factory=list)  # dotted overrides applied to every RL run
 
@@ -69,10 +87,13 @@ class CompareConfig:
 
         self.methods = tuple(self.methods)
         self.oracle = tuple(self.oracle)
-        for name, chosen in (("--methods", self.methods), ("--oracle", self.oracle)):
-            bad = [m for m in chosen if m not in METHODS]
+        self.method_seeds = dict(self.method_seeds)
+        known = list(METHODS) + list(VARIANTS)
+        for name, chosen in (("--methods", self.methods), ("--oracle", self.oracle),
+                             ("--method-seeds", tuple(self.method_seeds))):
+            bad = [m for m in chosen if m not in known]
             if bad:
-                raise ValueError(f"{name}: unknown method(s) {bad}; choose from {list(METHODS)}")
+                raise ValueError(f"{name}: unknown method(s) {bad}; choose from {known}")
         if not self.methods:
             raise ValueError("--methods: give at least one method, e.g. --methods grpo,prof_grpo")
         missing = [m for m in self.oracle if m not in self.methods]
@@ -81,11 +102,18 @@ class CompareConfig:
                              f"method's learned row; add it to --methods as well")
         if self.seeds < 1 or self.rl_steps < 1 or self.eval_problems < 2:
             raise ValueError("--seeds and --rl-steps must be >= 1 and --eval-problems >= 2")
+        bad = {m: k for m, k in self.method_seeds.items() if not 1 <= k <= self.seeds}
+        if bad:
+            raise ValueError(f"--method-seeds {bad}: each count must be between 1 and --seeds "
+                             f"({self.seeds})")
+
+    def seeds_of(self, method: str) -> int:
+        return self.method_seeds.get(method, self.seeds)
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    method: str
+    method: str    # a registry method or a VARIANTS label
     prm: str       # learned | oracle | implicit
     seed: int
     hack: bool = False
@@ -97,29 +125,38 @@ class RunSpec:
 
 
 def plan(ccfg: CompareConfig) -> list[RunSpec]:
-    """Every run to make, in order: learned rows, oracle rows, then the reward-hacking run."""
+    """Every run to make, seed-major (every row's seed 0, then seed 1, ...: a run cut short
+    holds complete pairs with GRPO for its first seeds), learned before oracle within a seed,
+    then the reward-hacking run."""
     runs = []
-    for m in ccfg.methods:
-        for s in range(ccfg.seeds):
-            runs.append(RunSpec(m, "implicit" if m == "prime" else "learned", s))
-    for m in ccfg.oracle:
-        if m in READS_STEP_SCORES:
-            runs += [RunSpec(m, "oracle", s) for s in range(ccfg.seeds)]
+    for s in range(ccfg.seeds):
+        for m in ccfg.methods:
+            if s < ccfg.seeds_of(m):
+                runs.append(RunSpec(m, "implicit" if base_method(m) == "prime" else "learned", s))
+        for m in ccfg.oracle:
+            if m in READS_STEP_SCORES and s < ccfg.seeds_of(m):
+                runs.append(RunSpec(m, "oracle", s))
     if ccfg.hack_steps:
         runs.append(RunSpec("pure", "learned", 0, hack=True))
     return runs
 
 
 def run_overrides(spec: RunSpec, ccfg: CompareConfig, sft_dir: str, prm_dir: str) -> list[str]:
+    """The run's overrides. Paired design: every row's run with seed s gets `trainer.seed=s`,
+    which fixes its prompts (seed*100_003 + block), its rollout sampling seeds (per step and
+    rank) and its mini-batch order, and starts from the one warm-up policy: at step 0 every
+    method's run of seed s samples exactly GRPO's responses of seed s."""
     from megaprm import demo
 
+    method = base_method(spec.method)
     ov = [f"model.path={sft_dir}", f"prm.path={prm_dir}", "prm.kind=discriminative",
           f"trainer.steps={ccfg.hack_steps if spec.hack else ccfg.rl_steps}",
-          f"trainer.seed={spec.seed}", f"advantage.method={spec.method}",
+          f"trainer.seed={spec.seed}", f"advantage.method={method}",
           f"trainer.wandb={ccfg.wandb}"]
     if spec.prm == "oracle":
         ov += ["prm.kind=oracle", "prm.path=null"]
-    ov += demo.METHOD_OVERRIDES.get(spec.method, [])
+    ov += demo.METHOD_OVERRIDES.get(method, [])
+    ov += VARIANTS.get(spec.method, (None, []))[1]
     if spec.hack:  # PURE's "PRM" reward mode: the process reward alone, no verifiable reward
         ov += ["advantage.pure.reward_mode=PRM"]
     return ov + list(ccfg.extra)
@@ -181,10 +218,10 @@ def warmup_stage(ccfg: CompareConfig, groups: Groups, tok) -> tuple[str, dict]:
 def prm_recipe(ccfg: CompareConfig) -> dict:
     from megaprm import demo
 
-    return dict(arithmetic=demo.TASK, num_train=ccfg.prm_examples, num_eval=512,
-                stage1_steps=20, stage1_lr=1e-3, stage2_steps=ccfg.prm_steps, stage2_lr=2e-3,
-                warmup_steps=min(50, ccfg.prm_steps), lr_decay="cosine", lm_loss_weight=1.0,
-                global_batch_size=64, micro_batch_size=32, log_every=250, seed=0)
+    return {"arithmetic": demo.TASK, "num_train": ccfg.prm_examples, "num_eval": 512,
+                "stage1_steps": 20, "stage1_lr": 1e-3, "stage2_steps": ccfg.prm_steps, "stage2_lr": 2e-3,
+                "warmup_steps": min(50, ccfg.prm_steps), "lr_decay": "cosine", "lm_loss_weight": 1.0,
+                "global_batch_size": 64, "micro_batch_size": 32, "log_every": 250, "seed": 0}
 
 
 def prm_stage(ccfg: CompareConfig, groups: Groups, tok) -> tuple[str, dict]:
@@ -224,20 +261,61 @@ def prm_stage(ccfg: CompareConfig, groups: Groups, tok) -> tuple[str, dict]:
 
 def eval_problems(ccfg: CompareConfig) -> list:
     from megaprm import demo
-
     from megaprm.tasks.arithmetic import generate_problems
     from megaprm.trainer.loop import HELD_OUT_SEED
 
     return generate_problems(demo.TASK, ccfg.eval_problems, seed=HELD_OUT_SEED)
 
 
-def evaluate_policy(engine, tok, groups: Groups, ccfg: CompareConfig, temperature: float) -> dict:
-    from megaprm.trainer.evaluate import evaluate_arithmetic
+def evaluate_detail(engine, tok, groups: Groups, problems: list, *, temperature: float = 0.0,
+                    n: int = 1, seed: int = 0, max_tokens: int = 64) -> dict:
+    """Like `trainer.evaluate.evaluate_arithmetic` (same sampling parameters and per-rank seeds,
+    so the same numbers), plus every problem's counts - `correct`, `wrong_step` (correct with a
+    wrong step), `clean` (correct with every step correct), each out of `n` samples - in problem
+    order, for the bootstrap over problems (`megaprm.stats`). dp-sharded: each rank decodes a
+    contiguous share; the counts are summed over the dp group."""
+    import torch
+    import torch.distributed as dist
 
+    from megaprm.rollout.engine import SamplingParams
+    from megaprm.tasks.arithmetic import check_steps
+
+    total = len(problems)
+    lo = groups.dp_rank * total // groups.dp_size
+    hi = (groups.dp_rank + 1) * total // groups.dp_size
+    local = problems[lo:hi]
+    n = n if temperature > 0 else 1
+    params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens,
+                            stop_token_ids=(tok.eos_token_id,),
+                            seed=(seed + 1_000_003 * groups.dp_rank) % 2**31)
+    counts = torch.zeros(3, total, dtype=torch.float64)
+    if local:
+        batch = engine.generate([tok.encode(p.prompt, add_special_tokens=False) for p in local],
+                                params)
+        texts = batch.decode_responses(tok)
+        for g, t, r in zip(batch.group_index.tolist(), texts, batch.finish_reason):
+            c = check_steps(local[g], t, ends_with_eos=r == "stop")
+            counts[0, lo + g] += c.final_correct
+            counts[1, lo + g] += c.correct_with_wrong_step
+            counts[2, lo + g] += bool(c.all_steps_correct and c.final_correct)
+    if groups.dp_size > 1:
+        dist.all_reduce(counts, group=groups.host_dp)
+    correct, wrong, clean = (counts[i].tolist() for i in range(3))
+    samples = total * n
+    return {"accuracy": sum(correct) / max(samples, 1),
+            "correct_with_wrong_step": sum(wrong) / max(sum(correct), 1),
+            "all_steps_correct": sum(clean) / max(samples, 1), "problems": total,
+            "samples": samples,
+            "per_problem": {"correct": [int(x) for x in correct],
+                            "wrong_step": [int(x) for x in wrong],
+                            "clean": [int(x) for x in clean]}}
+
+
+def evaluate_policy(engine, tok, groups: Groups, ccfg: CompareConfig, temperature: float) -> dict:
     probs = eval_problems(ccfg)
-    greedy = evaluate_arithmetic(engine, tok, groups, probs)
-    sampled = evaluate_arithmetic(engine, tok, groups, probs, temperature=temperature,
-                                  n=ccfg.sampled_n, seed=SAMPLED_SEED)
+    greedy = evaluate_detail(engine, tok, groups, probs)
+    sampled = evaluate_detail(engine, tok, groups, probs, temperature=temperature,
+                              n=ccfg.sampled_n, seed=SAMPLED_SEED)
     return {"greedy": greedy, "sampled": sampled}
 
 
@@ -249,7 +327,7 @@ def baseline_stage(ccfg: CompareConfig, groups: Groups, tok, sft_dir: str, sft_d
     from megaprm.rollout.factory import build_engine
 
     path = os.path.join(ccfg.run_dir, "baseline.json")
-    digest = _digest([sft_digest, ccfg.eval_problems, ccfg.sampled_n, temperature])
+    digest = _digest([sft_digest, ccfg.eval_problems, ccfg.sampled_n, temperature, EVAL_FORMAT])
     rec = _read_json(path)
     if rec is not None and rec.get("digest") == digest:
         return rec
@@ -276,20 +354,27 @@ def _tail_mean(xs: list, n: int = 5) -> float | None:
 
 
 def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: str, prm_dir: str,
-            base_digest: str) -> dict:
+            base_digest: str, only_finished: bool = False) -> dict | None:
+    """One (method, process reward, seed) cell: its finished result from disk when one with the
+    same settings is there, else RL from the warm-up and the evaluation (None instead when
+    `only_finished`)."""
     from megaprm import demo
     from megaprm.config import load_config
     from megaprm.trainer.loop import RLTrainer
 
     d = os.path.join(ccfg.run_dir, "rl", spec.name)
     overrides = run_overrides(spec, ccfg, sft_dir, prm_dir)
-    digest = _digest([base_digest, overrides, ccfg.eval_problems, ccfg.sampled_n])
+    # EVAL_FORMAT: a result without per-problem counts is re-run, not mixed in
+    digest = _digest([base_digest, overrides, ccfg.eval_problems, ccfg.sampled_n, EVAL_FORMAT])
     res_path = os.path.join(d, "result.json")
     rec = _read_json(res_path)
     if rec is not None and rec.get("digest") == digest:
+        _say(groups, f"{spec.name}: reusing the finished run in {d}")
         rec["curves"] = _curves(d)
         rec["train_end"] = {k: _tail_mean(v) for k, v in rec["curves"].items()}
         return rec
+    if only_finished:
+        return None
     if groups.rank == 0 and os.path.isdir(d):  # interrupted or other settings: start over
         shutil.rmtree(d)
     _barrier(groups)
@@ -345,6 +430,16 @@ COLUMNS = (("greedy accuracy", ("greedy", "accuracy")),
            ("sampled correct with a wrong step", ("sampled", "correct_with_wrong_step")),
            ("train reward (last 5 steps)", ("train_end", "reward/outcome_mean")),
            ("PRM/outcome agreement (last 5)", ("train_end", "prm/outcome_agreement")))
+# the evaluation columns as ratios of per-problem counts: label -> (evaluation, numerator,
+# denominator); "samples" is the samples per problem (1 greedy, sampled_n sampled)
+EVAL_RATIOS = {"greedy accuracy": ("greedy", "correct", "samples"),
+               "greedy fully correct": ("greedy", "clean", "samples"),
+               "greedy correct with a wrong step": ("greedy", "wrong_step", "correct"),
+               "sampled accuracy": ("sampled", "correct", "samples"),
+               "sampled correct with a wrong step": ("sampled", "wrong_step", "correct")}
+# the paired differences the report leads with
+PAIRED = ("greedy correct with a wrong step", "greedy accuracy",
+          "sampled correct with a wrong step", "sampled accuracy")
 
 
 def _get(rec: dict, path: tuple):
@@ -353,9 +448,72 @@ def _get(rec: dict, path: tuple):
     return rec
 
 
+def _counts(recs: list, label: str):
+    """[seeds, problems] numerator and denominator arrays of an evaluation column, or None when
+    a run lacks per-problem counts."""
+    import numpy as np
+
+    ev, num, den = EVAL_RATIOS[label]
+    nums, dens = [], []
+    for r in recs:
+        pp = _get(r, (ev, "per_problem"))
+        if not pp:
+            return None
+        per = r[ev]["samples"] // max(r[ev]["problems"], 1)
+        nums.append(pp[num])
+        dens.append(pp[den] if den != "samples" else [per] * len(pp[num]))
+    return np.asarray(nums, float), np.asarray(dens, float)
+
+
+def _seed_wilson(recs: list, label: str) -> list:
+    """Each seed's Wilson 95% interval: the evaluation's binomial noise alone (the samples of
+    one run as the trials; for the wrong-step share, the correct answers)."""
+    from megaprm import stats
+
+    ev, num, den = EVAL_RATIOS[label]
+    out = []
+    for r in recs:
+        pp = r[ev]["per_problem"]
+        k = sum(pp[num])
+        n = r[ev]["samples"] if den == "samples" else sum(pp[den])
+        out.append(list(stats.wilson(k, n)))
+    return out
+
+
+def _plateau(mean_curve: list, window: int = 10) -> dict:
+    """Where a (seed-averaged) training curve flattens: the first step whose trailing
+    `window`-step mean has made 90% of the rise from the first window to the last, and the
+    slope (per 100 steps) of a least-squares line through the last quarter of the steps."""
+    xs = [x for x in mean_curve if x is not None and math.isfinite(x)]
+    if len(xs) < 2 * window:
+        return {"steps": len(xs), "step90": None, "first": None, "last": None,
+                "slope_last_quarter": None}
+    trail = [sum(xs[i - window + 1:i + 1]) / window for i in range(window - 1, len(xs))]
+    first, last = trail[0], trail[-1]
+    rise = last - first
+    step90 = (next(i + window - 1 for i, v in enumerate(trail) if v >= first + 0.9 * rise)
+              if rise > 0 else None)
+    q = xs[-max(len(xs) // 4, 2):]
+    mx = (len(q) - 1) / 2
+    my = sum(q) / len(q)
+    slope = (sum((i - mx) * (y - my) for i, y in enumerate(q))
+             / sum((i - mx) ** 2 for i in range(len(q))))
+    return {"steps": len(xs), "step90": step90, "first": first, "last": last,
+            "slope_last_quarter": 100 * slope}
+
+
 def aggregate(results: list, ccfg: CompareConfig) -> list:
-    """One row per (method, process reward): per-seed values, mean and 95% interval per column.
-    An oracle row of a method that reads no step scores is its learned row (same run)."""
+    """One row per (method, process reward): per-seed values, mean and intervals per column.
+    An oracle row of a method that reads no step scores is its learned row (same run).
+
+    Per evaluation column: `lo`/`hi`, the two-level bootstrap's 95% interval of the mean over
+    seeds (seeds, then problems; `megaprm.stats.hier_bootstrap`), `ci95` the old t half-width
+    (kept for readers of earlier reports), `wilson` every seed's Wilson interval, and `noise`
+    (evaluation vs seed SD of one seed's value). `paired`: per column of PAIRED, the row's
+    difference from GRPO's run of the same seed, per seed, with the paired bootstrap's 95%
+    interval over the seeds both rows have; `separated` when that interval excludes 0."""
+    from megaprm import stats
+
     rows, by_key = [], {}
     for r in results:
         if not r.get("hack"):
@@ -363,67 +521,256 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
     keys = list(by_key)
     for m in ccfg.oracle:
         if m not in READS_STEP_SCORES and (m, "oracle") not in by_key:
-            src = (m, "implicit" if m == "prime" else "learned")
+            src = (m, "implicit" if base_method(m) == "prime" else "learned")
             if src in by_key:
                 by_key[(m, "oracle")] = by_key[src]
                 keys.append((m, "oracle"))
+    ref = {r["seed"]: r for r in by_key.get((REFERENCE, "learned"), [])}
     for key in keys:
         recs = sorted(by_key[key], key=lambda r: r["seed"])
         row = {"method": key[0], "prm": key[1], "seeds": [r["seed"] for r in recs],
-               "same_run_as_learned": key[1] == "oracle" and key[0] not in READS_STEP_SCORES}
+               "same_run_as_learned": key[1] == "oracle" and key[0] not in READS_STEP_SCORES,
+               "variant_of": VARIANTS[key[0]][0] if key[0] in VARIANTS else None,
+               "variant_overrides": VARIANTS[key[0]][1] if key[0] in VARIANTS else []}
         for label, path in COLUMNS:
             vals = [_get(r, path) for r in recs]
             row[label] = {"per_seed": vals, **mean_ci(vals)}
+            cnt = _counts(recs, label) if label in EVAL_RATIOS else None
+            if cnt is not None:
+                boot = stats.hier_bootstrap(*cnt, reps=ccfg.bootstrap_reps)
+                row[label].update(lo=boot["lo"], hi=boot["hi"], wilson=_seed_wilson(recs, label),
+                                  noise=stats.noise(*cnt, reps=ccfg.bootstrap_reps))
+        if (key != (REFERENCE, "learned") and not row["same_run_as_learned"]
+                and any(r["seed"] in ref for r in recs)):
+            both = [r for r in recs if r["seed"] in ref]
+            row["paired"] = {"reference": REFERENCE, "seeds": [r["seed"] for r in both]}
+            for label in PAIRED:
+                mine, theirs = _counts(both, label), _counts([ref[r["seed"]] for r in both], label)
+                if mine is None or theirs is None:
+                    continue
+                boot = stats.hier_bootstrap(*mine, *theirs, reps=ccfg.bootstrap_reps)
+                path = dict(COLUMNS)[label]
+                row["paired"][label] = {
+                    "per_seed": [_get(r, path) - _get(ref[r["seed"]], path) for r in both],
+                    "mean": boot["mean"], "lo": boot["lo"], "hi": boot["hi"],
+                    "separated": bool(boot["lo"] > 0 or boot["hi"] < 0)}
+        curve = _mean_curve([r["curves"].get("reward/outcome_mean", []) for r in recs])
+        row["plateau"] = _plateau(curve)
+        row["plateau_wrong_step"] = _plateau(_mean_curve(
+            [r["curves"].get("exact/correct_with_wrong_step_frac", []) for r in recs]))
+        if base_method(key[0]) == "prime":  # the implicit PRM's loss: ln 2 = not learning
+            row["implicit_prm_loss"] = _plateau(_mean_curve(
+                [r["curves"].get("prm/loss", []) for r in recs]))
         rows.append(row)
     return rows
+
+
+def _mean_curve(series: list) -> list:
+    series = [s for s in series if s]
+    if not series:
+        return []
+    steps = min(map(len, series))
+    return [sum((s[i] or 0.0) for s in series) / len(series) for i in range(steps)]
 
 
 def _fmt(cell: dict) -> str:
     if cell.get("mean") is None:
         return "-"
+    if cell.get("lo") is not None and math.isfinite(cell["lo"]):
+        return f"{cell['mean']:.3f} [{cell['lo']:.3f}, {cell['hi']:.3f}]"
     return (f"{cell['mean']:.3f}" if cell.get("ci95") is None
             else f"{cell['mean']:.3f} ± {cell['ci95']:.3f}")
+
+
+def _fmt_diff(cell: dict | None) -> str:
+    if not cell:
+        return "-"
+    star = "**" if cell["separated"] else ""
+    return f"{star}{cell['mean']:+.3f}{star} [{cell['lo']:+.3f}, {cell['hi']:+.3f}]"
 
 
 def _min(seconds) -> str:
     return "-" if seconds is None else f"{seconds / 60:.1f} min"
 
 
-def markdown(report: dict) -> str:
+def row_label(r: dict) -> str:
+    if r.get("variant_of"):
+        return f"{r['method']} ({r['variant_of']}, {' '.join(r['variant_overrides'])})"
+    return r["method"]
+
+
+def _prm_label(r: dict) -> str:
+    return r["prm"] + (" (= learned run: reads no step scores)" if r["same_run_as_learned"]
+                       else "")
+
+
+def verdict(r: dict) -> str:
+    """One plain sentence: is the row separated from GRPO (paired 95% intervals)?"""
+    p = r.get("paired")
+    if not p:
+        return ""
+    w, a = p.get("greedy correct with a wrong step"), p.get("greedy accuracy")
+    sw, sa = p.get("sampled correct with a wrong step"), p.get("sampled accuracy")
+    if not (w and a):
+        return ""
+
+    def say(cell, what):
+        if not cell["separated"]:
+            return f"not separated from GRPO in {what} ({cell['mean']:+.3f}, interval spans 0)"
+        return (f"{'below' if cell['mean'] < 0 else 'above'} GRPO in {what} "
+                f"({cell['mean']:+.3f} [{cell['lo']:+.3f}, {cell['hi']:+.3f}])")
+
+    name = f"{row_label(r)} with the {r['prm']} process reward"
+    seeds = (f"{len(p['seeds'])} paired seeds" if len(p["seeds"]) > 1 else
+             "1 paired seed: the interval is the evaluation's alone, not the seeds'")
+    sampled = ""
+    if sw and sa:
+        sampled = (f" Sampled: {say(sw, 'the wrong-step share')}; "
+                   f"{say(sa, 'accuracy')}.")
+    return (f"**{r['method']} / {r['prm']}**: {name} is {say(w, 'the greedy wrong-step share')}; "
+            f"{say(a, 'greedy accuracy')} ({seeds}).{sampled}")
+
+
+def markdown(report: dict, title: bool = True) -> str:
+    """The report as markdown, a pure function of compare.json (docs and README are generated
+    from the committed JSON with it)."""
     cols = [c for c, _ in COLUMNS]
     b, c = report["baseline"], report["compute_s"]
-    lines = [f"# megaprm compare: {report['rl_steps']} RL steps, {report['seeds']} seed(s), "
-             f"{report['eval_problems']} held-out problems",
-             "",
-             f"PRM (learned): held-out step AUROC {report['prm'].get('auroc', float('nan')):.3f}"
-             f" ({report['prm'].get('trunk', '')}). Cells: mean ± half-width of the 95% "
-             f"t-interval over seeds. 'correct with a wrong step' is a share of the correct "
-             f"answers; sampled: {report['sampled_n']} samples per problem at the rollout "
-             f"temperature. Built on {report['device']} (load {report['load']}): warm-up "
-             f"{_min(c['warmup'])}, PRM training {_min(c['prm_train'])}, RL and evaluation of "
-             f"the runs {_min(c['runs'])}; this call {_min(report['total_s'])}.",
-             "",
-             "| method | process reward | " + " | ".join(cols) + " |",
-             "|---|---|" + "---|" * len(cols),
-             "| (warm-up, before RL) | - | " + " | ".join(
-                 _fmt({"mean": _get(b, p)}) for _, p in COLUMNS) + " |"]
+    seeds_note = ", ".join(f"{r['method']} {len(r['seeds'])}" for r in report["rows"]
+                           if r["prm"] != "oracle")
+    lines = []
+    if title:
+        lines += [(f"# megaprm compare: {report['rl_steps']} RL steps, up to {report['seeds']} "
+                  f"seed(s), {report['eval_problems']} held-out problems"), ""]
+    if report.get("missing"):
+        lines += [(f"**Partial run: {len(report['planned']) - len(report['missing'])} of "
+                  f"{len(report['planned'])} planned cells finished**; not yet run: "
+                  f"{', '.join(report['missing'])} (the same command resumes it)."), ""]
+    lines += [(f"PRM (learned): held-out step AUROC {report['prm'].get('auroc', float('nan')):.3f}"
+              f" ({report['prm'].get('trunk', '')}). Seeds per row: {seeds_note}. Cells: mean "
+              f"over seeds [95% interval of a two-level bootstrap: seeds, then the held-out "
+              f"problems within each seed; a row with one seed has the evaluation's interval "
+              f"alone]. 'correct with a wrong step' is a share of the "
+              f"correct answers; sampled: {report['sampled_n']} samples per problem at the "
+              f"rollout temperature. Built on {report['device']} (load {report['load']}): "
+              f"warm-up {_min(c['warmup'])}, PRM training {_min(c['prm_train'])}, RL and "
+              f"evaluation of the runs {_min(c['runs'])}; this call {_min(report['total_s'])}."),
+              "",
+              "| method | process reward | " + " | ".join(cols) + " |",
+              "|---|---|" + "---|" * len(cols),
+              "| (warm-up, before RL) | - | " + " | ".join(
+                  _fmt({"mean": _get(b, p)}) for _, p in COLUMNS) + " |"]
     for r in report["rows"]:
-        prm = r["prm"] + (" (= learned run: reads no step scores)" if r["same_run_as_learned"]
-                          else "")
-        lines.append(f"| {r['method']} | {prm} | " + " | ".join(_fmt(r[c]) for c in cols) + " |")
+        lines.append(f"| {row_label(r)} | {_prm_label(r)} | "
+                     + " | ".join(_fmt(r[c]) for c in cols) + " |")
+    paired = [r for r in report["rows"] if r.get("paired")]
+    if paired:
+        lines += ["", ("### Paired difference from GRPO (same seed: same warm-up, prompts and "
+                      "sampling seed)"), "",
+                  ("Each row's run of seed s minus GRPO's run of seed s, averaged over the seeds "
+                  "both have; [95% interval of the paired two-level bootstrap]; **bold**: the "
+                  "interval excludes 0."), "",
+                  "| method | process reward | paired seeds | " + " | ".join(
+                      f"Δ {c}" for c in PAIRED) + " |",
+                  "|---|---|---|" + "---|" * len(PAIRED)]
+        for r in paired:
+            lines.append(f"| {row_label(r)} | {r['prm']} | {len(r['paired']['seeds'])} | "
+                         + " | ".join(_fmt_diff(r["paired"].get(c)) for c in PAIRED) + " |")
+        lines += [""] + [f"- {verdict(r)}" for r in paired if verdict(r)]
+    noisy = [r for r in report["rows"] if r.get("greedy accuracy", {}).get("noise")
+             and not r["same_run_as_learned"]]
+    if noisy:
+        lines += ["", "### Evaluation noise vs seed noise (SD of one seed's value)", "",
+                  ("evaluation: the bootstrap over the held-out problems (seed fixed); seed: the "
+                  "spread across seeds less what the evaluation explains."), "",
+                  ("| method | process reward | greedy accuracy: evaluation / seed | greedy wrong-"
+                  "step share: evaluation / seed | sampled wrong-step share: evaluation / seed |"),
+                  "|---|---|---|---|---|"]
+        for r in noisy:
+            cells = []
+            for col in ("greedy accuracy", "greedy correct with a wrong step",
+                        "sampled correct with a wrong step"):
+                nz = r[col]["noise"]
+                cells.append(f"{nz['eval_sd']:.3f} / " + ("-" if nz["seed_sd"] is None
+                                                          or not math.isfinite(nz["seed_sd"])
+                                                          else f"{nz['seed_sd']:.3f}"))
+            lines.append(f"| {row_label(r)} | {r['prm']} | " + " | ".join(cells) + " |")
+    flat = [r for r in report["rows"] if r.get("plateau", {}).get("last") is not None
+            and not r["same_run_as_learned"]]
+    if flat:
+        lines += ["", ("### Where the training curves flatten (mean over seeds of the training "
+                       "batches' monitors; 10-step windows)"), "",
+                  ("| method | process reward | outcome reward: first 10 steps | last 10 | 90% of "
+                   "the rise by step | slope over the last quarter (per 100 steps) | wrong-step "
+                   "share: first 10 | last 10 | slope over the last quarter |"),
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in flat:
+            pl, pw = r["plateau"], r.get("plateau_wrong_step") or {}
+            wrong = ("- | - | -" if pw.get("last") is None else
+                     f"{pw['first']:.3f} | {pw['last']:.3f} | {pw['slope_last_quarter']:+.3f}")
+            lines.append(f"| {row_label(r)} | {r['prm']} | {pl['first']:.3f} | {pl['last']:.3f} | "
+                         f"{'-' if pl['step90'] is None else pl['step90']} | "
+                         f"{pl['slope_last_quarter']:+.3f} | {wrong} |")
+    prime = [r for r in report["rows"] if (r.get("implicit_prm_loss") or {}).get("last")
+             is not None and not r["same_run_as_learned"]]
+    if prime:
+        lines += ["", "### PRIME's implicit PRM: its loss on each fresh batch (ln 2 = 0.693: chance)",
+                  "", "| method | first 10 steps | last 10 steps |", "|---|---|---|"]
+        for r in prime:
+            pl = r["implicit_prm_loss"]
+            lines.append(f"| {row_label(r)} | {pl['first']:.3f} | {pl['last']:.3f} |")
     h = report.get("hack")
     if h:
         te = h["train_end"]
         first = {k: (v[0] if v else None) for k, v in h["curves"].items()}
-        lines += ["", "## Reward hacking: PURE on the PRM alone (no outcome reward), seed 0", "",
+        lines += ["", "### Reward hacking: PURE on the PRM alone (no outcome reward), seed 0", "",
                   "| monitor | first step | last 5 steps |", "|---|---|---|"]
         for k in CURVE_KEYS:
             if k in te:
                 lines.append(f"| {k} | {_fmt({'mean': first.get(k)})} | "
                              f"{_fmt({'mean': te.get(k)})} |")
-        lines += ["", f"after RL (greedy): accuracy {h['greedy']['accuracy']:.3f}, correct with a "
-                      f"wrong step {h['greedy']['correct_with_wrong_step']:.3f}"]
+        lines += ["", (f"after RL (greedy): accuracy {h['greedy']['accuracy']:.3f}, correct with a "
+                      f"wrong step {h['greedy']['correct_with_wrong_step']:.3f}")]
     return "\n".join(lines) + "\n"
+
+
+def readme_table(report: dict) -> str:
+    """README's comparison block: greedy accuracy and wrong-step share, absolute and paired."""
+    b = report["baseline"]["greedy"]
+    how = ("mean [95% bootstrap]" if any("lo" in r["greedy accuracy"] for r in report["rows"])
+           else "mean ± 95% t-interval")
+    lines = [(f"| after {report['rl_steps']} RL steps, {report['eval_problems']} held-out problems "
+             f"(greedy; {how}) | seeds | accuracy | Δ accuracy vs GRPO (paired) | "
+             "correct answers resting on a wrong step | Δ vs GRPO (paired) |"),
+             "| --- | --- | --- | --- | --- | --- |",
+             (f"| warm-up (before RL) | - | {b['accuracy']:.3f} | - | "
+             f"{b['correct_with_wrong_step']:.3f} | - |")]
+    if report.get("missing"):
+        lines.append(f"| (partial run: {len(report['missing'])} of {len(report['planned'])} "
+                     "planned cells not yet run) | | | | | |")
+    for r in report["rows"]:
+        if r["same_run_as_learned"]:
+            continue
+        p = r.get("paired") or {}
+        lines.append(f"| {row_label(r)}, {r['prm']} | {len(r['seeds'])} | "
+                     f"{_fmt(r['greedy accuracy'])} | {_fmt_diff(p.get('greedy accuracy'))} | "
+                     f"{_fmt(r['greedy correct with a wrong step'])} | "
+                     f"{_fmt_diff(p.get('greedy correct with a wrong step'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(report: dict, readme: str | None = None, doc: str | None = None) -> list:
+    """Regenerate the `compare` blocks of README.md and docs/compare.md from a report."""
+    from megaprm.readme import replace_block
+
+    written = []
+    if readme:
+        replace_block(readme, "compare", readme_table(report))
+        written.append(readme)
+    if doc:
+        replace_block(doc, "compare", markdown(report, title=False))
+        written.append(doc)
+    return written
 
 
 # ------------------------------------------------------------------------------ plots
@@ -453,7 +800,8 @@ def plot(report: dict, results: list, out_dir: str) -> list[str]:
     base = report["baseline"]
     for ax, col in zip(axes.flat, panels):
         means = [r[col]["mean"] or 0.0 for r in rows]
-        errs = [r[col]["ci95"] or 0.0 for r in rows]
+        errs = [[max(0.0, m - r[col].get("lo", m)) for m, r in zip(means, rows)],
+                [max(0.0, r[col].get("hi", m) - m) for m, r in zip(means, rows)]]
         colors = ["tab:orange" if r["prm"] == "oracle" else "tab:blue" for r in rows]
         ax.bar(range(len(rows)), means, yerr=errs, color=colors, capsize=3)
         ref = _get(base, dict(COLUMNS)[col])
@@ -463,13 +811,43 @@ def plot(report: dict, results: list, out_dir: str) -> list[str]:
         ax.set_title(col, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle("after RL: mean and 95% interval over seeds (orange: oracle process reward)",
+    fig.suptitle("after RL: mean over seeds, 95% bootstrap interval (seeds, then problems); "
+                 "orange: oracle process reward",
                  fontsize=10)
     fig.tight_layout()
     p = os.path.join(out_dir, "compare_bars.png")
     fig.savefig(p, dpi=110)
     plt.close(fig)
     written.append(p)
+
+    paired = [r for r in rows if r.get("paired")]
+    if paired:  # each row's paired difference from GRPO: interval, mean and every seed's own
+        cols = [c for c in PAIRED if any(c in r["paired"] for r in paired)]
+        fig, axes = plt.subplots(1, len(cols), figsize=(4.2 * len(cols), 0.5 * len(paired) + 1.8),
+                                 squeeze=False, sharey=True)
+        for ax, col in zip(axes.flat, cols):
+            for y, r in enumerate(paired):
+                d = r["paired"].get(col)
+                if not d:
+                    continue
+                color = "tab:red" if d["separated"] else "tab:gray"
+                ax.plot([d["lo"], d["hi"]], [y, y], color=color, lw=2)
+                ax.plot([d["mean"]], [y], "o", color=color)
+                ax.plot(d["per_seed"], [y + 0.2] * len(d["per_seed"]), "x", color="k", ms=4)
+            ax.axvline(0, color="k", lw=0.8)
+            ax.set_title(f"Δ {col}\nvs GRPO, same seed", fontsize=9)
+            ax.grid(axis="x", alpha=0.3)
+        axes.flat[0].set_yticks(range(len(paired)),
+                                [f"{r['method']} ({r['prm']}, {len(r['paired']['seeds'])} s)"
+                                 for r in paired], fontsize=7)
+        axes.flat[0].invert_yaxis()  # the table's order, top down
+        fig.suptitle("paired difference from GRPO: 95% bootstrap interval (red: excludes 0), "
+                     "mean (o), each seed (x)", fontsize=9)
+        fig.tight_layout()
+        p = os.path.join(out_dir, "compare_paired.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
 
     keys = ("reward/outcome_mean", "exact/correct_with_wrong_step_frac", "prm/outcome_agreement")
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.8), squeeze=False)
@@ -532,7 +910,21 @@ def plot(report: dict, results: list, out_dir: str) -> list[str]:
 
 # ------------------------------------------------------------------------------ driver
 
-def run(ccfg: CompareConfig, groups: Groups) -> dict:
+INTERVALS = ("mean over seeds [95% percentile interval of a two-level bootstrap: seeds with "
+             "replacement, then held-out problems with replacement within each drawn seed; "
+             "paired rows share the draws with GRPO's run of the same seed]; per-seed Wilson "
+             "95% intervals for the evaluation's binomial part; ci95: the t half-width over "
+             "seeds of earlier reports")
+
+
+def _no_counts(v):
+    """An evaluation without its per-problem counts (they stay in each run's result.json)."""
+    return {k: x for k, x in v.items() if k != "per_problem"} if isinstance(v, dict) else v
+
+
+def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False) -> dict:
+    """The whole comparison (resumable: finished cells are read back from disk).
+    `only_finished`: run nothing new, report the cells already finished (a run cut short)."""
     from megaprm import demo
     from megaprm.config import load_config
     from megaprm.tasks.tokenizer import build_char_tokenizer
@@ -549,26 +941,36 @@ def run(ccfg: CompareConfig, groups: Groups) -> dict:
     baseline = baseline_stage(ccfg, groups, tok, sft_dir, sft["digest"], temperature)
     base_digest = _digest([sft["digest"], prm["digest"]])
     runs = plan(ccfg)
-    results = []
+    results, missing = [], []
     for i, spec in enumerate(runs):
         t = time.perf_counter()
         _say(groups, f"({i + 1}/{len(runs)}) {spec.name} ...")
-        rec = run_one(spec, ccfg, groups, tok, sft_dir, prm_dir, base_digest)
+        rec = run_one(spec, ccfg, groups, tok, sft_dir, prm_dir, base_digest, only_finished)
+        if rec is None:
+            missing.append(spec.name)
+            _say(groups, f"({i + 1}/{len(runs)}) {spec.name}: not finished (--only-finished)")
+            continue
         results.append(rec)
         _say(groups, f"({i + 1}/{len(runs)}) {spec.name}: greedy accuracy "
                      f"{rec['greedy']['accuracy']:.3f}, correct with a wrong step "
                      f"{rec['greedy']['correct_with_wrong_step']:.3f} "
                      f"({time.perf_counter() - t:.0f} s; {(time.perf_counter() - t0) / 60:.1f} "
-                     f"min so far)")
+                     f"min so far; load {os.getloadavg()[0]:.1f})")
+    if not results:
+        raise ValueError(f"--only-finished: no finished run in {ccfg.run_dir}; run without the "
+                         "flag first")
     hack = next((r for r in results if r.get("hack")), None)
     report = {"methods": list(ccfg.methods), "seeds": ccfg.seeds, "rl_steps": ccfg.rl_steps,
               "eval_problems": ccfg.eval_problems, "sampled_n": ccfg.sampled_n,
               "config": asdict(ccfg), "task": repr(demo.TASK),
               "warmup": {k: v for k, v in sft.items() if k != "digest"},
               "prm": {k: v for k, v in prm.items() if k != "digest"},
-              "baseline": {k: v for k, v in baseline.items() if k != "digest"},
+              "baseline": {k: _no_counts(v) for k, v in baseline.items() if k != "digest"},
+              "planned": [s.name for s in runs], "missing": missing,
+              "eval_format": EVAL_FORMAT, "intervals": INTERVALS,
               "rows": aggregate(results, ccfg),
-              "hack": ({k: hack[k] for k in ("seed", "greedy", "sampled", "train_end", "curves")}
+              "hack": ({k: _no_counts(hack[k])
+                        for k in ("seed", "greedy", "sampled", "train_end", "curves")}
                        if hack else None),
               "times_s": {"warmup": t_warm, "prm": t_prm,
                           "runs": {r["name"]: r["rl_s"] + r["eval_s"] for r in results}},

@@ -1,15 +1,20 @@
-"""`megaprm compare` (issue 20) on a tiny budget, as users run it: 2 ranks, 2 methods, 1 seed,
-learned and oracle process rewards, the reward-hacking run; its evaluation against an
-independent greedy decode by transformers and the exact checker; resumability; the table's
-statistics against the statistics module; bad input -> one line, exit 2."""
+"""`megaprm compare` (issues 20, 34) on a tiny budget, as users run it: 2 ranks, 2 methods,
+1 seed, learned and oracle process rewards, the reward-hacking run; killed after its first cell
+and resumed; its evaluation against an independent greedy decode by transformers and the exact
+checker; the paired design (same seed, same step-0 samples across methods); the docs generated
+from the report; the table's statistics against the statistics module; bad input -> one line,
+exit 2. megaprm.stats itself: tests/test_compare_stats.py."""
 import json
 import os
+import signal
 import statistics
+import subprocess
+import time
 
 import pytest
 
 from megaprm import compare
-from tests.test_megaprm_cli import MEGAPRM, one_line_error, run
+from tests.test_megaprm_cli import MEGAPRM, ROOT, one_line_error, run
 
 TINY = ["--methods", "grpo,prof_grpo", "--seeds", "1", "--oracle", "grpo,prof_grpo",
         "--rl-steps", "2", "--hack-steps", "2", "--eval-problems", "16", "--sampled-n", "2",
@@ -47,28 +52,100 @@ def _greedy_reference(model_dir, problems):
             "correct_with_wrong_step": wrong / max(correct, 1)}
 
 
-def test_compare_tiny_end_to_end_resumable(tmp_path):
+def _load(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _lines(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(x) for x in f]
+
+
+def _run_until_killed(args, done_file, log, timeout=1200):
+    """Start `megaprm compare`, kill its whole process group (launcher and ranks) once
+    `done_file` exists: a run stopped in the middle of its next cell."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        t0 = time.time()
+        try:
+            while not os.path.exists(done_file):
+                assert proc.poll() is None, log.read_text()[-4000:]
+                assert time.time() - t0 < timeout, "the first cell never finished"
+                time.sleep(0.5)
+            time.sleep(2)  # into the next cell
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    for _ in range(40):  # no process of the group is left behind
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.25)
+    else:
+        raise AssertionError("a process of the killed run is still alive")
+
+
+def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     rd = tmp_path / "cmp"
+    first = rd / "rl" / "grpo-learned-s0" / "result.json"
+    _run_until_killed([*MEGAPRM, "compare", "--run-dir", str(rd), *TINY], first,
+                      tmp_path / "killed.log")
+    mtime = os.path.getmtime(first)
+    assert not os.path.exists(rd / "compare.json")  # killed before the end
+    # resumed: the finished cell is read back, not re-run; the rest runs
     p = run([*MEGAPRM, "compare", "--run-dir", str(rd), *TINY], timeout=1200)
     assert p.returncode == 0, p.stderr[-4000:]
-    rep = json.load(open(rd / "compare.json"))
+    assert "warm-up: reusing" in p.stdout and "PRM: reusing" in p.stdout, p.stdout
+    assert "grpo-learned-s0: reusing the finished run" in p.stdout, p.stdout
+    assert "prof_grpo-learned-s0: reusing" not in p.stdout
+    assert os.path.getmtime(first) == mtime
+    rep = _load(rd / "compare.json")
+    assert rep["missing"] == [] and len(rep["planned"]) == 4
     rows = {(r["method"], r["prm"]): r for r in rep["rows"]}
     assert set(rows) == {("grpo", "learned"), ("prof_grpo", "learned"),
                          ("prof_grpo", "oracle"), ("grpo", "oracle")}
     # GRPO reads no step scores: its oracle row is its learned run, said so, not re-run
     assert rows[("grpo", "oracle")]["same_run_as_learned"]
     assert not os.path.isdir(rd / "rl" / "grpo-oracle-s0")
+    res = {}
     for name in ("grpo-learned-s0", "prof_grpo-learned-s0", "prof_grpo-oracle-s0",
                  "hack-pure-prm-only-s0"):
-        res = json.load(open(rd / "rl" / name / "result.json"))
-        metrics = [json.loads(x) for x in open(rd / "rl" / name / "metrics.jsonl")]
+        res[name] = _load(rd / "rl" / name / "result.json")
+        metrics = _lines(rd / "rl" / name / "metrics.jsonl")
         assert [m["step"] for m in metrics] == [0, 1]
-        assert res["curves"]["reward/outcome_mean"] == [m["reward/outcome_mean"]
-                                                        for m in metrics]
-        assert res["sampled"]["problems"] == 16 and res["sampled"]["samples"] == 32
-    hack = json.load(open(rd / "rl" / "hack-pure-prm-only-s0" / "result.json"))
+        assert res[name]["curves"]["reward/outcome_mean"] == [m["reward/outcome_mean"]
+                                                              for m in metrics]
+        assert res[name]["sampled"]["problems"] == 16 and res[name]["sampled"]["samples"] == 32
+        for ev in ("greedy", "sampled"):  # the per-problem counts add up to the totals
+            e = res[name][ev]
+            pp = e["per_problem"]
+            assert len(pp["correct"]) == 16
+            assert sum(pp["correct"]) / e["samples"] == pytest.approx(e["accuracy"])
+            assert sum(pp["wrong_step"]) / max(sum(pp["correct"]), 1) == pytest.approx(
+                e["correct_with_wrong_step"])
+    hack = res["hack-pure-prm-only-s0"]
     assert "advantage.pure.reward_mode=PRM" in hack["overrides"]
     assert rep["hack"]["curves"]["prm/outcome_agreement"]
+
+    # paired design: the same seed samples the same responses at step 0 (same warm-up, prompts
+    # and sampling seed), whichever method (these are rollout-side monitors, before any update);
+    # the (killed and re-run) PROF-GRPO cell reproduces GRPO's step 0 in another process
+    m0 = {n: _lines(rd / "rl" / n / "metrics.jsonl")[0]
+          for n in ("grpo-learned-s0", "prof_grpo-learned-s0", "prof_grpo-oracle-s0")}
+    for k in ("reward/outcome_mean", "response/length_mean", "exact/correct_with_wrong_step_frac"):
+        assert m0["grpo-learned-s0"][k] == m0["prof_grpo-learned-s0"][k] == \
+            m0["prof_grpo-oracle-s0"][k], k
+
+    # the paired difference of the report is each seed's own difference
+    d = rows[("prof_grpo", "learned")]["paired"]["greedy accuracy"]
+    assert d["per_seed"] == pytest.approx([res["prof_grpo-learned-s0"]["greedy"]["accuracy"]
+                                           - res["grpo-learned-s0"]["greedy"]["accuracy"]])
+    assert d["lo"] <= d["mean"] <= d["hi"]
 
     # the baseline row is the warm-up policy's greedy accuracy as transformers decodes it
     problems = compare.eval_problems(compare.CompareConfig(eval_problems=16))
@@ -79,23 +156,33 @@ def test_compare_tiny_end_to_end_resumable(tmp_path):
     assert ref["accuracy"] > 0  # the warm-up learned something: the check is not vacuous
 
     # table, plots
-    md = open(rd / "compare.md").read()
-    assert "| prof_grpo | oracle |" in md and "Reward hacking" in md
-    for png in ("compare_bars.png", "compare_curves.png", "reward_hacking.png"):
+    md = (rd / "compare.md").read_text()
+    assert "| prof_grpo | oracle |" in md and "Reward hacking" in md and "Paired difference" in md
+    for png in ("compare_bars.png", "compare_paired.png", "compare_curves.png",
+                "reward_hacking.png"):
         assert os.path.getsize(rd / "plots" / png) > 10_000
 
-    # resumable: a second call re-runs nothing; a lost result re-runs that run alone, and the
-    # seeded run reproduces its numbers
-    first = json.load(open(rd / "rl" / "prof_grpo-learned-s0" / "result.json"))
-    mtime = os.path.getmtime(rd / "rl" / "grpo-learned-s0" / "result.json")
-    os.remove(rd / "rl" / "prof_grpo-learned-s0" / "result.json")
-    p = run([*MEGAPRM, "compare", "--run-dir", str(rd), *TINY], timeout=1200)
-    assert p.returncode == 0, p.stderr[-4000:]
-    assert "warm-up: reusing" in p.stdout and "PRM: reusing" in p.stdout, p.stdout
-    assert os.path.getmtime(rd / "rl" / "grpo-learned-s0" / "result.json") == mtime
-    again = json.load(open(rd / "rl" / "prof_grpo-learned-s0" / "result.json"))
-    assert again["greedy"] == first["greedy"] and again["sampled"] == first["sampled"]
-    assert again["curves"] == first["curves"]
+    # the docs are generated from the report alone: --from-json writes the blocks that
+    # --only-finished (no new run) writes from the run directory
+    for name in ("README.md", "compare.md"):
+        (tmp_path / name).write_text("x\n<!-- megaprm:compare begin -->\n<!-- megaprm:compare "
+                                     "end -->\ny\n")
+    docs = ["--write-readme", "--readme", str(tmp_path / "README.md"),
+            "--doc", str(tmp_path / "compare.md")]
+    p = run([*MEGAPRM, "compare", "--from-json", str(rd / "compare.json"), *docs])
+    assert p.returncode == 0, p.stderr[-3000:]
+    from_json = (tmp_path / "README.md").read_text(), (tmp_path / "compare.md").read_text()
+    assert "| prof_grpo, learned | 1 |" in from_json[0], from_json[0]
+    assert compare.markdown(rep, title=False).strip() in from_json[1]
+    (tmp_path / "README.md").write_text("x\n<!-- megaprm:compare begin -->\n<!-- megaprm:compare "
+                                        "end -->\ny\n")
+    p = run([*MEGAPRM, "compare", "--run-dir", str(rd), *TINY, "--only-finished", *docs],
+            timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("reusing the finished run") == 4, p.stdout  # nothing re-run
+    assert os.path.getmtime(first) == mtime
+    again = _load(rd / "compare.json")
+    assert again["rows"] == rep["rows"]  # read back from disk: the same rows, same intervals
 
 
 def test_mean_ci_matches_statistics_module():
@@ -107,31 +194,97 @@ def test_mean_ci_matches_statistics_module():
     assert compare.mean_ci([0.5])["ci95"] is None and compare.mean_ci([])["mean"] is None
 
 
-def test_aggregate_rows_per_method_and_reward():
-    ccfg = compare.CompareConfig(methods=("grpo", "papo"), seeds=2, oracle=("grpo", "papo"))
-    runs = compare.plan(ccfg)
-    assert [r.name for r in runs] == ["grpo-learned-s0", "grpo-learned-s1", "papo-learned-s0",
-                                      "papo-learned-s1", "papo-oracle-s0", "papo-oracle-s1",
-                                      "hack-pure-prm-only-s0"]
+def _fake_eval(rng, p_correct, p_wrong, problems=60, n=1):
+    correct = [int(x) for x in rng.binomial(n, p_correct, size=problems)]
+    wrong = [int(rng.binomial(c, p_wrong)) for c in correct]
+    tot = problems * n
+    return {"accuracy": sum(correct) / tot, "all_steps_correct": (sum(correct) - sum(wrong)) / tot,
+            "correct_with_wrong_step": sum(wrong) / max(sum(correct), 1), "problems": problems,
+            "samples": tot, "per_problem": {"correct": correct, "wrong_step": wrong,
+                                            "clean": [c - w for c, w in zip(correct, wrong)]}}
+
+
+def test_plan_is_seed_major_with_fewer_seeds_for_some_rows():
+    ccfg = compare.CompareConfig(methods=("grpo", "papo", "prime_scaled"), seeds=2,
+                                 method_seeds={"prime_scaled": 1}, oracle=("grpo", "papo"))
+    assert [r.name for r in compare.plan(ccfg)] == [
+        "grpo-learned-s0", "papo-learned-s0", "prime_scaled-implicit-s0", "papo-oracle-s0",
+        "grpo-learned-s1", "papo-learned-s1", "papo-oracle-s1", "hack-pure-prm-only-s0"]
+    # the variant runs PRIME with its own beta on top of PRIME's overrides; seed s is the
+    # trainer seed of every row's run s (the paired design)
+    ov = compare.run_overrides(compare.RunSpec("prime_scaled", "implicit", 1), ccfg, "S", "P")
+    assert "advantage.method=prime" in ov and "prm.kind=implicit" in ov
+    assert ov.index("prm.beta=1.0") > ov.index("prm.kind=implicit")
+    assert "trainer.seed=1" in ov
+    assert "trainer.seed=1" in compare.run_overrides(compare.RunSpec("grpo", "learned", 1),
+                                                     ccfg, "S", "P")
+
+
+def test_aggregate_rows_paired_differences_and_sentences():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ccfg = compare.CompareConfig(methods=("grpo", "papo", "pure"), seeds=3,
+                                 method_seeds={"pure": 2}, oracle=("grpo", "papo"),
+                                 bootstrap_reps=500)
+    # pure: far fewer wrong steps than GRPO (separated); papo: the same as GRPO
+    p_wrong = {"grpo": 0.4, "papo": 0.4, "pure": 0.05}
     results = []
-    for i, r in enumerate(runs):
+    for r in compare.plan(ccfg):
         results.append({**r.__dict__, "name": r.name,
-                        "greedy": {"accuracy": 0.1 * i, "all_steps_correct": 0.0,
-                                   "correct_with_wrong_step": 0.0},
-                        "sampled": {"accuracy": 0.0, "correct_with_wrong_step": 0.0},
-                        "train_end": {}, "curves": {}})
+                        "greedy": _fake_eval(rng, 0.5, p_wrong[r.method], problems=300),
+                        "sampled": _fake_eval(rng, 0.4, p_wrong[r.method], problems=300, n=2),
+                        "train_end": {"reward/outcome_mean": 0.3},
+                        "curves": {"reward/outcome_mean": [min(0.1 + 0.01 * i, 0.4)
+                                                           for i in range(60)]}})
     rows = {(r["method"], r["prm"]): r for r in compare.aggregate(results, ccfg)}
-    assert rows[("papo", "oracle")]["greedy accuracy"]["per_seed"] == pytest.approx([0.4, 0.5])
-    assert rows[("grpo", "oracle")]["greedy accuracy"] == rows[("grpo", "learned")][
-        "greedy accuracy"]
     assert rows[("grpo", "oracle")]["same_run_as_learned"]
-    assert ("pure", "learned") not in rows  # the reward-hacking run is reported apart
+    assert "paired" not in rows[("grpo", "learned")] and "paired" not in rows[("grpo", "oracle")]
+    assert ("pure", "learned") not in rows or rows[("pure", "learned")]["seeds"] == [0, 1]
+    by = {(r["method"], r["prm"], r["seed"]): r for r in results if not r["hack"]}
+    for key, seeds in ((("papo", "oracle"), [0, 1, 2]), (("pure", "learned"), [0, 1])):
+        p = rows[key]["paired"]
+        assert p["seeds"] == seeds
+        for label, path in (("greedy accuracy", ("greedy", "accuracy")),
+                            ("sampled correct with a wrong step",
+                             ("sampled", "correct_with_wrong_step"))):
+            want = [by[(*key, s)][path[0]][path[1]] - by[("grpo", "learned", s)][path[0]][path[1]]
+                    for s in seeds]
+            assert p[label]["per_seed"] == pytest.approx(want)
+            assert p[label]["mean"] == pytest.approx(sum(want) / len(want))
+            assert p[label]["lo"] <= p[label]["mean"] <= p[label]["hi"]
+    w = rows[("pure", "learned")]["paired"]["greedy correct with a wrong step"]
+    assert w["separated"] and w["hi"] < 0
+    assert not rows[("papo", "learned")]["paired"]["greedy accuracy"]["separated"]
+    cell = rows[("papo", "learned")]["greedy accuracy"]
+    assert 0 <= cell["lo"] <= cell["mean"] <= cell["hi"] <= 1 and len(cell["wilson"]) == 3
+    assert cell["noise"]["eval_sd"] == pytest.approx((0.25 / 300) ** 0.5, rel=0.25)
+    # the curves rise over 30 steps, then stay: 90% of the rise is made by then
+    pl = rows[("grpo", "learned")]["plateau"]
+    assert 24 <= pl["step90"] <= 36 and pl["slope_last_quarter"] == pytest.approx(0.0, abs=1e-9)
+    rep = {"rows": list(rows.values()), "baseline": {"greedy": results[0]["greedy"]},
+           "rl_steps": 60, "eval_problems": 300, "seeds": 3, "sampled_n": 2,
+           "prm": {"auroc": 0.9}, "compute_s": {"warmup": 1, "prm_train": 1, "runs": 1},
+           "device": "CPU", "load": [1.0], "total_s": 1, "hack": None}
+    md = compare.markdown(rep)
+    assert "below GRPO in the greedy wrong-step share" in md
+    assert "**papo / learned**" in md and "not separated from GRPO in greedy accuracy" in md
+    table = compare.readme_table(rep)
+    assert "| pure, learned | 2 |" in table and "grpo, oracle" not in table
+
+
+def test_method_seeds_checked():
+    with pytest.raises(ValueError, match="between 1 and --seeds"):
+        compare.CompareConfig(methods=("grpo",), seeds=2, method_seeds={"grpo": 3}, oracle=())
+    with pytest.raises(ValueError, match="unknown method"):
+        compare.CompareConfig(methods=("grpo",), method_seeds={"nosuch": 1}, oracle=())
 
 
 @pytest.mark.parametrize("args,needle", [
     (["--methods", "grpo,nosuch"], "unknown method(s) ['nosuch']"),
     (["--methods", "grpo", "--oracle", "papo"], "add it to --methods"),
     (["--methods", "grpo", "--oracle", "", "actor.nosuch=1"], "actor.nosuch"),
+    (["--from-json", "nosuch.json"], "--from-json nosuch.json: no such file"),
 ])
 def test_compare_bad_input_one_line(tmp_path, args, needle):
     p = run([*MEGAPRM, "compare", "--run-dir", str(tmp_path / "x"), *args])
