@@ -3,7 +3,7 @@
 Installed once by `parallel.init` only when `torch.cuda.is_available()` is False; it never edits
 megatron-core's files. Each redirect below is one CUDA entry point that megatron-core reaches on
 the paths megaprm uses (building GPTModel from the local spec, DDP, pipeline schedules,
-dist_checkpointing). The measured list is in shared/notes/megatron-core-on-cpu.md.
+dist_checkpointing); the redirects below are the list (each names what it stands in for).
 """
 from __future__ import annotations
 

@@ -174,7 +174,7 @@ class Optimizer:
     """Megatron's optimizer on GPU; on CPU a torch AdamW over the DDP module's parameters.
 
     Megatron's DistributedOptimizer rejects non-CUDA parameters and its fp32 optimizer asserts
-    on CUDA when clipping (shared/notes/megatron-core-on-cpu.md), so on CPU we step torch.optim
+    on CUDA when clipping (megatron-core 0.16.1), so on CPU we step torch.optim
     after `finalize_model_grads`, with the grads Megatron accumulated in `param.main_grad` and a
     grad norm reduced over the model-parallel group (tp duplicates counted once).
     """
