@@ -21,7 +21,7 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q -x --timeout=900 tests
+	$(PY) -m pytest -q -x --timeout=900 --durations=25 tests
 
 # `make demo DEMO_ARGS="--method prof_grpo"` picks another method, "--from-scratch" retrains the start
 demo: install
