@@ -267,55 +267,13 @@ def eval_problems(ccfg: CompareConfig) -> list:
     return generate_problems(demo.TASK, ccfg.eval_problems, seed=HELD_OUT_SEED)
 
 
-def evaluate_detail(engine, tok, groups: Groups, problems: list, *, temperature: float = 0.0,
-                    n: int = 1, seed: int = 0, max_tokens: int = 64) -> dict:
-    """Like `trainer.evaluate.evaluate_arithmetic` (same sampling parameters and per-rank seeds,
-    so the same numbers), plus every problem's counts - `correct`, `wrong_step` (correct with a
-    wrong step), `clean` (correct with every step correct), each out of `n` samples - in problem
-    order, for the bootstrap over problems (`megaprm.stats`). dp-sharded: each rank decodes a
-    contiguous share; the counts are summed over the dp group."""
-    import torch
-    import torch.distributed as dist
-
-    from megaprm.rollout.engine import SamplingParams
-    from megaprm.tasks.arithmetic import check_steps
-
-    total = len(problems)
-    lo = groups.dp_rank * total // groups.dp_size
-    hi = (groups.dp_rank + 1) * total // groups.dp_size
-    local = problems[lo:hi]
-    n = n if temperature > 0 else 1
-    params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens,
-                            stop_token_ids=(tok.eos_token_id,),
-                            seed=(seed + 1_000_003 * groups.dp_rank) % 2**31)
-    counts = torch.zeros(3, total, dtype=torch.float64)
-    if local:
-        batch = engine.generate([tok.encode(p.prompt, add_special_tokens=False) for p in local],
-                                params)
-        texts = batch.decode_responses(tok)
-        for g, t, r in zip(batch.group_index.tolist(), texts, batch.finish_reason):
-            c = check_steps(local[g], t, ends_with_eos=r == "stop")
-            counts[0, lo + g] += c.final_correct
-            counts[1, lo + g] += c.correct_with_wrong_step
-            counts[2, lo + g] += bool(c.all_steps_correct and c.final_correct)
-    if groups.dp_size > 1:
-        dist.all_reduce(counts, group=groups.host_dp)
-    correct, wrong, clean = (counts[i].tolist() for i in range(3))
-    samples = total * n
-    return {"accuracy": sum(correct) / max(samples, 1),
-            "correct_with_wrong_step": sum(wrong) / max(sum(correct), 1),
-            "all_steps_correct": sum(clean) / max(samples, 1), "problems": total,
-            "samples": samples,
-            "per_problem": {"correct": [int(x) for x in correct],
-                            "wrong_step": [int(x) for x in wrong],
-                            "clean": [int(x) for x in clean]}}
-
-
 def evaluate_policy(engine, tok, groups: Groups, ccfg: CompareConfig, temperature: float) -> dict:
     probs = eval_problems(ccfg)
-    greedy = evaluate_detail(engine, tok, groups, probs)
-    sampled = evaluate_detail(engine, tok, groups, probs, temperature=temperature,
-                              n=ccfg.sampled_n, seed=SAMPLED_SEED)
+    from megaprm.trainer.evaluate import evaluate_arithmetic
+
+    greedy = evaluate_arithmetic(engine, tok, groups, probs, per_problem=True)
+    sampled = evaluate_arithmetic(engine, tok, groups, probs, temperature=temperature,
+                                  n=ccfg.sampled_n, seed=SAMPLED_SEED, per_problem=True)
     return {"greedy": greedy, "sampled": sampled}
 
 

@@ -161,9 +161,10 @@ class RolloutConfig:
     # most this many weight versions after the one it was drawn with (0: on-policy)
     max_staleness: int = 0
     # off-policy correction of the update against the engine's log-probs (docs/rollout.md):
-    # none | tis (token-level truncated importance sampling, verl's rollout correction)
+    # none | tis (token-level truncated importance sampling, verl's rollout correction) |
+    # decoupled (AReaL's decoupled PPO: tokens whose weight exceeds the cap are dropped)
     correction: str = "tis"
-    tis_cap: float = 2.0                 # C: importance weights above it are truncated to it
+    tis_cap: float = 2.0                 # C: weights above it are truncated (tis) or dropped
 
     def __post_init__(self):
         _check(self.placement in ("colocated", "separate"), "rollout.placement", self.placement,
@@ -180,8 +181,9 @@ class RolloutConfig:
         _check(self.placement == "colocated" or self.refill_surplus == "drop",
                "rollout.refill_surplus", self.refill_surplus,
                "drop with rollout.placement=separate (requeued prompts are not streamed)")
-        _check(self.correction in ("none", "tis"), "rollout.correction", self.correction,
-               "none or tis (token-level truncated importance sampling)")
+        _check(self.correction in ("none", "tis", "decoupled"), "rollout.correction",
+               self.correction, "none, tis (token-level truncated importance sampling) or "
+               "decoupled (AReaL's decoupled PPO)")
         _check(self.tis_cap >= 1.0, "rollout.tis_cap", self.tis_cap, ">= 1")
         _check(self.engine in ("hf", "vllm"), "rollout.engine", self.engine, "hf or vllm")
         _check(self.refill in REFILL_FILTERS, "rollout.refill", self.refill,

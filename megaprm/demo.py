@@ -227,13 +227,13 @@ class _Recording:
 def evaluate(engine, tokenizer, groups: Groups, problems: list) -> dict:
     """Greedy evaluation with the project's `evaluate_arithmetic` (dp-sharded, exact step
     checks), plus every rank's generated texts in problem order (for an independent recount)."""
-    from megaprm.trainer.evaluate import evaluate_arithmetic
+    from megaprm.trainer.evaluate import evaluate_arithmetic, shard
 
     rec = _Recording(engine)
     res = evaluate_arithmetic(rec, tokenizer, groups, problems)
     (batch,) = rec.batches
-    per = len(problems) // groups.dp_size  # evaluate_arithmetic's shard of this rank
-    mine = problems[groups.dp_rank * per:(groups.dp_rank + 1) * per]
+    lo, hi = shard(problems, groups)  # evaluate_arithmetic's shard of this rank
+    mine = problems[lo:hi]
     local = [[mine[g].prompt, t, r] for g, t, r in zip(batch.group_index.tolist(),
                                                        batch.decode_responses(tokenizer),
                                                        batch.finish_reason)]

@@ -137,12 +137,18 @@ def test_resume_with_other_layout_and_config_is_refused_before_ranks(policy, tmp
     assert "grpo" in line and "rloo" in line
 
 
-def test_two_nodes_on_one_machine_train_together(policy, tmp_path):
-    """Two launchers, --nnodes 2 --node-rank 0|1 --nproc 1, one master: one world of 2 ranks."""
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_two_nodes_on_one_machine_train_together(policy, tmp_path, placement):
+    """Two launchers, --nnodes 2 --node-rank 0|1 --nproc 1, one master: one world of 2 ranks.
+    separate: node 1 is a whole rollout node (rollout.ranks=1, one step ahead), node 0 the
+    trainer (docs/rollout.md "Placement")."""
     run_dir = tmp_path / "run"
     port = str(free_port())
+    extra = (["rollout.placement=separate", "rollout.ranks=1", "rollout.max_staleness=1"]
+             if placement == "separate" else [])
     cmds = [train_cmd(policy, run_dir, "--nnodes", "2", "--node-rank", str(r), "--nproc", "1",
-                      "--master-addr", "127.0.0.1", "--master-port", port, "trainer.steps=2")
+                      "--master-addr", "127.0.0.1", "--master-port", port, "trainer.steps=2",
+                      *extra)
             for r in (0, 1)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -153,7 +159,11 @@ def test_two_nodes_on_one_machine_train_together(policy, tmp_path):
     rows = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1]
     state = json.load(open(run_dir / "checkpoints" / "step_000001" / "trainer.json"))
-    assert state["world_size"] == 2
+    if placement == "separate":  # the trainer's world is node 0 alone; step 1 drew a stale block
+        assert state["world_size"] == 1
+        assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0]
+    else:
+        assert state["world_size"] == 2
 
 
 def test_train_prm_two_ranks(policy, tmp_path):

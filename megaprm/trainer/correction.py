@@ -15,6 +15,13 @@ pi_behav the engine's log-probs of the sampled token (the policy that drew it, `
 clip(r) (w A)) (and likewise for the dual clip), the weight is applied to the advantages; the
 entropy and KL terms are left unweighted, as verl does. Both log-probs are at the sampling
 temperature (the one the engine drew at).
+
+`rollout.correction: decoupled` is AReaL's decoupled PPO objective instead (Fu et al. 2025,
+"AReaL: A Large-Scale Asynchronous Reinforcement Learning System for Language Reasoning",
+eq. 5; its `ppo_actor_loss_fn` with `behav_imp_weight_cap`): the same proximal ratio and
+behaviour weight pi_old / pi_behav, but a token whose weight exceeds C is dropped (weight 0)
+rather than truncated to C; the token-mean's denominator still counts it (AReaL divides by
+every valid token).
 """
 from __future__ import annotations
 
@@ -40,13 +47,17 @@ def lag_metrics(lag: torch.Tensor, trainer_lp: torch.Tensor, sampler_lp: torch.T
 
 
 def tis_weights(trainer_lp: torch.Tensor, sampler_lp: torch.Tensor, mask: torch.Tensor,
-                cap: float) -> tuple:
-    """w [B, R] = min(exp(trainer - sampler), cap) on valid tokens (0 elsewhere), and its
-    metrics: `rollout/is_weight_mean` (after truncation), `rollout/is_weight_max` (before),
-    `rollout/is_truncated_frac` (share of valid tokens above the cap)."""
+                cap: float, mode: str = "tis") -> tuple:
+    """w [B, R] on valid tokens (0 elsewhere): `tis` min(exp(trainer - sampler), cap); `decoupled`
+    exp(trainer - sampler) where it is <= cap, else 0 (AReaL's filter). Metrics:
+    `rollout/is_weight_mean` (after truncation or filtering), `rollout/is_weight_max` (before),
+    `rollout/is_truncated_frac` (share of valid tokens above the cap: truncated, or dropped)."""
+    if mode not in ("tis", "decoupled"):
+        raise ValueError(f"correction mode {mode!r}: tis or decoupled")
     ratio = torch.exp((trainer_lp - sampler_lp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)) * mask
-    w = ratio.clamp(max=cap)
+    above = (ratio > cap) & (mask > 0)
+    w = ratio.clamp(max=cap) if mode == "tis" else ratio.masked_fill(above, 0.0)
     n = mask.sum().clamp(min=1)
     return w, {"rollout/is_weight_mean": float(w.sum() / n),
                "rollout/is_weight_max": float(ratio.max()) if ratio.numel() else 0.0,
-               "rollout/is_truncated_frac": float(((ratio > cap) & (mask > 0)).sum() / n)}
+               "rollout/is_truncated_frac": float(above.sum() / n)}

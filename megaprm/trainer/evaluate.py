@@ -9,36 +9,59 @@ from megaprm.parallel.host import dp_reduce
 from megaprm.rollout.engine import SamplingParams
 
 
+def shard(problems: list, groups: Groups) -> tuple[int, int]:
+    """[lo, hi) of `problems` that this dp rank evaluates (contiguous, every problem once)."""
+    n = len(problems)
+    return groups.dp_rank * n // groups.dp_size, (groups.dp_rank + 1) * n // groups.dp_size
+
+
 def evaluate_arithmetic(engine, tokenizer, groups: Groups, problems: list,
                         max_tokens: int = 64, *, temperature: float = 0.0, n: int = 1,
-                        seed: int = 0, fmt=None) -> dict:
+                        seed: int = 0, fmt=None, per_problem: bool = False) -> dict:
     """accuracy, the share of correct answers resting on a wrong step, fully-correct share.
     Greedy by default; `temperature > 0` draws `n` samples per problem (seeded per dp rank, so
     the result does not depend on the order of evaluations) and counts every sample. `fmt`:
-    question -> the policy's prompt text (the trainer's data.prompt_format; None: as is)."""
+    question -> the policy's prompt text (the trainer's data.prompt_format; None: as is).
+    dp-sharded (`shard`); the counts are summed over the dp group. `per_problem`: also every
+    problem's counts - `correct`, `wrong_step` (correct with a wrong step), `clean` (correct
+    with every step correct), each out of the n samples - in problem order (the comparison's
+    bootstrap over problems, `megaprm.stats`)."""
+    import torch
+    import torch.distributed as dist
+
     from megaprm.tasks.arithmetic import check_steps
 
-    per = len(problems) // groups.dp_size
-    local = problems[groups.dp_rank * per:(groups.dp_rank + 1) * per]
-    params = SamplingParams(n=n if temperature > 0 else 1, temperature=temperature,
-                            max_tokens=max_tokens, stop_token_ids=(tokenizer.eos_token_id,),
+    total = len(problems)
+    lo, hi = shard(problems, groups)
+    local = problems[lo:hi]
+    n = n if temperature > 0 else 1
+    params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens,
+                            stop_token_ids=(tokenizer.eos_token_id,),
                             seed=(seed + 1_000_003 * groups.dp_rank) % 2**31)
     fmt = fmt or (lambda q: q)
-    batch = engine.generate([tokenizer.encode(fmt(p.prompt), add_special_tokens=False)
-                             for p in local], params)
-    texts = batch.decode_responses(tokenizer)
-    checks = [check_steps(local[g], t, ends_with_eos=r == "stop")
-              for g, t, r in zip(batch.group_index.tolist(), texts, batch.finish_reason)]
-    counts = dp_reduce({"total": len(checks), "correct": sum(c.final_correct for c in checks),
-                        "wrong_step": sum(c.correct_with_wrong_step for c in checks),
-                        "clean": sum(c.all_steps_correct and c.final_correct for c in checks)},
-                       groups)
-    total, correct, wrong_step, clean = (counts[k] for k in ("total", "correct", "wrong_step",
-                                                             "clean"))
-    return {"accuracy": correct / max(total, 1),
-            "correct_with_wrong_step": wrong_step / max(correct, 1),
-            "all_steps_correct": clean / max(total, 1), "problems": int(total) // params.n,
-            "samples": int(total)}
+    counts = torch.zeros(3, total, dtype=torch.float64)  # correct, wrong_step, clean
+    if local:
+        batch = engine.generate([tokenizer.encode(fmt(p.prompt), add_special_tokens=False)
+                                 for p in local], params)
+        texts = batch.decode_responses(tokenizer)
+        for g, t, r in zip(batch.group_index.tolist(), texts, batch.finish_reason):
+            c = check_steps(local[g], t, ends_with_eos=r == "stop")
+            counts[0, lo + g] += c.final_correct
+            counts[1, lo + g] += c.correct_with_wrong_step
+            counts[2, lo + g] += bool(c.all_steps_correct and c.final_correct)
+    if groups.dp_size > 1:
+        dist.all_reduce(counts, group=groups.host_dp)
+    correct, wrong, clean = (counts[i].tolist() for i in range(3))
+    samples = total * n
+    out = {"accuracy": sum(correct) / max(samples, 1),
+           "correct_with_wrong_step": sum(wrong) / max(sum(correct), 1),
+           "all_steps_correct": sum(clean) / max(samples, 1), "problems": total,
+           "samples": samples}
+    if per_problem:
+        out["per_problem"] = {"correct": [int(x) for x in correct],
+                              "wrong_step": [int(x) for x in wrong],
+                              "clean": [int(x) for x in clean]}
+    return out
 
 
 def evaluate_math(engine, tokenizer, groups: Groups, prompts: list, answers: list,

@@ -273,10 +273,10 @@ class RLTrainer:
         lag = (self.source.version - drawn if drawn is not None
                else torch.zeros(rp.input_ids.shape[0], dtype=torch.long))
         off_metrics = {}
-        if stale and cfg.rollout.correction == "tis":  # correction.py: weights on advantages
+        if stale and cfg.rollout.correction != "none":  # correction.py: weights on advantages
             w, off_metrics = correction.tis_weights(
                 targets_to_response(logp_sampler_t, rp, R), batch.sampler_logprobs,
-                batch.response_mask.float(), cfg.rollout.tis_cap)
+                batch.response_mask.float(), cfg.rollout.tis_cap, cfg.rollout.correction)
             adv.advantages = adv.advantages * w
         adv_t = response_to_targets(adv.advantages, rp)
         # refill's top-up groups (the cap was hit) did not pass: no gradient from them

@@ -150,7 +150,7 @@ def test_a_killed_rank_ends_the_run_in_one_line_and_resume_continues(models, tmp
     (["rollout.max_staleness=1"], "rollout.max_staleness=1 is not valid: 0 with rollout."),
     (["rollout.placement=separate", "rollout.ranks=1", "rollout.refill=std",
       "rollout.refill_surplus=requeue"], "rollout.refill_surplus='requeue' is not valid: drop"),
-    (["rollout.correction=is"], "rollout.correction='is' is not valid: none or tis"),
+    (["rollout.correction=is"], "rollout.correction='is' is not valid: none, tis"),
 ])
 def test_async_keys_are_checked_in_one_line(overrides, says):
     from megaprm.config import ConfigError, load_config
