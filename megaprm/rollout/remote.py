@@ -38,6 +38,7 @@ block, dp rank), so the same weights draw the same samples in either placement.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
@@ -255,8 +256,27 @@ class WeightReceiver:
             self.buf = torch.empty(largest, dtype=torch.uint8, device=self.p.device)
         for layout, size in self.plan:
             view = self.buf[:size]
-            _broadcast(self.p.weights, view).wait()
+            with _from_trainer():
+                _broadcast(self.p.weights, view).wait()
             yield from unpack_bucket(view, layout)
+
+
+LOST_WAIT_S = 60.0
+
+
+@contextlib.contextmanager
+def _from_trainer():
+    """A rollout rank's wait on trainer rank 0. Raising means that rank is gone (killed, or
+    failed): the launcher stops every rank and names the one that failed first, so wait to be
+    stopped rather than race its one line with a traceback of this rank's own (a kill -9 of
+    trainer rank 0 mid-transfer did); re-raised if nothing stops this rank in LOST_WAIT_S."""
+    try:
+        yield
+    except RuntimeError:
+        import time
+
+        time.sleep(LOST_WAIT_S)
+        raise
 
 
 # ----------------------------------------------------------------------------- messages
@@ -411,7 +431,8 @@ def serve(cfg, placement: Placement, tokenizer) -> int:
     weights = WeightReceiver(placement)
     kill_at = int(os.environ.get("MEGAPRM_KILL_ROLLOUT_AT", "-1"))  # tests only: SIGKILL here
     while True:
-        msg = recv(placement, 0, CTRL)
+        with _from_trainer():
+            msg = recv(placement, 0, CTRL)
         if msg[0] == "weights":
             version, stream = msg[1], weights.receive(msg[2])
             engine.update_weights(stream)
