@@ -10,12 +10,21 @@ One torchrun world, split before Megatron starts (`split_world`):
 * every rank: one gloo group over the whole launch (`xfer`), used point to point only: trainer
   rank 0 sends the rollout ranks their orders in one ordered channel (weights, prompt blocks to
   draw, evaluation, stop), each rollout rank sends the batches of the dp shards it serves to the
-  trainer ranks of those shards.
+  trainer ranks of those shards;
+* trainer rank 0 and the rollout ranks: the `weights` group (ranks 0, 1 .. rollout.ranks),
+  broadcasts of the weight buckets only.
 
-Weights: every trainer rank runs the HF-layout bucketed gather of parallel/weight_sync.py (tp
-and pp pieces joined on the trainer side); trainer rank 0 sends the full tensors to each rollout
-rank, which loads them with `engine.update_weights`. Each load is one weight version; every
-batch travels with the version it was drawn with.
+Weights (`RemoteSource.sync` -> `serve`): every trainer rank runs the HF-layout bucketed gather
+of parallel/weight_sync.py (tp and pp pieces joined on the trainer side); trainer rank 0 packs
+each bucket's tensors, as raw bytes, into one flat buffer and broadcasts it over the `weights`
+group (trainer rank 0 and every rollout rank: NCCL on GPU, gloo on the CPU), after a small
+"weights" order on the channel (the version, and the bucket plan - names, shapes, dtypes,
+offsets - when it changed). The broadcasts are issued asynchronously: trainer rank 0 returns at
+once and keeps the buffers until the rollout ranks have taken them (a rollout rank drawing ahead
+posts its side when it reaches the order); it waits for a version only when
+max(1, max_staleness) versions are already in flight, and at stop. A rollout rank receives the
+buckets into one reused buffer and loads them with `engine.update_weights`, bucket by bucket.
+Each load is one weight version; every batch travels with the version it was drawn with.
 
 Staleness (`rollout.max_staleness` = k): trainer rank 0 orders the k prompt blocks after the one
 it needs now as well, so a rollout rank draws them while the trainer trains. The channel is in
@@ -29,6 +38,7 @@ block, dp rank), so the same weights draw the same samples in either placement.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
@@ -54,6 +64,8 @@ class Placement:
     xfer: object = None
     store: object = None
     pending: list = field(default_factory=list)  # sends in flight (buffers kept alive)
+    weights: object = None  # trainer rank 0 and the rollout ranks (None on other trainer ranks)
+    device: object = None  # where the weights group's buffers live
 
     @property
     def is_rollout(self) -> bool:
@@ -89,13 +101,182 @@ def split_world(cfg, timeout_minutes: int = 30) -> Optional[Placement]:
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
     xfer = dist.ProcessGroupGloo(dist.PrefixStore("megaprm/xfer", store), rank, world, timeout)
     trainers = world - k
+    weights, device = None, None
+    if rank == 0 or rank >= trainers:
+        weights, device = _weights_group(store, 0 if rank == 0 else rank - trainers + 1, k + 1,
+                                         timeout)
     if rank < trainers:
         os.environ["WORLD_SIZE"] = str(trainers)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, store=dist.PrefixStore("megaprm/trainer", store),
                                 rank=rank, world_size=trainers, timeout=timeout)
-    _CURRENT = Placement(rank, world, trainers, list(range(trainers, world)), xfer, store)
+    _CURRENT = Placement(rank, world, trainers, list(range(trainers, world)), xfer, store,
+                         weights=weights, device=device)
     return _CURRENT
+
+
+def _weights_group(store, rank: int, size: int, timeout) -> tuple:
+    """The weights group (trainer rank 0 = 0, rollout ranks 1 .. size-1) and its device: NCCL
+    on this rank's GPU where CUDA is present (the trainer's tensors and the engine's weights are
+    there), else gloo on the CPU. Built by its members only, from their launch store."""
+    from megaprm.parallel.device import rank_device
+
+    device = rank_device()
+    wstore = dist.PrefixStore("megaprm/weights", store)
+    if device.type == "cuda":  # untested here (no GPU on the development machine)
+        torch.cuda.set_device(device)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        group = dist.ProcessGroupNCCL(wstore, rank, size, opts)
+    else:
+        group = dist.ProcessGroupGloo(wstore, rank, size, timeout)
+    # one collective now, while every member is here: NCCL creates its communicator at the first
+    # one, which must not be a sync's broadcast while the rollout ranks are drawing
+    _broadcast(group, torch.zeros(1, device=device)).wait()
+    return group, device
+
+
+# ----------------------------------------------------------------------------- weight buckets
+#
+# A bucket travels as one flat uint8 buffer: its tensors' bytes one after the other, each at an
+# offset aligned to ALIGN bytes (so a view of any dtype can start there). The plan of a version
+# is, per bucket, ((name, shape, dtype, offset), ...) and the buffer's size in bytes.
+
+ALIGN = 64
+
+
+def bucket_layout(bucket: list) -> tuple:
+    """((name, shape, dtype, offset) per tensor, total bytes) of one bucket of (name, tensor)."""
+    out, off = [], 0
+    for name, t in bucket:
+        off = -(-off // ALIGN) * ALIGN
+        out.append((name, tuple(t.shape), t.dtype, off))
+        off += t.numel() * t.element_size()
+    return tuple(out), off
+
+
+def _view(buf: torch.Tensor, shape: tuple, dtype: torch.dtype, off: int) -> torch.Tensor:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return buf[off:off + n].view(dtype).view(shape)
+
+
+@torch.no_grad()
+def pack_bucket(bucket: list, layout: tuple, buf: torch.Tensor) -> None:
+    """Copy the bucket's tensors (any dtypes, strides) into `buf` (uint8, >= the layout's size)."""
+    dsts = [_view(buf, shape, dtype, off) for _, shape, dtype, off in layout]
+    if dsts:
+        torch._foreach_copy_(dsts, [t.detach() for _, t in bucket])
+
+
+def unpack_bucket(buf: torch.Tensor, layout: tuple) -> list:
+    """The bucket's (name, tensor) pairs as views of `buf` (valid until `buf` is rewritten)."""
+    return [(name, _view(buf, shape, dtype, off)) for name, shape, dtype, off in layout]
+
+
+def _broadcast(group, t: torch.Tensor):
+    """An asynchronous broadcast from the weights group's rank 0 (the Work)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return group.broadcast([t], opts)
+
+
+class WeightSender:
+    """Trainer rank 0's end of the weights group. `send(version, buckets)`: packs every bucket,
+    orders the rollout ranks to take version `version` (the plan rides along when it changed),
+    issues one broadcast per bucket and returns without waiting for them. The buffers of a
+    version stay referenced until its broadcasts complete; at most `in_flight` versions are
+    outstanding (the oldest is waited for before a new one is packed), and their buffers are
+    reused by later versions. `drain()` waits for all."""
+
+    def __init__(self, p: Placement, in_flight: int = 1):
+        self.p, self.in_flight = p, max(1, in_flight)
+        self.outstanding: list = []  # [(works, buffers)] oldest first
+        self.free: list = []  # buffer sets of completed versions
+        self.plan = None
+
+    def _retire(self, keep: int) -> None:
+        """Release the versions whose broadcasts completed; wait for the oldest ones until at most
+        `keep` are outstanding."""
+        while self.outstanding and (len(self.outstanding) > keep
+                                    or all(w.is_completed() for w in self.outstanding[0][0])):
+            works, bufs = self.outstanding.pop(0)
+            for w in works:
+                w.wait()
+            self.free.append(bufs)
+
+    def send(self, version: int, buckets) -> dict:
+        """Returns {"bytes": HF tensor bytes, "wait_seconds": time spent waiting for an older
+        version's broadcasts}."""
+        import time
+
+        t0 = time.perf_counter()
+        self._retire(keep=self.in_flight - 1)
+        waited = time.perf_counter() - t0
+        old = self.free.pop() if self.free else []
+        plan, bufs, nbytes = [], [], 0
+        for i, bucket in enumerate(buckets):
+            layout, size = bucket_layout(bucket)
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            buf = old[i] if i < len(old) and old[i].numel() == size else None
+            if buf is None:
+                buf = torch.zeros(size, dtype=torch.uint8, device=self.p.device)
+            pack_bucket(bucket, layout, buf)
+            plan.append((layout, size))
+            bufs.append(buf)
+        plan = tuple(plan)
+        order = ("weights", version, plan if plan != self.plan else None)
+        self.plan = plan
+        for s in self.p.rollout_ranks:
+            send(self.p, order, s, CTRL, wait=False)
+        works = [_broadcast(self.p.weights, b) for b in bufs]
+        self.outstanding.append((works, bufs))
+        return {"bytes": nbytes, "wait_seconds": waited}
+
+    def drain(self) -> None:
+        self._retire(keep=0)
+
+
+class WeightReceiver:
+    """A rollout rank's end: `receive(plan)` yields the version's (name, tensor) pairs bucket by
+    bucket, each bucket received into one buffer reused by every bucket and version (a bucket's
+    tensors are valid until the next pair after it is asked for: the engine copies them)."""
+
+    def __init__(self, p: Placement):
+        self.p, self.plan = p, None
+        self.buf = torch.empty(0, dtype=torch.uint8, device=p.device)
+
+    def receive(self, plan=None):
+        self.plan = plan if plan is not None else self.plan
+        if self.plan is None:
+            raise RuntimeError("a weights order without a bucket plan came first")
+        largest = max((size for _, size in self.plan), default=0)
+        if self.buf.numel() < largest:
+            self.buf = torch.empty(largest, dtype=torch.uint8, device=self.p.device)
+        for layout, size in self.plan:
+            view = self.buf[:size]
+            with _from_trainer():
+                _broadcast(self.p.weights, view).wait()
+            yield from unpack_bucket(view, layout)
+
+
+LOST_WAIT_S = 60.0
+
+
+@contextlib.contextmanager
+def _from_trainer():
+    """A rollout rank's wait on trainer rank 0. Raising means that rank is gone (killed, or
+    failed): the launcher stops every rank and names the one that failed first, so wait to be
+    stopped rather than race its one line with a traceback of this rank's own (a kill -9 of
+    trainer rank 0 mid-transfer did); re-raised if nothing stops this rank in LOST_WAIT_S."""
+    try:
+        yield
+    except RuntimeError:
+        import time
+
+        time.sleep(LOST_WAIT_S)
+        raise
 
 
 # ----------------------------------------------------------------------------- messages
@@ -153,6 +334,9 @@ class RemoteSource:
             ranks_of = [g.dp_rank]
         self.dp_ranks = {d: [r for r, x in enumerate(ranks_of) if x == d]
                          for d in range(g.dp_size)}
+        # trainer rank 0 only; a rollout rank drawing ahead takes version v after the blocks
+        # ordered before it, i.e. after the block the trainer consumed max_staleness syncs later
+        self.sender = WeightSender(placement, self.k) if g.rank == 0 else None
 
     def _order(self, block: int) -> None:
         """Trainer rank 0: order block `block` (every dp shard) from its rollout rank."""
@@ -167,8 +351,8 @@ class RemoteSource:
                 (encode_prompts(tr.tok, local.texts), sampling_params(tr.cfg, block, d, tr.eos),
                  dsts))
         for s, shards in per_server.items():
-            if shards:
-                send(self.p, ("generate", block, shards), s, CTRL)
+            if shards:  # not waited for: a gloo send completes when the receiver takes it
+                send(self.p, ("generate", block, shards), s, CTRL, wait=False)
 
     def generate(self, block: int, ids=None, params=None):
         """This rank's batch of `block` (ids/params: the colocated interface's; the rollout
@@ -183,27 +367,27 @@ class RemoteSource:
         return batch
 
     def sync(self) -> None:
-        """The actor's HF weights (bucketed gather, every trainer rank) -> each rollout rank
-        (sent by trainer rank 0); the new version."""
+        """The actor's HF weights (bucketed gather, every trainer rank) -> the rollout ranks
+        (broadcast by trainer rank 0, not waited for); the new version. `weight_sync/seconds` is
+        the trainer's time in this call: the gather, trainer rank 0's packing and issuing, and
+        `weight_sync/wait_seconds` of it waiting for an older version to be taken."""
         import time
 
         from megaprm.parallel import weight_sync
 
         tr = self.tr
         start = time.perf_counter()
-        tensors, nbytes = [], 0
-        for bucket in weight_sync.iter_hf_buckets(tr.actor.model, tr.groups):
-            for name, t in bucket:
-                nbytes += t.numel() * t.element_size()
-                if tr.groups.rank == 0:
-                    tensors.append((name, t.detach().to("cpu", copy=True)))
         self.version += 1
-        if tr.groups.rank == 0:
-            for s in self.p.rollout_ranks:
-                send(self.p, ("weights", self.version, tensors), s, CTRL)
+        buckets = weight_sync.iter_hf_buckets(tr.actor.model, tr.groups)
+        if self.sender is not None:
+            out = self.sender.send(self.version, buckets)
+        else:  # the gather is collective: every trainer rank iterates
+            out = {"bytes": sum(t.numel() * t.element_size() for b in buckets for _, t in b),
+                   "wait_seconds": 0.0}
         seconds = time.perf_counter() - start
-        tr.last_sync = {"weight_sync/seconds": seconds, "weight_sync/gbytes": nbytes / 1e9,
-                        "weight_sync/gbps": nbytes / max(seconds, 1e-12) / 1e9}
+        tr.last_sync = {"weight_sync/seconds": seconds, "weight_sync/gbytes": out["bytes"] / 1e9,
+                        "weight_sync/gbps": out["bytes"] / max(seconds, 1e-12) / 1e9,
+                        "weight_sync/wait_seconds": out["wait_seconds"]}
 
     def evaluate(self) -> dict:
         g = self.tr.groups
@@ -221,6 +405,10 @@ class RemoteSource:
         if self.tr.groups.rank == 0:
             for s in self.p.rollout_ranks:
                 send(self.p, ("stop",), s, CTRL)
+            self.sender.drain()
+            for w, _ in self.p.pending:
+                w.wait()
+            self.p.pending = []
 
 
 # ----------------------------------------------------------------------------- rollout side
@@ -240,12 +428,16 @@ def serve(cfg, placement: Placement, tokenizer) -> int:
     alone = Groups(world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, cp_size=1,
                    tp_rank=0, pp_rank=0, dp_rank=0, cp_rank=0)
     version, drawn = -1, 0
+    weights = WeightReceiver(placement)
     kill_at = int(os.environ.get("MEGAPRM_KILL_ROLLOUT_AT", "-1"))  # tests only: SIGKILL here
     while True:
-        msg = recv(placement, 0, CTRL)
+        with _from_trainer():
+            msg = recv(placement, 0, CTRL)
         if msg[0] == "weights":
-            version = msg[1]
-            engine.update_weights(iter(msg[2]))
+            version, stream = msg[1], weights.receive(msg[2])
+            engine.update_weights(stream)
+            for _ in stream:  # every bucket's broadcast, whatever the engine left unread
+                pass
         elif msg[0] == "generate":
             block, shards = msg[1], msg[2]
             for ids, params, dsts in shards:

@@ -49,6 +49,8 @@ def test_separate_on_policy_equals_colocated_and_stale_stays_within_k(models, tm
     for step_c, step_s in zip(colocated[0], separate[0]):
         _same(step_c, step_s)
         assert step_s["rollout/staleness_max"] == 0.0
+        # the whole HF model crossed to the rollout rank, as into the colocated engine
+        assert step_s["weight_sync/gbytes"] == step_c["weight_sync/gbytes"] > 0
     assert len(separate[0]) == 3 and "eval/accuracy" in separate[0][-1]
     # 3 blocks x 2 dp shards drawn by the one rollout rank, nothing more
     assert separate[2] == {"drawn": 6}
