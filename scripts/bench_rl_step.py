@@ -76,9 +76,28 @@ def rank_main(model_dir: str, run_dir: str, tp: int, pp: int, steps: int, warmup
         torch.set_num_threads(threads)
     placement = remote.split_world(cfg)
     if placement is not None and placement.is_rollout:
-        c0 = time.process_time()
+        # CPU from the first measured block on: the engine's start-up and the warm-up blocks
+        # are left out, as the trainer's build and warm-up steps are
+        from megaprm.rollout import factory
+
+        marks, build = [], factory.build_engine
+
+        def marking_build(*a, **k):
+            engine = build(*a, **k)
+            generate = engine.generate
+
+            def marked(*ga, **gk):
+                marks.append(time.process_time())
+                return generate(*ga, **gk)
+
+            engine.generate = marked
+            return engine
+
+        factory.build_engine = marking_build
         drawn = remote.serve(cfg, placement, build_char_tokenizer())
-        return {"role": "rollout", "drawn": drawn, "cpu_s": time.process_time() - c0}
+        end = time.process_time()
+        return {"role": "rollout", "drawn": drawn,
+                "cpu_s": end - marks[warmup] if len(marks) > warmup else float("nan")}
     groups = init_distributed(tp=tp, pp=pp, seed=0)
     t0 = time.perf_counter()
     trainer = RLTrainer(cfg, groups, build_char_tokenizer())
@@ -118,7 +137,11 @@ def run_placement(model_dir: str, spec: str, args) -> dict:
             "median_s": {k: round(statistics.median(s[k] for s in tr["steps"]), 4)
                          for k in keys},
             "staleness_max": max(s["staleness"] for s in tr["steps"]),
-            "cpu_s_per_step": {r["role"]: round(r["cpu_s"] / args.steps, 4) for r in ranks},
+            # the rollout rank: per block drawn after the warm-up (k blocks ahead of the last
+            # step are drawn too; one block per step here)
+            "cpu_s_per_step": {r["role"]: round(r["cpu_s"] / (args.steps if r["role"] == "trainer"
+                                                              else r["drawn"] - args.warmup), 4)
+                               for r in ranks},
             "steps_s": [{k: round(v, 4) for k, v in s.items()} for s in tr["steps"]]}
 
 
