@@ -251,6 +251,10 @@ def test_plan_reads_a_config_json_directory_without_weights(tmp_path, capsys):
     (["--gpus", "3"], "not a multiple of tp x pp"),
     (["model.path=/nowhere/NoSuchModel"], "no config.json there and no shipped config"),
     (["--gpus", "6", "parallel.tp=3"], "tp=3 does not divide"),
+    (["--gpus", "8", "rollout.placement=separate", "rollout.ranks=3"],
+     "--gpus 8 - rollout.ranks 3 = 5 trainer GPUs is not a multiple of tp x pp = 2"),
+    (["--gpus", "2", "rollout.placement=separate", "rollout.ranks=2"],
+     "leaves no trainer GPU"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     rc, _, err = _plan(capsys, "configs/prof_grpo.yaml", *argv)
@@ -332,3 +336,61 @@ def test_the_planner_knows_the_prm_heads_the_models_do():
     from megaprm.planner import params
 
     assert params.PRM_HEADS == prm.PRM_HEADS
+
+
+def test_separate_placement_puts_the_engine_on_the_rollout_gpus_alone():
+    """rollout.placement=separate (docs/rollout.md): trainer GPUs train without an engine (no
+    sync phase) and trainer rank 0 holds max(1, k) packed HF copies of the weights in flight;
+    each rollout GPU is one tp-1 engine; the step overlaps generation with training at k >= 1."""
+    from megaprm.planner import timing
+    from megaprm.planner.hardware import GPUS
+    from megaprm.planner.memory import (
+        Params,
+        engine_sequences,
+        kv_bytes_per_token,
+        rollout_terms,
+        sync_terms,
+        train_terms,
+    )
+    from megaprm.planner.plan import plan_workload
+
+    spec = spec_from_hf(hf_config_for("Qwen2.5-Math-7B", "m").config)
+    p = Params(actor_rank=100, actor_total=100)
+    sep = _workload(spec, world=8, tp=2, prompts=64, n=8, rollout_ranks=2, max_staleness=2)
+    col = _workload(spec, world=8, tp=2, prompts=64, n=8)
+    assert (sep.dp, col.dp) == (3, 4)  # (8 - 2) / tp 2, 8 / tp 2
+    assert sync_terms(sep, p) == [] and sync_terms(col, p)
+    terms = dict(rollout_terms(sep, p, 80e9))
+    assert terms == {"vLLM engine (0.5 of the GPU)": 40e9,
+                     "runtime overhead (assumed)": dict(rollout_terms(col, p, 80e9))[
+                         "runtime overhead (assumed)"]}
+    # k = 2 versions of the whole model in bf16 on trainer rank 0 (7.62 B params, model card)
+    assert dict(train_terms(sep, p))["weight versions in flight (x2, rank 0)"] == \
+        2 * 7_615_616_512 * 2
+    assert not any("in flight" in n for n, _ in train_terms(col, p))
+    # one tp-1 engine per rollout GPU: 512 sequences over 2 engines, every KV head on it
+    # (Qwen2.5-7B: 28 layers x K,V x 4 KV heads x 128 x bf16)
+    assert engine_sequences(sep) == 256 and engine_sequences(col) == 128
+    assert kv_bytes_per_token(sep) == 28 * 2 * 4 * 128 * 2 == 2 * kv_bytes_per_token(col)
+    h100 = GPUS["h100"]
+    for k in (0, 1):
+        plan = plan_workload(_workload(spec, world=8, tp=2, prompts=64, n=8, rollout_ranks=2,
+                                       max_staleness=k), h100, exact=False, with_knobs=False)
+        s = plan.seconds
+        want = (max(s["rollout"], s["log-probs"] + s["update"]) + s["weight sync"] if k
+                else s["rollout"] + s["log-probs"] + s["update"] + s["weight sync"])
+        assert plan.step_seconds == pytest.approx(want)
+        assert timing.step_seconds(s) == pytest.approx(
+            s["rollout"] + s["log-probs"] + s["update"] + s["weight sync"])
+
+
+def test_plan_of_a_separate_placement_from_the_command_line(capsys):
+    rc, js, _ = _plan(capsys, "configs/grpo.yaml", "--gpus", "8", "--json",
+                      "rollout.placement=separate", "rollout.ranks=2",
+                      "rollout.max_staleness=1")
+    data = json.loads(js)
+    assert rc == 0 and data["layout"]["dp"] == 6
+    assert data["placement"] == {"separate": True, "trainer_gpus": 6, "rollout_gpus": 2,
+                                 "max_staleness": 1}
+    assert data["memory_bytes"]["sync_peak"] == 0
+    assert any("separate" in n for n in data["notes"])

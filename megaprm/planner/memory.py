@@ -13,6 +13,11 @@ rollout the vLLM engine awake: what the trainer keeps on the device plus the eng
 
 KV cache per token (vLLM's formula, vllm/worker cache engine: layers x 2 x kv_heads x head_dim
 x dtype bytes), split over the engine's tp ranks.
+
+Separate placement (`rollout.placement=separate`, docs/rollout.md): the trainer's GPUs hold no
+engine (no sync phase on them; train as above plus, on trainer rank 0, the packed HF copies of
+the weight versions still in flight to the rollout ranks: up to max(1, k), rollout/remote.py);
+a rollout GPU holds its engine alone (tp 1): the rollout column is that GPU's.
 """
 from __future__ import annotations
 
@@ -72,13 +77,14 @@ def kv_bytes_per_token(w: Workload) -> float:
     """vLLM: layers x 2 (K and V) x kv_heads x head_dim x dtype bytes, per engine tp rank (KV
     heads are split over tp, and replicated when tp exceeds them)."""
     s = w.actor
-    kv_heads = max(1, s.num_kv_heads // w.tp)
+    kv_heads = max(1, s.num_kv_heads // w.engine_tp)
     return s.num_layers * 2 * kv_heads * s.head_dim * w.dtype_bytes
 
 
 def engine_sequences(w: Workload) -> int:
-    """Sequences each colocated engine generates per step (one engine per tp group)."""
-    engines = w.world // w.tp
+    """Sequences each engine generates per step: colocated one engine per tp group, separate
+    one per rollout GPU."""
+    engines = w.rollout_ranks if w.separate else w.world // w.tp
     return math.ceil(w.samples / engines)
 
 
@@ -92,7 +98,12 @@ def kv_capacity_tokens(w: Workload, gpu_bytes: float) -> float:
 def _engine_params(w: Workload) -> float:
     from megaprm.planner.params import closed_form_params
 
-    return closed_form_params(w.actor, w.tp, 1, 0)
+    return closed_form_params(w.actor, w.engine_tp, 1, 0)
+
+
+def in_flight_versions(w: Workload) -> int:
+    """Weight versions trainer rank 0 may hold packed for the rollout ranks (separate)."""
+    return max(1, w.max_staleness) if w.separate else 0
 
 
 def train_terms(w: Workload, p: Params) -> list:
@@ -114,6 +125,11 @@ def train_terms(w: Workload, p: Params) -> list:
         terms.append(("PRM weights", p.prm_rank * b))
     terms.append(("activations (1 micro-batch)", activation_bytes(w, tokens)))
     terms.append(("logits", logits_bytes(w, tokens)))
+    if w.separate:  # the whole HF model, packed per version, on trainer rank 0
+        from megaprm.planner.params import closed_form_params
+
+        terms.append((f"weight versions in flight (x{in_flight_versions(w)}, rank 0)",
+                      in_flight_versions(w) * closed_form_params(w.actor, 1, 1, 0) * b))
     terms.append(("runtime overhead (assumed)", RUNTIME_OVERHEAD))
     return terms
 
@@ -140,7 +156,7 @@ def _resident(w: Workload, p: Params, offloaded: bool) -> list:
 def sync_terms(w: Workload, p: Params) -> list:
     """[(name, bytes)] while the engine's weights are awake and loaded, before the trainer's
     state is offloaded (the lifecycle: wake weights -> sync -> offload -> wake KV cache)."""
-    if w.engine != "vllm":
+    if w.engine != "vllm" or w.separate:  # separate: no engine on the trainer's GPUs
         return []
     return [*_resident(w, p, offloaded=False),
             ("vLLM engine weights", _engine_params(w) * w.dtype_bytes),
@@ -148,9 +164,10 @@ def sync_terms(w: Workload, p: Params) -> list:
 
 
 def rollout_terms(w: Workload, p: Params, gpu_bytes: float) -> list:
-    """[(name, bytes)] while the engine generates."""
+    """[(name, bytes)] while the engine generates (separate: on a rollout GPU, the engine
+    alone)."""
     b = w.dtype_bytes
-    terms = _resident(w, p, offloaded=True)
+    terms = [] if w.separate else _resident(w, p, offloaded=True)
     if w.engine == "vllm":
         terms.append((f"vLLM engine ({w.gpu_memory_utilization:g} of the GPU)",
                       w.gpu_memory_utilization * gpu_bytes))

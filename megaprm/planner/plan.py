@@ -76,7 +76,8 @@ class Plan:
 
     @property
     def step_seconds(self) -> float:
-        return timing.step_seconds(self.seconds)
+        w = self.workload
+        return timing.step_seconds(self.seconds, overlap=w.separate and w.max_staleness >= 1)
 
     def verdict(self) -> str:
         """One line: fits, or what does not fit, its largest terms and a knob."""
@@ -127,6 +128,12 @@ def plan_workload(w: Workload, gpu: GPU, *, sources: dict | None = None,
                 timing.phase_seconds(w, p, gpu, eff))
     if w.judge:
         plan.notes.append("prm.kind=judge: the grader LLM's own engine is not planned")
+    if w.separate:
+        plan.notes.append(
+            f"rollout.placement=separate: {w.trainer_world} trainer GPUs (train column; no "
+            f"engine, so no sync phase) + {w.rollout_ranks} rollout GPUs (rollout column: one "
+            f"tp-1 engine each)" + (f"; max_staleness {w.max_staleness}: the step overlaps "
+                                    "generation with training" if w.max_staleness else ""))
     if w.mean_response >= w.max_tokens:
         plan.notes.append("times assume every response runs to rollout.max_tokens (an upper "
                           "bound); --mean-response sets the expected length")
@@ -155,7 +162,7 @@ def candidate_knobs(w: Workload, keys: set) -> list:
             out.append((f"rollout.gpu_memory_utilization={u}",
                         dataclasses.replace(w, gpu_memory_utilization=u)))
     tp = w.tp * 2
-    while tp * w.pp <= w.world and w.world % (tp * w.pp) == 0:
+    while tp * w.pp <= w.trainer_world and w.trainer_world % (tp * w.pp) == 0:
         try:
             w.actor.check_parallel(tp, w.pp)
             out.append((f"parallel.tp={tp}", dataclasses.replace(w, tp=tp)))
@@ -197,7 +204,7 @@ def layouts(w: Workload) -> list:
     out = []
     for tp in (1, 2, 4, 8):
         for pp in range(1, w.actor.num_layers + 1):
-            if w.world % (tp * pp) or tp * pp > w.world:
+            if w.trainer_world % (tp * pp) or tp * pp > w.trainer_world:
                 continue
             try:
                 w.actor.check_parallel(tp, pp)
@@ -205,7 +212,7 @@ def layouts(w: Workload) -> list:
                     w.prm.check_parallel(tp, pp)
             except ValueError:
                 continue
-            if (w.prompts % (w.world // (tp * pp))) == 0:
+            if (w.prompts % (w.trainer_world // (tp * pp))) == 0:
                 out.append((tp, pp))
     return out
 
@@ -236,7 +243,9 @@ def _count(n: int) -> str:
 
 def table(plan: Plan) -> str:
     w = plan.workload
-    head = (f"megaprm plan: {w.world} x {plan.gpu.name.upper()} ({plan.gpu.mem_gb:g} GB), "
+    where = (f" ({w.trainer_world} trainer + {w.rollout_ranks} rollout)" if w.separate
+             else "")
+    head = (f"megaprm plan: {w.world}{where} x {plan.gpu.name.upper()} ({plan.gpu.mem_gb:g} GB), "
             f"tp={w.tp} pp={w.pp} dp={w.dp}, {'bf16' if w.dtype_bytes == 2 else 'fp32'}, "
             f"{w.samples} rollouts of <= {w.seq_len} tokens, micro-batch "
             f"{w.micro_tokens} tokens, recompute {'on' if w.recompute else 'off'}")
@@ -272,6 +281,8 @@ def to_json(plan: Plan) -> dict:
     return {
         "gpu": dataclasses.asdict(plan.gpu), "gpus": w.world,
         "layout": {"tp": w.tp, "pp": w.pp, "dp": w.dp, "recompute": w.recompute},
+        "placement": {"separate": w.separate, "trainer_gpus": w.trainer_world,
+                      "rollout_gpus": w.rollout_ranks, "max_staleness": w.max_staleness},
         "models": [dataclasses.asdict(m) for m in plan.models],
         "memory_bytes": {"train": dict(plan.train), "sync": dict(plan.sync),
                          "rollout": dict(plan.rollout), "train_peak": plan.train_peak,
@@ -320,8 +331,13 @@ def workload_of(cfg, raw: dict, world: int, *, prompt_tokens=None, mean_response
         sources["prm"] = s.where
     w = workload_from_config(cfg, raw, world=world, actor=actor, prm=prm,
                              prompt_tokens=prompt_tokens, mean_response=mean_response)
-    if w.world % (w.tp * w.pp):
-        raise ValueError(f"--gpus {world} is not a multiple of tp x pp = {w.tp * w.pp}")
+    if w.trainer_world < 1:
+        raise ValueError(f"--gpus {world} leaves no trainer GPU beside rollout.ranks="
+                         f"{w.rollout_ranks}")
+    if w.trainer_world % (w.tp * w.pp):
+        what = (f"--gpus {world} - rollout.ranks {w.rollout_ranks} = {w.trainer_world} trainer "
+                "GPUs" if w.separate else f"--gpus {world}")
+        raise ValueError(f"{what} is not a multiple of tp x pp = {w.tp * w.pp}")
     actor.check_parallel(w.tp, w.pp)
     return w, sources
 

@@ -13,7 +13,9 @@ rollout    vLLM decode is memory bound: every decode step streams the engine's w
            one at rollout.max_tokens), so a wave costs max_tokens decode steps; the engine
            runs ceil(sequences / KV-cache concurrency) waves.
 overlap    `overlap=True` (a 1-step off-policy schedule: generation of step k+1 runs while step
-           k trains): the step is the longer of rollout and log-probs + update, plus the sync.
+           k trains; a separate placement with rollout.max_staleness >= 1): the step is the
+           longer of rollout and log-probs + update, plus the sync. Separate placement: the
+           update and log-probs run on the trainer's GPUs only, each rollout GPU is an engine.
 sync       the actor's weights into the engine over NVLink.
 """
 from __future__ import annotations
@@ -54,12 +56,14 @@ def phase_seconds(w: Workload, p: Params, gpu: GPU, eff: Efficiency) -> dict:
     logprob = forwards * fwd_tok * tokens
     if p.prm_total:
         logprob += (2 * p.prm_total + _attn_flops_per_token(w, seq)) * tokens
-    t_update = update * bubble / (w.world * peak * eff.train_mfu)
-    t_logprob = logprob * bubble / (w.world * peak * eff.train_mfu)
+    t_update = update * bubble / (w.trainer_world * peak * eff.train_mfu)
+    t_logprob = logprob * bubble / (w.trainer_world * peak * eff.train_mfu)
 
-    # rollout, per engine (one per tp group; its tp ranks split weights, KV and FLOPs)
+    # rollout, per engine (colocated one per tp group, its tp ranks splitting weights, KV and
+    # FLOPs; separate one per rollout GPU, tp 1)
     S = engine_sequences(w)
-    weights = w.dtype_bytes * p.actor_total / w.tp
+    tp = w.engine_tp
+    weights = w.dtype_bytes * p.actor_total / tp
     cap_tokens = kv_capacity_tokens(w, gpu.mem_gb * 1e9)
     # vLLM pages the KV cache: a sequence holds blocks for the tokens it has, so the engine
     # runs as many sequences at once as their mean length fits (it preempts past that)
@@ -68,9 +72,9 @@ def phase_seconds(w: Workload, p: Params, gpu: GPU, eff: Efficiency) -> dict:
     kv_read = S * kv_bytes_per_token(w) * (w.mean_response * w.mean_prompt
                                            + w.mean_response ** 2 / 2)
     t_decode_mem = (waves * w.max_tokens * weights + kv_read) / (bw * eff.decode_bw)
-    decode_flops = S * w.mean_response * fwd_tok / w.tp
+    decode_flops = S * w.mean_response * fwd_tok / tp
     t_decode = max(t_decode_mem, decode_flops / (peak * eff.train_mfu))
-    t_prefill = S * w.mean_prompt * fwd_tok / w.tp / (peak * eff.prefill_mfu)
+    t_prefill = S * w.mean_prompt * fwd_tok / tp / (peak * eff.prefill_mfu)
     t_sync = weights / (gpu.link_gbps * 1e9 * eff.link)
     return {"rollout": t_decode + t_prefill, "log-probs": t_logprob, "update": t_update,
             "weight sync": t_sync, "_waves": waves, "_concurrent": concurrent}

@@ -39,10 +39,28 @@ class Workload:
     prm_offload: bool = False
     distributed_optimizer: bool | None = None   # None: Megatron's default here (dp > 1)
     logprob_chunk: int = 1024     # models.logprobs chunk_tokens (the trainer's default)
+    # rollout.placement=separate: the last `rollout_ranks` GPUs run the engine alone (tp 1
+    # each, rollout/remote.py), the first world - rollout_ranks train; 0 = colocated
+    rollout_ranks: int = 0
+    max_staleness: int = 0        # rollout.max_staleness (separate only)
+
+    @property
+    def separate(self) -> bool:
+        return self.rollout_ranks > 0
+
+    @property
+    def trainer_world(self) -> int:
+        """GPUs of the trainer (Megatron's tp x pp x dp)."""
+        return self.world - self.rollout_ranks
+
+    @property
+    def engine_tp(self) -> int:
+        """Tensor parallelism of one engine: the trainer's tp colocated, 1 on a rollout rank."""
+        return 1 if self.separate else self.tp
 
     @property
     def dp(self) -> int:
-        return self.world // (self.tp * self.pp)
+        return self.trainer_world // (self.tp * self.pp)
 
     @property
     def seq_len(self) -> int:
@@ -89,4 +107,6 @@ def workload_from_config(cfg, raw: dict, *, world: int, actor: ModelSpec,
         actor_offload=bool(getattr(cfg.actor, "offload", False)),
         ref_offload=bool(getattr(getattr(cfg, "ref", None), "offload", False)),
         prm_offload=bool(getattr(cfg.prm, "offload", False)),
+        rollout_ranks=cfg.rollout.ranks if cfg.rollout.placement == "separate" else 0,
+        max_staleness=cfg.rollout.max_staleness,
     )
