@@ -4,6 +4,8 @@ Why not `model.generate`: we need the exact log-prob of every sampled token unde
 distribution it was drawn from, and seeding that does not depend on the batch. The loop is:
 left-padded prefill with a DynamicCache (position ids count real tokens only), then one token
 per step for the rows still running; finished rows are dropped from the batch and the cache.
+On the CPU the decode steps of Qwen2/Llama models go through `decode.CompactDecoder` (the same
+layer maths as a short list of tensor calls; the prefill stays transformers' forward).
 
 Seeding (what is guaranteed): row r of a call draws its uniforms from its own generator seeded
 with `seed + r`, one uniform per generated token, so the random stream of a row never depends on
@@ -42,12 +44,17 @@ def _cache_kwarg(model) -> str:
 @dataclass(frozen=True)
 class HFEngineConfig:
     """device: "cpu" | "cuda[:i]"; dtype: float32 | bfloat16 | float16 (weights and forward).
-    pad/eos ids default to the model config's; `eos_token_ids` always stop generation."""
+    pad/eos ids default to the model config's; `eos_token_ids` always stop generation.
+    compact_decode: decode steps through `decode.CompactDecoder` where the architecture allows
+    (Qwen2/Llama; others use transformers' forward for every step). None (default) = on the CPU
+    only: it holds fused copies of the q/k/v and gate/up weights (~+70% of a 7B layer's weights),
+    which a GPU fallback engine of a 7B model cannot spare, and it has not run on a GPU."""
 
     device: str = "cpu"
     dtype: str = "float32"
     pad_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    compact_decode: bool | None = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -112,6 +119,11 @@ class HFEngine:
         self.max_positions = int(getattr(mc, "max_position_embeddings", 1 << 30))
         # the RolloutEngine lifecycle state (see engine.RolloutEngine): weights / KV cache asleep
         self._asleep = self._kv_asleep = False
+        from megaprm.rollout import decode
+
+        compact = cfg.compact_decode if cfg.compact_decode is not None else self.device.type == "cpu"
+        self.decoder = (decode.CompactDecoder(self.model)
+                        if compact and decode.unsupported(self.model) is None else None)
 
     @classmethod
     def from_pretrained(cls, model_dir: str, cfg: HFEngineConfig = HFEngineConfig()) -> HFEngine:
@@ -271,6 +283,9 @@ class HFEngine:
                          use_cache=True, **kv)
         logits = out.logits[:, -1].float()  # [b_active, V]
         next_pos = attn.sum(1, keepdim=True)  # [b_active, 1]
+        if self.decoder is not None:
+            self.decoder.start(cache, attn, r_max)
+            kv = cache = out = None  # the decoder holds the keys and values now
         active = torch.arange(b)  # rows of the batch still generating (indices into B)
         for t in range(r_max):
             u = None if uniforms is None else uniforms[active, t]
@@ -284,13 +299,19 @@ class HFEngine:
                 break
             if bool(hit.any()):  # drop finished rows from the batch and the KV cache
                 keep = (~hit).nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
+                if self.decoder is not None:
+                    self.decoder.select(keep)
+                else:
+                    cache.batch_select_indices(keep)
                 attn, next_pos, tok = attn[keep], next_pos[keep], tok[keep]
                 active = active[keep.cpu()]
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
-            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
-                             use_cache=True, **kv)
-            logits = out.logits[:, -1].float()
+            if self.decoder is not None:
+                logits = self.decoder.step(tok, next_pos)
+            else:
+                attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+                out = self.model(input_ids=tok[:, None], attention_mask=attn,
+                                 position_ids=next_pos, use_cache=True, **kv)
+                logits = out.logits[:, -1].float()
             next_pos = next_pos + 1
         width = int(lengths.max())  # R: the longest response
         resp_mask = (torch.arange(width)[None] < lengths[:, None]).long()
