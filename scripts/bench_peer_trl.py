@@ -51,7 +51,8 @@ def _cpu_s() -> float:
 
 # ----------------------------------------------------------------------------------- megaprm
 
-def megaprm_rank(model_dir: str, run_dir: str, steps: int, warmup: int) -> dict:
+def megaprm_rank(model_dir: str, run_dir: str, steps: int, warmup: int,
+                 overrides: tuple = ()) -> dict:
     """One rank of the megaprm run: build the trainer, warmup + steps RL steps."""
     import torch
 
@@ -71,7 +72,8 @@ def megaprm_rank(model_dir: str, run_dir: str, steps: int, warmup: int) -> dict:
         f"data.prompts_per_step={PROMPTS}", f"rollout.n={SAMPLES}",
         f"rollout.max_tokens={MAX_TOKENS}", f"rollout.temperature={TEMPERATURE}",
         "actor.loss_agg=token-mean", "actor.kl_coef=0.0", "actor.mini_batches=1",
-        f"actor.micro_batch_size={PROMPTS * SAMPLES // world}", f"actor.optim.lr={LR}"])
+        f"actor.micro_batch_size={PROMPTS * SAMPLES // world}", f"actor.optim.lr={LR}",
+        *overrides])
     trainer = RLTrainer(cfg, groups, build_char_tokenizer())
     build_cpu = _cpu_s() - c0
     rows = []
@@ -86,13 +88,14 @@ def megaprm_rank(model_dir: str, run_dir: str, steps: int, warmup: int) -> dict:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def run_megaprm(model_dir: str, world: int, steps: int, warmup: int) -> dict:
+def run_megaprm(model_dir: str, world: int, steps: int, warmup: int,
+                overrides: tuple = ()) -> dict:
     from megaprm.parallel.launch import spawn
 
     with tempfile.TemporaryDirectory(prefix="bench-peer-trl-") as run_dir:
         c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         w0 = time.perf_counter()
-        ranks = spawn(megaprm_rank, world, model_dir, run_dir, steps, warmup)
+        ranks = spawn(megaprm_rank, world, model_dir, run_dir, steps, warmup, tuple(overrides))
         wall = time.perf_counter() - w0
         c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     per_step_cpu = [sum(r["steps"][i]["cpu_s"] for r in ranks) for i in range(steps)]
@@ -397,6 +400,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--ranks", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--pack", type=int, nargs="*", default=[], metavar="TOKENS",
+                    help="also run megaprm with the update's sequences packed into rows of at "
+                         "most TOKENS tokens (actor.max_tokens_per_micro_batch)")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--trl-venv", default=str(ROOT / "runs" / "bench" / "trl-venv"))
     ap.add_argument("--out", default=default_out("bench_peer_trl.json"))
@@ -427,6 +433,12 @@ def main(argv=None) -> int:
         for world in a.ranks:
             print(f"megaprm, {world} rank(s) ...", file=sys.stderr, flush=True)
             rows[f"megaprm_{world}_rank"] = run_megaprm(model_dir, world, a.steps, a.warmup)
+            for budget in a.pack:
+                print(f"megaprm, {world} rank(s), packed {budget} ...", file=sys.stderr,
+                      flush=True)
+                rows[f"megaprm_{world}_rank_packed_{budget}"] = run_megaprm(
+                    model_dir, world, a.steps, a.warmup,
+                    [f"actor.max_tokens_per_micro_batch={budget}"])
         check = None
         if not a.skip_trl:
             py = trl_python(a.trl_venv)

@@ -33,7 +33,9 @@ class _CudaToCpuMode(TorchFunctionMode):
 
     Covers megatron-core's literal CUDA allocations: `total_num_tokens` in
     pipeline_parallel/schedules.py, a warm-up tensor in distributed/param_and_grad_buffer.py,
-    broadcasts in tensor_parallel/data.py, and the causal mask built when attention_mask is None.
+    broadcasts in tensor_parallel/data.py, the overflow buffer of the optimizer's gradient
+    clipping. The model's forward, the loss and the backward step run without it (`paused`,
+    `pipeline.run`; the causal masks of the local spec's softmax are redirected below).
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -74,10 +76,10 @@ def install() -> None:
 @contextlib.contextmanager
 def paused():
     """Run a block without the CUDA->CPU function mode: for code that never names CUDA (the
-    rollout engine's transformers forward and sampling). Inside the mode every torch call goes
-    through its Python `__torch_function__` (a measured ~28k calls per RL step of the demo's
-    shape, +20% on generation: BENCHMARKS.md). A no-op where the mode is not installed or is
-    not the innermost one (then it stays in force)."""
+    rollout engine's decode loop, the model's forward and backward, the loss). Inside the mode
+    every torch call goes through its Python `__torch_function__` (a measured ~28k calls per RL
+    step of the demo's shape, +20% on generation: BENCHMARKS.md). A no-op where the mode is not
+    installed or is not the innermost one (then it stays in force)."""
     from torch.overrides import _get_current_function_mode_stack
 
     stack = _get_current_function_mode_stack()
@@ -107,6 +109,31 @@ def _redirect_entry_points() -> None:
 
     mp_random._get_cuda_rng_state = _cpu_rng_state
     mp_random._set_cuda_rng_state = _set_cpu_rng_state
+    # 5. Code that runs without the function mode (`paused`): the local spec's softmax builds
+    # its causal masks with a literal device="cuda"; the schedules' backward step is paused.
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
+
+    fused_softmax.get_default_causal_mask = lambda sq: torch.ones(
+        sq, sq, dtype=torch.bool, device=_CPU).triu(1)
+    fused_softmax.get_sliding_window_causal_mask = _cpu_sliding_window_mask
+    schedules.backward_step = _without_mode(schedules.backward_step)
+
+
+def _cpu_sliding_window_mask(sq, skv, window_size):
+    """megatron.core.transformer.utils.get_sliding_window_causal_mask on the host."""
+    m = torch.ones(sq, skv, dtype=torch.bool, device=_CPU)
+    return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]),
+                       diagonal=skv - sq + window_size[1])
+
+
+def _without_mode(fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with paused():
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def host_only() -> None:

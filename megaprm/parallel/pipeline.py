@@ -22,6 +22,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from megaprm.parallel import cpu
 from megaprm.parallel.device import comm_device, model_device, to_device
 from megaprm.parallel.groups import Groups
 
@@ -101,10 +102,12 @@ def run(model, micro_batches: List[TokenBatch], *, groups: Groups,
 
     def step(data_iterator, model_chunk):
         mb = to_device(next(data_iterator), device)  # the device rule's one crossing point
-        output = forward(model_chunk, mb)
+        with cpu.paused():  # the model and the loss name no CUDA device (parallel.cpu)
+            output = forward(model_chunk, mb)
 
         def loss_func(output_tensor):
-            loss, payload = post(mb, output_tensor)
+            with cpu.paused():
+                loss, payload = post(mb, output_tensor)
             if loss is None:
                 loss = output_tensor.sum() * 0.0
             return loss, torch.tensor(1, dtype=torch.int), {"payload": payload}
