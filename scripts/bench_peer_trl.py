@@ -1,16 +1,20 @@
 """One RL step through megaprm (1 rank, 2 ranks) and Hugging Face TRL's GRPOTrainer, same CPU work.
 
-    python scripts/bench_peer_trl.py [--steps 3] [--warmup 1] [--skip-trl] [--trl-venv DIR]
+    python scripts/bench_peer_trl.py [--steps 3] [--warmup 1] [--ranks 1 2] [--pack TOKENS ...]
+                                     [--skip-trl] [--trl-venv DIR]
                                      [--out runs/bench/bench_peer_trl.json]
 
 Workload (the same for every row): the tiny Qwen2-shaped policy of `bench_rl_step.py` (char
 tokenizer, built offline), arithmetic prompts, 8 prompts x 8 samples per step, at most 48 new
 tokens, temperature 1, GRPO advantages, token-mean loss, no KL, one optimiser step per batch,
-fp32, one torch thread per process. Measured: CPU seconds per step (`time.process_time` of each
+fp32, one torch thread per process. `--pack TOKENS` adds megaprm rows whose update packs the
+sequences into rows of at most TOKENS tokens (`actor.max_tokens_per_micro_batch`, verl's
+dynamic batch size; TRL 1.16's GRPOTrainer has no packing): the same samples, loss and
+gradient, without the padding's arithmetic. Measured: CPU seconds per step (`time.process_time` of each
 process around its step, summed over the ranks: what the step costs the machine, the figure
 to compare on a shared box), wall seconds, the 1-minute load before and after. Also the rollout
-engine alone at 64 and 32 rows, with and without the CUDA->CPU function mode around its
-decode loop (`generation_alone`).
+engine alone at 64 and 32 rows: decode steps through transformers' forward and through the
+compact step, with and without the CUDA->CPU function mode (`generation_alone`).
 
 TRL (1.16.0) is never a megaprm dependency: the script makes its own venv (default
 runs/bench/trl-venv) whose `.pth` file puts the project's site-packages after its own, so
@@ -174,9 +178,11 @@ def _free_port() -> int:
 
 def generation_phase(model_dir: str, reps: int = 3) -> dict:
     """The rollout engine alone (`HFEngine.generate`, 8 prompts, 48 tokens, T=1, one thread)
-    at 64 and 32 rows, with the CUDA->CPU function mode in force around the decode loop (as
-    before `cpu.paused`) and paused (now); min CPU-s over `reps` calls, and how many torch calls
-    the mode intercepted per call."""
+    at 64 and 32 rows: each decode step through transformers' forward (`compact_decode=False`)
+    and through the compact step (the default on the CPU), both with the CUDA->CPU function
+    mode paused around the decode loop (as the engine does), and the compact step with the mode
+    in force (as before `cpu.paused`); min CPU-s over `reps` interleaved calls, and how many
+    torch calls the mode intercepted per call."""
     import torch
 
     torch.set_num_threads(1)
@@ -186,8 +192,9 @@ def generation_phase(model_dir: str, reps: int = 3) -> dict:
     from megaprm.tasks.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
-    eng = HFEngine.from_pretrained(model_dir, HFEngineConfig(
-        pad_token_id=tok.pad_token_id, eos_token_ids=(tok.eos_token_id,)))
+    engines = {c: HFEngine.from_pretrained(model_dir, HFEngineConfig(
+        pad_token_id=tok.pad_token_id, eos_token_ids=(tok.eos_token_id,), compact_decode=c))
+        for c in (False, True)}
     cpu.install()  # as in a training process
     prompts = [tok.encode(p.prompt) for p in _problems(PROMPTS, seed=0)]
     calls, mode = [0], cpu._CudaToCpuMode.__torch_function__
@@ -197,20 +204,24 @@ def generation_phase(model_dir: str, reps: int = 3) -> dict:
         return mode(self, func, types, args, kwargs)
 
     cpu._CudaToCpuMode.__torch_function__ = counting
+    variants = {"transformers_step": engines[False].generate,
+                "compact_step": engines[True].generate,
+                "compact_step_mode_in_force": engines[True]._generate}
     out = {}
     for rows in (PROMPTS * SAMPLES, PROMPTS * SAMPLES // 2):
         params = SamplingParams(n=rows // PROMPTS, max_tokens=MAX_TOKENS,
                                 temperature=TEMPERATURE, seed=3)
-        for name, fn in (("mode_in_force", eng._generate), ("mode_paused", eng.generate)):
-            best, n_calls, tokens = float("inf"), 0, 0
-            for _ in range(reps):
+        best = dict.fromkeys(variants, float("inf"))
+        for _ in range(reps):
+            for name, fn in variants.items():
                 calls[0] = 0
                 c = _cpu_s()
                 batch = fn(prompts, params)
-                best = min(best, _cpu_s() - c)
-                n_calls, tokens = calls[0], int(batch.response_mask.sum())
-            out[f"{rows}_rows_{name}"] = {"cpu_s": best, "intercepted_calls": n_calls,
-                                          "tokens": tokens}
+                best[name] = min(best[name], _cpu_s() - c)
+                out[f"{rows}_rows_{name}"] = {"intercepted_calls": calls[0],
+                                              "tokens": int(batch.response_mask.sum())}
+        for name in variants:
+            out[f"{rows}_rows_{name}"]["cpu_s"] = best[name]
     cpu._CudaToCpuMode.__torch_function__ = mode
     return out
 
