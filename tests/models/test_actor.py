@@ -277,3 +277,60 @@ def test_logits_are_made_once_forward_and_back(tmp_path):
         assert mem.sizes.count(size) == 2, (size, sorted(mem.sizes)[-6:])
     finally:
         destroy()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA->CPU shim is CPU-only")
+@pytest.mark.parametrize("impl", ["local", "sdpa"])
+def test_forward_loss_and_backward_run_outside_the_cpu_shim(model_dirs, monkeypatch, impl):
+    """`pipeline.run` takes the model's forward, the loss and the backward step out of
+    `parallel.cpu`'s function mode (the local spec's causal mask is redirected to the host):
+    the gradients are the same as with the mode in force, and the mode no longer sees the
+    model's torch calls."""
+    import contextlib
+
+    from megatron.core.pipeline_parallel import schedules
+
+    from megaprm.models.logprobs import vocab_parallel_logprobs
+    from megaprm.parallel import cpu, pipeline
+    from megaprm.parallel.init import destroy
+
+    calls, mode = [0], cpu._CudaToCpuMode.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        calls[0] += 1
+        return mode(self, func, types, args, kwargs)
+
+    def run(model, spec, ids):
+        def post(mb, logits):
+            lp = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:],
+                                         vocab_size=spec.vocab_size)
+            return lp.sum(), lp.detach()
+
+        model.zero_grad()
+        calls[0] = 0
+        mbs = [pipeline.TokenBatch(ids[:2], torch.ones(2, ids.shape[1])),
+               pipeline.TokenBatch(ids[2:], torch.ones(2, ids.shape[1]))]
+        out = pipeline.run(model, mbs, groups=g, post=post, forward_only=False)
+        return torch.cat(out), {n: p.grad.clone() for n, p in model.named_parameters()}, calls[0]
+
+    model_dir = model_dirs("qwen2")
+    monkeypatch.setattr(cpu._CudaToCpuMode, "__torch_function__", counting)
+    try:
+        model, spec = _in_process_model(model_dir, impl=impl)
+        from megaprm.parallel.init import init_distributed
+
+        g = init_distributed()
+        ids, _ = _batch(spec.vocab_size)
+        lp, grads, outside = run(model, spec, ids)
+        assert (lp - _hf_reference(model_dir)[0]).abs().max() <= 1e-4
+        # the same run with the mode in force everywhere (as before)
+        monkeypatch.setattr(cpu, "paused", contextlib.nullcontext)
+        monkeypatch.setattr(schedules, "backward_step", schedules.backward_step.__wrapped__)
+        lp_in, grads_in, inside = run(model, spec, ids)
+        assert torch.equal(lp, lp_in)
+        for n, gr in grads_in.items():
+            assert torch.equal(grads[n], gr), n
+        print(f"{impl}: torch calls through the mode {inside} -> {outside}")
+        assert outside * 10 < inside
+    finally:
+        destroy()
