@@ -162,15 +162,19 @@ class RolloutBatch:
         plen, rlen = self.prompt_lengths, self.response_lengths
         length = int((plen + rlen).max()) if self.batch_size else 0
         b, p = self.prompt_ids.shape
+        cols = torch.arange(length)[None]  # [1, L]; row i: its pl prompt tokens, rl response ones
+        pl, end = plen[:, None], (plen + rlen)[:, None]
+        in_prompt, in_resp = cols < pl, (cols >= pl) & (cols < end)
         ids = torch.full((b, length), pad, dtype=self.prompt_ids.dtype)
-        attn = torch.zeros((b, length), dtype=torch.long)
-        resp = torch.zeros((b, length), dtype=torch.long)
-        for i in range(b):
-            pl, rl = int(plen[i]), int(rlen[i])
-            ids[i, :pl] = self.prompt_ids[i, p - pl:]  # left padding: real tokens are at the end
-            ids[i, pl:pl + rl] = self.response_ids[i, :rl]
-            attn[i, :pl + rl] = 1
-            resp[i, pl:pl + rl] = 1
+        if p:  # left padding: a row's real prompt tokens are its last pl
+            src = self.prompt_ids.gather(1, (cols + p - pl).clamp(0, p - 1))
+            ids = torch.where(in_prompt, src, ids)
+        r = self.response_ids.shape[1]
+        if r:
+            src = self.response_ids.gather(1, (cols - pl).clamp(0, r - 1))
+            ids = torch.where(in_resp, src.to(ids.dtype), ids)
+        attn = (in_prompt | in_resp).long()
+        resp = in_resp.long()
         return RightPadded(ids, attn, resp, plen.clone())
 
 

@@ -49,6 +49,34 @@ def test_to_right_padded_puts_real_prompt_first():
     assert rp.to_response(token_aligned, 3).tolist() == [[100, 110, 10], [120, 0, 0]]
 
 
+def test_to_right_padded_equals_a_per_row_loop():
+    """Random ragged batches (empty responses, full-width prompts) against the per-row copy."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        b, p, r = (int(torch.randint(1, 7, (), generator=g)) for _ in range(3))
+        plen = torch.randint(1, p + 1, (b,), generator=g)
+        rlen = torch.randint(0, r + 1, (b,), generator=g)
+        pmask = (torch.arange(p)[None] >= p - plen[:, None]).long()
+        rmask = (torch.arange(r)[None] < rlen[:, None]).long()
+        batch = RolloutBatch(
+            prompt_ids=torch.randint(2, 50, (b, p), generator=g) * pmask,
+            prompt_mask=pmask, response_ids=torch.randint(2, 50, (b, r), generator=g) * rmask,
+            response_mask=rmask, sampler_logprobs=torch.zeros(b, r),
+            finish_reason=["length"] * b, group_index=torch.arange(b), pad_token_id=0)
+        rp = batch.to_right_padded(pad_token_id=99)
+        length = int((plen + rlen).max())
+        ids = torch.full((b, length), 99)
+        attn, resp = torch.zeros(b, length, dtype=torch.long), torch.zeros(b, length, dtype=torch.long)
+        for i in range(b):
+            pl, rl = int(plen[i]), int(rlen[i])
+            ids[i, :pl] = batch.prompt_ids[i, p - pl:]
+            ids[i, pl:pl + rl] = batch.response_ids[i, :rl]
+            attn[i, :pl + rl] = 1
+            resp[i, pl:pl + rl] = 1
+        assert torch.equal(rp.input_ids, ids) and torch.equal(rp.attention_mask, attn)
+        assert torch.equal(rp.response_mask, resp) and torch.equal(rp.response_start, plen)
+
+
 def test_decode_with_a_tokenizer():
     from megaprm.tasks.tokenizer import build_char_tokenizer
 
