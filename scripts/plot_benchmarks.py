@@ -136,6 +136,30 @@ def plot_rl_step(d: dict, ax) -> None:
                  f"{d.get('backend', '')}, {_device(d)}", fontsize=9)
 
 
+def plot_peer_trl(d: dict, ax) -> None:
+    """CPU-s per RL step of each row (summed over ranks), TRL's as the baseline line."""
+    rows = d["rows"]
+    names = list(rows)
+    vals = [rows[n]["cpu_s_per_step"] for n in names]
+    ax.bar(range(len(vals)), vals, color=["C1" if n == "trl" else "C0" for n in names])
+    trl = rows.get("trl", {}).get("cpu_s_per_step")
+    for i, v in enumerate(vals):
+        text = f"{v:.3f}" + (f"\n{v / trl:.2f}x TRL" if trl else "")
+        ax.text(i, v, text, ha="center", va="bottom", fontsize=8)
+    if trl:
+        ax.axhline(0.7 * trl, color="k", ls=":", lw=1, label="0.7x TRL")
+        ax.legend(fontsize=8)
+    labels = [n.replace("megaprm_", "").replace("_rank", " rank").replace("_packed_", "\npacked ")
+              for n in names]
+    ax.set_xticks(range(len(vals)), labels, fontsize=8)
+    ax.margins(y=0.15)
+    ax.set_ylabel("CPU-s per RL step (sum over ranks, median)")
+    load = d.get("load", {})
+    ax.set_title(f"One RL step, megaprm vs TRL GRPOTrainer (baseline: TRL, same run)\n"
+                 f"{_device(d)}, load {load.get('before_1_5_15m', ['?'])[0]} -> "
+                 f"{load.get('after_1_5_15m', ['?'])[0]}", fontsize=9)
+
+
 def _numeric_leaves(obj, prefix=""):
     if isinstance(obj, bool):
         return
@@ -162,7 +186,8 @@ def plot_generic(d: dict, ax) -> None:
 
 
 PLOTTERS = {"bench_actor": plot_actor, "bench_convert": plot_convert, "bench_advantages": plot_advantages,
-            "bench_weight_sync": plot_weight_sync, "bench_rl_step": plot_rl_step}
+            "bench_weight_sync": plot_weight_sync, "bench_rl_step": plot_rl_step,
+            "bench_peer_trl": plot_peer_trl}
 
 
 def plot_file(path: Path, out_dir: Path) -> Path:
