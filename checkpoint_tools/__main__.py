@@ -118,7 +118,11 @@ def _os_error(e: OSError) -> str:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    lean_imports()
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launch.under_torchrun
+    if not (args.command == "export-hf" and args.no_verify and not torchrun):
+        # an export without verification streams file to file in this process and needs
+        # neither megatron-core nor a model (`streaming`); its fallback imports them as needed
+        lean_imports()
     from checkpoint_tools import convert
     from checkpoint_tools.layout import ConversionError
 

@@ -350,9 +350,18 @@ def test_cli_exports_a_trainer_run_dir(hf_dirs, tmp_path):
     (step / "trainer.json").write_text("{}")
     (tmp_path / "run" / "checkpoints" / "latest").write_text("step_000002")
     out = str(tmp_path / "exported")
-    r = _cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", out, "--no-verify")
+    r = subprocess.run([sys.executable, "-X", "importtime", "-W", "ignore", "-m",
+                        "checkpoint_tools", "export-hf", "--ckpt", str(tmp_path / "run"),
+                        "--out", out, "--no-verify"], check=False, cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["ckpt"] == str(step / "actor")
+    assert json.loads(r.stdout)["streamed"]
+    # streamed in this process without megatron-core or torch.distributed.checkpoint
+    imported = [line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines()
+                if line.startswith("import time:")]
+    assert "checkpoint_tools.streaming" in imported
+    assert not [m for m in imported if m.startswith(("megatron", "torch.distributed.checkp"))]
     want, got = _hf_tensors(hf_dirs["qwen2_tied"]), _hf_tensors(out)
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     r = _cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", out + "2", "--model", "prm")
