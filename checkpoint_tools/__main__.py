@@ -126,6 +126,8 @@ def main(argv=None) -> int:
     from checkpoint_tools import convert
     from checkpoint_tools.layout import ConversionError
 
+    convert.RANK_START = "fork"  # this process has done no torch work yet: see RANK_START
+
     leader = int(os.environ.get("RANK", "0")) == 0
     try:
         if args.command == "import-hf":

@@ -136,16 +136,23 @@ def _catching(fn, *args):
         return _Failed(str(e))
 
 
+# How local ranks start. "spawn": fresh interpreters, each importing torch and megatron-core
+# again (~3-8 s per rank on the 2-core box: most of import-hf's end to end at tp2). The CLI
+# sets "fork" (`__main__.main`): its leader has imported them and done no torch work yet (no
+# OpenMP pool, no GPU context, no threads), so forks start with its imports at no cost. A
+# library caller may have (an OpenMP pool is not fork-safe), so it keeps "spawn".
+RANK_START = "spawn"
+
+
 def _run_ranks(fn, world: int, *args) -> list:
-    """Run fn on this torchrun world, or spawn `world` local ranks; the leader gets all results
-    (under torchrun only its own, as a one-item list). A world of one runs in this process:
-    a spawned rank would import torch and megatron a second time (most of a small
-    conversion's wall time)."""
+    """Run fn on this torchrun world, or start `world` local ranks (`RANK_START`); the leader
+    gets all results (under torchrun only its own, as a one-item list). A world of one runs
+    in this process: a started rank would still cost a process and its teardown."""
     if launch.under_torchrun():
         return [fn(*args)]
     if world == 1:
         return [_in_process(fn, *args)]
-    results = launch.spawn(_catching, world, fn, *args)
+    results = launch.spawn(_catching, world, fn, *args, start_method=RANK_START)
     failed = next((r for r in results if isinstance(r, _Failed)), None)
     if failed:
         raise ConversionError(failed.message)
