@@ -116,7 +116,10 @@ def _os_error(e: OSError) -> str:
     return f"{e.strerror or e}{where}"
 
 
-def main(argv=None) -> int:
+def main(argv=None, fork_ranks: bool = False) -> int:
+    """The CLI. `fork_ranks`: start local ranks as forks of this process (`convert.RANK_START`);
+    only `python -m checkpoint_tools` says so, where this process has done no torch work yet
+    (a caller's process may hold an OpenMP pool or threads, which a fork does not survive)."""
     args = _parser().parse_args(argv)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launch.under_torchrun
     if not (args.command == "export-hf" and args.no_verify and not torchrun):
@@ -126,7 +129,8 @@ def main(argv=None) -> int:
     from checkpoint_tools import convert
     from checkpoint_tools.layout import ConversionError
 
-    convert.RANK_START = "fork"  # this process has done no torch work yet: see RANK_START
+    if fork_ranks:
+        convert.RANK_START = "fork"
 
     leader = int(os.environ.get("RANK", "0")) == 0
     try:
@@ -160,4 +164,4 @@ def main(argv=None) -> int:
 if __name__ == "__mp_main__":  # a spawned rank re-imports this module: import lean there too
     lean_imports()
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(fork_ranks=True))

@@ -137,10 +137,11 @@ def _catching(fn, *args):
 
 
 # How local ranks start. "spawn": fresh interpreters, each importing torch and megatron-core
-# again (~3-8 s per rank on the 2-core box: most of import-hf's end to end at tp2). The CLI
-# sets "fork" (`__main__.main`): its leader has imported them and done no torch work yet (no
-# OpenMP pool, no GPU context, no threads), so forks start with its imports at no cost. A
-# library caller may have (an OpenMP pool is not fork-safe), so it keeps "spawn".
+# again (~3-8 s per rank on the 2-core box: most of import-hf's end to end at tp2).
+# `python -m checkpoint_tools` sets "fork" (`__main__.main(fork_ranks=True)`): its leader has
+# imported them and done no torch work yet (no OpenMP pool, no GPU context, no threads), so
+# forks start with its imports at no cost. Any other caller (a library user, `megaprm
+# convert`, a test calling `main`) may have, and an OpenMP pool is not fork-safe: "spawn".
 RANK_START = "spawn"
 
 
