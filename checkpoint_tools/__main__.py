@@ -116,11 +116,21 @@ def _os_error(e: OSError) -> str:
     return f"{e.strerror or e}{where}"
 
 
-def main(argv=None) -> int:
+def main(argv=None, fork_ranks: bool = False) -> int:
+    """The CLI. `fork_ranks`: start local ranks as forks of this process (`convert.RANK_START`);
+    only `python -m checkpoint_tools` says so, where this process has done no torch work yet
+    (a caller's process may hold an OpenMP pool or threads, which a fork does not survive)."""
     args = _parser().parse_args(argv)
-    lean_imports()
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launch.under_torchrun
+    if not (args.command == "export-hf" and args.no_verify and not torchrun):
+        # an export without verification streams file to file in this process and needs
+        # neither megatron-core nor a model (`streaming`); its fallback imports them as needed
+        lean_imports()
     from checkpoint_tools import convert
     from checkpoint_tools.layout import ConversionError
+
+    if fork_ranks:
+        convert.RANK_START = "fork"
 
     leader = int(os.environ.get("RANK", "0")) == 0
     try:
@@ -154,4 +164,4 @@ def main(argv=None) -> int:
 if __name__ == "__mp_main__":  # a spawned rank re-imports this module: import lean there too
     lean_imports()
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(fork_ranks=True))

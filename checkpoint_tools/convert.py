@@ -136,16 +136,24 @@ def _catching(fn, *args):
         return _Failed(str(e))
 
 
+# How local ranks start. "spawn": fresh interpreters, each importing torch and megatron-core
+# again (~3-8 s per rank on the 2-core box: most of import-hf's end to end at tp2).
+# `python -m checkpoint_tools` sets "fork" (`__main__.main(fork_ranks=True)`): its leader has
+# imported them and done no torch work yet (no OpenMP pool, no GPU context, no threads), so
+# forks start with its imports at no cost. Any other caller (a library user, `megaprm
+# convert`, a test calling `main`) may have, and an OpenMP pool is not fork-safe: "spawn".
+RANK_START = "spawn"
+
+
 def _run_ranks(fn, world: int, *args) -> list:
-    """Run fn on this torchrun world, or spawn `world` local ranks; the leader gets all results
-    (under torchrun only its own, as a one-item list). A world of one runs in this process:
-    a spawned rank would import torch and megatron a second time (most of a small
-    conversion's wall time)."""
+    """Run fn on this torchrun world, or start `world` local ranks (`RANK_START`); the leader
+    gets all results (under torchrun only its own, as a one-item list). A world of one runs
+    in this process: a started rank would still cost a process and its teardown."""
     if launch.under_torchrun():
         return [fn(*args)]
     if world == 1:
         return [_in_process(fn, *args)]
-    results = launch.spawn(_catching, world, fn, *args)
+    results = launch.spawn(_catching, world, fn, *args, start_method=RANK_START)
     failed = next((r for r in results if isinstance(r, _Failed)), None)
     if failed:
         raise ConversionError(failed.message)
@@ -765,10 +773,9 @@ def _import_rank(hf_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: in
 
 
 def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: int,
-                 max_shard_bytes: int, verify: bool, stream_only: bool = False) -> dict:
+                 max_shard_bytes: int, verify: bool) -> dict:
     """One rank of export-hf. A world of one without verification streams file to file
-    (`_export_streaming`), else loads the stage. `stream_only`: return {"streamed": False,
-    "why": ...} instead of loading (the caller then loads at the checkpoint's layout)."""
+    (`_export_streaming`) where the checkpoint allows it, else loads the stage."""
     from checkpoint_tools.shards import ShardWriter
     from megaprm.parallel.weight_sync import iter_hf_weights
 
@@ -776,12 +783,15 @@ def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: 
     with _shared_tmp(tmp_dir, out_dir) as tmp:
         meta = layout.CheckpointMeta.read(ckpt_dir)
         spec = spec_from_hf(os.path.join(ckpt_dir, layout.HF_SUBDIR))
+        why = {}
+        if g.world_size == 1 and not verify:  # nothing needs the weights in memory
+            streamed = _export_streaming(ckpt_dir, spec, DTYPES[meta.dtype], tmp,
+                                         max_shard_bytes)
+            if streamed["streamed"]:
+                return _rank_report(g, None, tmp_dir=tmp, verify_s=0.0, **streamed)
+            why = {"why": streamed["why"]}
         model = stages.build(spec, g, DTYPES[meta.dtype], init=False)
         _import_loader_modules()  # module loading: process start, not conversion
-        if g.world_size == 1 and not verify:  # nothing needs the weights in memory
-            streamed = _export_streaming(ckpt_dir, model, spec, tmp, max_shard_bytes)
-            if streamed["streamed"] or stream_only:
-                return _rank_report(g, None, tmp_dir=tmp, verify_s=0.0, **streamed)
         t0 = time.perf_counter()
         load_checkpoint(model, _model_dir(ckpt_dir))
         t_load = time.perf_counter() - t0
@@ -796,19 +806,21 @@ def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: 
         return _rank_report(g, outputs, tmp_dir=tmp, load_s=t_load, write_s=t_write,
                             verify_s=time.perf_counter() - t1,
                             files=files, bytes=writer.total_bytes if writer else None,
-                            peak_shard_bytes=writer.peak_pending_bytes if writer else None)
+                            peak_shard_bytes=writer.peak_pending_bytes if writer else None,
+                            **why)
 
 
-def _export_streaming(ckpt_dir: str, model, spec: ModelSpec, tmp: str,
+def _export_streaming(ckpt_dir: str, spec: ModelSpec, dtype: torch.dtype, tmp: str,
                       max_shard_bytes: int) -> dict:
     """export-hf file to file (`streaming.plan_export`, `streaming.write_shards`), or
     {"streamed": False, "why": ...} where the checkpoint needs a real load (then nothing was
-    written). `model`: a tp = pp = 1 stage, whatever layout the checkpoint was saved at."""
+    written). Whatever tp and pp the checkpoint was saved at (its chunks are in global
+    coordinates); needs neither megatron-core nor a process group."""
     from checkpoint_tools import streaming
 
     t0 = time.perf_counter()
     try:
-        plan = streaming.plan_export(_model_dir(ckpt_dir), model, spec)
+        plan = streaming.plan_export(_model_dir(ckpt_dir), spec, dtype)
     except streaming.NotStreamable as e:
         return {"streamed": False, "why": str(e)}
     t_plan = time.perf_counter() - t0
@@ -964,13 +976,15 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
     try:
         results, why = None, None
         if not verify and not launch.under_torchrun():
-            # file to file in this process: the plan is made against a tp = pp = 1 stage (the
-            # chunks are in global coordinates), so a checkpoint saved at any tp and pp streams
-            # without spawning its layout's ranks
-            results = _run_ranks(_export_rank, 1, ckpt_dir, out_dir, tmp_dir, 1, 1, max_bytes,
-                                 False, True)
-            if not results[0]["streamed"]:
-                results, why = None, results[0]["why"]
+            # file to file in this process, whatever tp and pp the checkpoint was saved at:
+            # no ranks, no process group, no megatron-core import (`streaming`)
+            streamed = _export_streaming(ckpt_dir, spec, DTYPES[meta.dtype], tmp_dir,
+                                         max_bytes)
+            if streamed["streamed"]:
+                results = [{"rank": 0, "outputs": None, "tmp_dir": tmp_dir, "verify_s": 0.0,
+                            "peak_rss_mb_ranks": [peak_rss_mb()], **streamed}]
+            else:
+                why = streamed["why"]
         if results is None:
             results = _run_ranks(_export_rank, _world(tp, pp), ckpt_dir, out_dir, tmp_dir, tp,
                                  pp, max_bytes, verify)

@@ -15,6 +15,7 @@ import zlib
 
 MANIFEST = "MANIFEST.json"
 _CHUNK = 8 << 20
+CHECK_THREADS = min(4, os.cpu_count() or 1)
 
 
 def crc32(path: str) -> str:
@@ -70,7 +71,13 @@ def problems(ckpt_dir: str) -> list | None:
     mine = {rel: v for rel, v in files.items() if rel.startswith(prefix)}
     if not mine:
         return [f"{mpath} lists no file of {ckpt_dir}"]
-    out = [file_problem(os.path.join(base, rel), entry) for rel, entry in sorted(mine.items())]
+    from concurrent.futures import ThreadPoolExecutor
+
+    # zlib.crc32 releases the GIL: files are checked side by side (424 MB on 2 cores: 0.29 s
+    # one after another, see BENCHMARKS.md)
+    with ThreadPoolExecutor(min(CHECK_THREADS, len(mine))) as pool:
+        out = list(pool.map(lambda item: file_problem(os.path.join(base, item[0]), item[1]),
+                            sorted(mine.items())))
     return [p for p in out if p]
 
 

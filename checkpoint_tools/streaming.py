@@ -5,14 +5,17 @@ the whole model (BENCHMARKS.md, conversion). Loading a few parameters at a time 
 not possible: Megatron turns all of a rank's chunks of a layer-stacked key into one torch
 ShardedTensor and requires them in one load. This reads the checkpoint's own index instead:
 
-* DCP's `.metadata` (`FileSystemReader.read_metadata`) lists, per key, the chunks (global
-  offsets and sizes) and, per chunk, its byte range in a `.distcp` file. Each tensor item
+* DCP's `.metadata` (`read_metadata`: read without importing torch.distributed.checkpoint)
+  lists, per key, the chunks (global offsets and sizes) and, per chunk, its byte range in a
+  `.distcp` file. Each tensor item
   there is one `torch.save` zip; its storage record is stored uncompressed, so the tensor's
   bytes are a plain range of the file (`_item_bytes` checks dtype, shape, offset 0 and
   contiguous strides from the item's own pickle, and the record's size).
-* Which key, offset and rows hold each parameter comes from the model's own
-  `sharded_state_dict` (Megatron's layer stacking, its swiglu factory for fc1): the stage is
-  built with `torch.empty` and never touched, so its memory is not resident.
+* Which parameters a tp = pp = 1 stage has (`stage_params`, from the HF config) and which key,
+  offset and rows hold each (`checkpoint_keys`: Megatron's layer stacking and its local
+  spec's key map) are derived from the config and these naming rules, so an export imports
+  neither megatron-core nor a model: tests check both against a built stage's
+  `named_parameters` and `sharded_state_dict` (swiglu factory applied) for every family.
 * `mapping.row_blocks` gives, per parameter, the HF tensors' rows it holds; every HF tensor is
   then a list of byte ranges of the `.distcp` files (`shards.FileBytes`), and the shard writer
   copies them into the safetensors files (same order, grouping, header and index as an export
@@ -32,9 +35,12 @@ compressed or non-contiguous items.
 """
 from __future__ import annotations
 
+import functools
 import io
+import math
 import os
 import pickle
+import re
 import zipfile
 
 import torch
@@ -48,30 +54,30 @@ class NotStreamable(Exception):
     """The checkpoint's layout needs a real load (the message says why)."""
 
 
-def plan_export(model_dir: str, model, spec) -> list:
-    """[(HF name, FileBytes)] of the checkpoint in `model_dir` (torch_dist), in the order an
-    export from memory writes them. `model`: the whole model as one stage (tp = pp = 1), built
-    with `init=False`; only its addresses and sharded state dict are used."""
-    from torch.distributed.checkpoint import FileSystemReader
+def plan_export(model_dir: str, spec, dtype: torch.dtype, pieces_of=None) -> list:
+    """[(HF name, FileBytes or Assembled)] of the checkpoint in `model_dir` (torch_dist), in
+    the order an export from memory writes them, as dtype `dtype` (the checkpoint's).
 
-    try:
-        meta = FileSystemReader(model_dir).read_metadata()
-    except FileNotFoundError:
-        raise ConversionError(f"{model_dir!r} has no .metadata: not a complete torch_dist "
-                              "checkpoint (an interrupted save?); re-import or re-save it")
-    items = _Items(model_dir, meta)
-    pieces = _param_pieces(model, items)
+    The parameters are those of the whole model as one stage (tp = pp = 1, `stage_params`),
+    each read where `checkpoint_keys` puts it in the checkpoint. `pieces_of(items)` ->
+    {parameter name: chunk ranges} replaces that lookup (tests pass megatron-core's own)."""
+    items = _Items(model_dir, read_metadata(model_dir))
+    params = stage_params(spec)
+    pieces = (pieces_of or functools.partial(_metadata_pieces, params, dtype))(items)
     plan = []  # every tensor's pieces first: a NotStreamable leaves nothing half written
-    for rule, param in mapping.stage_rules(model, spec, 1, 0):
-        ranges = pieces.get(param.data_ptr())
+    for pname, shape in params:
+        rule = mapping.rule_for(pname, spec, 1, 0)
+        if rule is None:
+            continue
+        ranges = pieces.get(pname)
         if ranges is None:
             raise NotStreamable(f"{rule.megatron_name} is not in the sharded state dict")
-        if param.dim() == 0 or not param.shape[0]:
+        if not shape or not shape[0]:
             raise NotStreamable(f"{rule.megatron_name}: a scalar or empty parameter")
-        blocks = mapping.row_blocks(rule, spec, param.shape[0], 0, 1)
-        row = param[0].numel() * param.itemsize
+        blocks = mapping.row_blocks(rule, spec, shape[0], 0, 1)
+        row = math.prod(shape[1:]) * dtype.itemsize
         if any(r[4] is not None for r in ranges):  # column-split chunks: assembled in memory
-            plan.append(_assembled(rule, blocks, ranges, param, row))
+            plan.append(_assembled(rule, blocks, ranges, shape, dtype, row))
             continue
         for name in rule.hf_names:  # the order an export from memory writes them in
             parts = []
@@ -79,16 +85,81 @@ def plan_export(model_dir: str, model, spec) -> list:
                 if hf_name == name:
                     parts += [(src * row + lo - dst * row, path, off, size) for lo, path, off,
                               size in _cut(ranges, dst * row, (dst + n) * row)]
-            shape = (sum(n for h, _, _, n in blocks if h == name), *param.shape[1:])
-            plan.append((name, FileBytes(param.dtype, shape,
-                                         _ordered(parts, name, shape, param))))
+            hf_shape = (sum(n for h, _, _, n in blocks if h == name), *shape[1:])
+            plan.append((name, FileBytes(dtype, hf_shape,
+                                         _ordered(parts, name, hf_shape, dtype))))
     return plan
 
 
-def _assembled(rule, blocks: list, ranges: list, param, row: int) -> tuple:
+def stage_params(spec) -> list:
+    """[(Megatron parameter name, shape)] of the whole model as one stage (tp = pp = 1), in
+    the order of its `named_parameters()` (megatron-core's local layer spec, the one
+    megaprm builds): what `stages.build` would make, without building it (tested equal)."""
+    h, d, ffn = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * d
+    layer = [("input_layernorm.weight", (h,)),
+             ("self_attention.linear_proj.weight", (h, spec.num_heads * d)),
+             ("self_attention.linear_qkv.weight", (qkv, h))]
+    if spec.qkv_bias:
+        layer.append(("self_attention.linear_qkv.bias", (qkv,)))
+    if spec.qk_norm:
+        layer += [("self_attention.q_layernorm.weight", (d,)),
+                  ("self_attention.k_layernorm.weight", (d,))]
+    layer += [("pre_mlp_layernorm.weight", (h,)), ("mlp.linear_fc1.weight", (2 * ffn, h)),
+              ("mlp.linear_fc2.weight", (h, ffn))]
+    out = [("embedding.word_embeddings.weight", (spec.padded_vocab_size(1), h))]
+    out += [(f"decoder.layers.{i}.{s}", shape) for i in range(spec.num_layers)
+            for s, shape in layer]
+    out.append(("decoder.final_layernorm.weight", (h,)))
+    n = spec.num_labels
+    if spec.head == "lm":
+        if not spec.tie_embeddings:  # tied: the embedding is the output layer
+            out.append(("output_layer.weight", (spec.padded_vocab_size(1), h)))
+    elif spec.head == "token_cls":
+        out += [("score.weight", (n, h)), ("score.bias", (n,))]
+    elif spec.head == "prm_mlp":
+        out += [("score.0.weight", (h, h)), ("score.0.bias", (h,)), ("score.2.weight", (n, h)),
+                ("score.2.bias", (n,))]
+    else:
+        raise NotStreamable(f"head {spec.head!r}: its parameters are not known here")
+    return out
+
+
+# megatron-core's local layer spec saves these under the Transformer Engine layer's keys
+# (its `sharded_state_dict_keys_map`), so that either spec loads the other's checkpoints
+_SAVED_AS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def checkpoint_keys(name: str, shape: tuple) -> tuple:
+    """(key, global offsets, sizes) of the whole parameter `name` of a tp = pp = 1 stage in a
+    torch_dist checkpoint: a layer's parameters are stacked along a leading layer axis under
+    one key per layer parameter (megatron-core's layer stacking; global layer numbers, so any
+    pp), other parameters are saved under their own names (tp shards at global offsets)."""
+    m = _LAYER.match(name)
+    if m is None:
+        return name, (0,) * len(shape), tuple(shape)
+    suffix = m.group(2)
+    return (f"decoder.layers.{_SAVED_AS.get(suffix, suffix)}", (int(m.group(1)),)
+            + (0,) * len(shape), (1, *shape))
+
+
+def _metadata_pieces(params: list, dtype, items: _Items) -> dict:
+    """{parameter name: [(param byte offset, .distcp path, file offset, size, cols)]}: `cols`
+    None for a run of whole rows, else (first row, rows, column byte, bytes per row) of a
+    column-split chunk in the parameter (`_Items.rows`), sorted."""
+    out = {}
+    for name, shape in params:
+        key, offsets, sizes = checkpoint_keys(name, shape)
+        out[name] = sorted(items.rows(key, offsets, sizes, dtype), key=lambda r: r[:4])
+    return out
+
+
+def _assembled(rule, blocks: list, ranges: list, shape: tuple, dtype, row: int) -> tuple:
     """(HF name, Assembled) of a parameter saved in column-split chunks: it must be one whole
     HF tensor (row-parallel weights are: o_proj, down_proj, ...)."""
-    rows = param.shape[0]
+    rows = shape[0]
     if len(rule.hf_names) != 1 or [tuple(b) for b in blocks] != [(rule.hf_names[0], 0, 0,
                                                                   rows)]:
         raise NotStreamable(f"{rule.megatron_name}: column-split chunks of a parameter that "
@@ -102,7 +173,7 @@ def _assembled(rule, blocks: list, ranges: list, param, row: int) -> tuple:
         parts.append((path, off, *cols))
     name = rule.hf_names[0]
     _tiled(parts, name, rows, row)
-    return name, Assembled(param.dtype, tuple(param.shape), row, parts)
+    return name, Assembled(dtype, tuple(shape), row, parts)
 
 
 def _tiled(parts: list, name: str, rows: int, row: int) -> None:
@@ -158,7 +229,7 @@ def _cut(ranges: list, lo: int, hi: int) -> list:
     return out
 
 
-def _ordered(parts: list, name: str, shape: tuple, param) -> list:
+def _ordered(parts: list, name: str, shape: tuple, dtype) -> list:
     """(path, offset, size) pieces in HF byte order; they must tile the tensor exactly."""
     parts.sort()
     pos = 0
@@ -166,66 +237,112 @@ def _ordered(parts: list, name: str, shape: tuple, param) -> list:
         if start != pos:
             raise NotStreamable(f"{name}: bytes {pos}..{start} come from no checkpoint chunk")
         pos += size
-    want = param.itemsize * int(torch.Size(shape).numel())
+    want = dtype.itemsize * math.prod(shape)
     if pos != want:
         raise NotStreamable(f"{name}: {pos} of {want} bytes found in the checkpoint")
     return [(path, off, size) for _, path, off, size in parts]
 
 
-def _sharded_tensors(model) -> list:
-    """The stage's ShardedTensors, factories built (Megatron's swiglu fc1 halves)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import (
-        ShardedTensor,
-        ShardedTensorFactory,
-        apply_factories,
-    )
+def read_metadata(model_dir: str) -> tuple:
+    """DCP's `.metadata` of a torch_dist dir as plain data: ({tensor key: (dtype, [(chunk
+    offsets, chunk sizes)])}, {(tensor key, chunk offsets): (relative path, offset, length,
+    transform descriptors)}); non-tensor items (bytes) are left out.
 
-    from checkpoint_tools import stages
+    `.metadata` is a pickle of torch.distributed.checkpoint's classes; importing that package
+    takes ~1 s, a third of a small export's wall time. It is read here with stand-ins for
+    those classes (`_MetadataUnpickler`: only the names DCP writes are resolved, nothing else
+    is built or run); a pickle that names anything else is read by DCP's own reader instead
+    (tested equal)."""
+    path = os.path.join(model_dir, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise ConversionError(f"{model_dir!r} has no .metadata: not a complete torch_dist "
+                              "checkpoint (an interrupted save?); re-import or re-save it"
+                              ) from None
+    try:
+        meta = _MetadataUnpickler(io.BytesIO(raw)).load()
+        return _plain(meta.state_dict_metadata, meta.storage_data, _Stub)
+    except (pickle.UnpicklingError, AttributeError, TypeError, ValueError, KeyError,
+            IndexError, EOFError):
+        return _dcp_metadata(model_dir)
 
-    sharded = stages.sharded_state_dict(model)
-    if any(isinstance(v, ShardedTensorFactory) for v in nested_values(sharded)):
-        apply_factories(sharded)
-    return [v for v in nested_values(sharded) if isinstance(v, ShardedTensor)]
+
+def _dcp_metadata(model_dir: str) -> tuple:
+    """`read_metadata` by torch.distributed.checkpoint's own reader."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(model_dir).read_metadata()
+    return _plain(meta.state_dict_metadata, meta.storage_data, TensorStorageMetadata)
 
 
-def _param_pieces(model, items: _Items) -> dict:
-    """{parameter data_ptr: [(param byte offset, .distcp path, file offset, size, cols)]}:
-    `cols` None for a run of whole rows, else (first row, rows, column byte, bytes per row) of a
-    column-split chunk in the parameter (`_Items.rows`)."""
-    spans = sorted(((p.data_ptr(), p) for p in model.parameters()), key=lambda s: s[0])
-    out: dict[int, list] = {}
-    for st in _sharded_tensors(model):
-        if st.flattened_range is not None:
-            raise NotStreamable(f"{st.key}: flattened shard")
-        data = st.data
-        if not data.is_contiguous():
-            raise NotStreamable(f"{st.key}: non-contiguous shard")
-        owner = next((p for ptr, p in reversed(spans) if ptr <= data.data_ptr()), None)
-        if owner is None or data.data_ptr() + data.numel() * data.itemsize > (
-                owner.data_ptr() + owner.numel() * owner.itemsize):
-            raise NotStreamable(f"{st.key}: shard outside every parameter")
-        base = data.data_ptr() - owner.data_ptr()
-        offsets = tuple(st.global_offset)
-        sizes = (1,) * st.prepend_axis_num + tuple(st.local_shape)
-        row = data[0].numel() * data.itemsize if data.dim() else 0
-        for lo, path, off, size, cols in items.rows(st.key, offsets, sizes, data.dtype):
-            if cols is not None:
-                if not row or base % row:
-                    raise NotStreamable(f"{st.key}: column-split chunk of a shard that is not "
-                                        "whole rows of its parameter")
-                cols = (base // row + cols[0], *cols[1:])
-            out.setdefault(owner.data_ptr(), []).append((base + lo, path, off, size, cols))
-    for ranges in out.values():
-        ranges.sort(key=lambda r: r[:4])
-    return out
+def _plain(state_dict_metadata: dict, storage_data: dict, tensor_type) -> tuple:
+    tensors = {}
+    for key, md in state_dict_metadata.items():
+        if isinstance(md, tensor_type) and hasattr(md, "chunks"):
+            tensors[key] = (md.properties.dtype, [(tuple(c.offsets), tuple(c.sizes))
+                                                  for c in md.chunks])
+    storage = {}
+    for index, info in storage_data.items():
+        if getattr(index, "offset", None) is not None:  # None (a class default): bytes
+            storage[(index.fqn, tuple(index.offset))] = (
+                info.relative_path, info.offset, info.length,
+                getattr(info, "transform_descriptors", None))
+    return tensors, storage
+
+
+class _Stub:
+    """Stand-in for one of DCP's metadata dataclasses: keeps the fields it was pickled with."""
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}  # (__dict__, __slots__ values)
+        if not isinstance(state, dict):
+            raise pickle.UnpicklingError(f"unexpected state {type(state).__name__}")
+        self.__dict__.update(state)
+
+
+class _Properties:
+    """Stand-in for DCP's TensorProperties, pickled as a tuple whose first item is the dtype."""
+
+    def __setstate__(self, state):
+        self.dtype = state[0] if isinstance(state, tuple) else state["dtype"]
+        if not isinstance(self.dtype, torch.dtype):
+            raise pickle.UnpicklingError("TensorProperties without a dtype")
+
+
+_DCP = "torch.distributed.checkpoint."
+_STUBS = {(_DCP + "metadata", n) for n in ("Metadata", "TensorStorageMetadata",
+                                           "ChunkStorageMetadata", "BytesStorageMetadata",
+                                           "MetadataIndex", "StorageMeta")}
+_STUBS |= {(_DCP + "filesystem", "_StorageInfo")}
+_STUBS |= {(_DCP + "planner", n) for n in ("SavePlan", "WriteItem", "TensorWriteData")}
+_ENUMS = {(_DCP + "metadata", "_MEM_FORMAT_ENCODING"), (_DCP + "planner", "WriteItemType")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in _STUBS:
+            return type(name, (_Stub,), {})
+        if (module, name) == (_DCP + "metadata", "TensorProperties"):
+            return _Properties
+        if (module, name) in _ENUMS:
+            return lambda value: value  # the enum's value stands for its member
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
+                                                               torch.dtype)):
+            return getattr(torch, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return torch.serialization._get_layout
+        raise pickle.UnpicklingError(f"unexpected {module}.{name}")
 
 
 class _Items:
     """The checkpoint's tensor chunks: which file bytes hold which rows of a shard."""
 
-    def __init__(self, model_dir: str, meta):
-        self.dir, self.meta = model_dir, meta
+    def __init__(self, model_dir: str, meta: tuple):
+        self.dir, (self.tensors, self.storage) = model_dir, meta
 
     def rows(self, key: str, offsets: tuple, sizes: tuple, dtype) -> list:
         """[(byte offset in the shard, path, file offset, size, cols)] for the shard of `key`
@@ -235,22 +352,17 @@ class _Items:
         the shard's bytes (`cols` None). Split by columns (a row-parallel weight saved at
         tp > 1): `cols` = (first row, rows, column byte, bytes per row) of the block it holds,
         its bytes contiguous in the file, row after row."""
-        from torch.distributed.checkpoint.metadata import (
-            MetadataIndex,
-            TensorStorageMetadata,
-        )
-
-        md = self.meta.state_dict_metadata.get(key)
-        if not isinstance(md, TensorStorageMetadata):
+        found = self.tensors.get(key)
+        if found is None:
             raise NotStreamable(f"{key}: no tensor of that name in the checkpoint")
-        if md.properties.dtype != dtype:
-            raise NotStreamable(f"{key}: saved as {md.properties.dtype}, exported as {dtype}")
+        saved, chunks = found
+        if saved != dtype:
+            raise NotStreamable(f"{key}: saved as {saved}, exported as {dtype}")
         d = next((i for i, s in enumerate(sizes) if s > 1), len(sizes) - 1)
-        row = dtype.itemsize * int(torch.Size(sizes[d + 1:]).numel())
+        row = dtype.itemsize * math.prod(sizes[d + 1:])
         col = d + 1 if len(sizes) == d + 2 else None  # a 2-D shard's column dim
         out = []
-        for chunk in md.chunks:
-            c_off, c_size = tuple(chunk.offsets), tuple(chunk.sizes)
+        for c_off, c_size in chunks:
             if any(co + cs <= o or co >= o + s
                    for co, cs, o, s in zip(c_off, c_size, offsets, sizes)):
                 continue  # does not meet this shard
@@ -260,14 +372,15 @@ class _Items:
                     for i in (d, col) if i is not None):
                 raise NotStreamable(f"{key}: chunk {c_off}+{c_size} is not a block of the "
                                     f"shard {offsets}+{sizes}")
-            info = self.meta.storage_data.get(MetadataIndex(key, torch.Size(c_off)))
+            info = self.storage.get((key, c_off))
             if info is None:
                 raise ConversionError(f"{self.dir!r}: .metadata lists chunk {c_off} of {key} "
                                       "but no file holding it; the checkpoint is corrupt")
-            if getattr(info, "transform_descriptors", None):
+            relative_path, offset, length, transforms = info
+            if transforms:
                 raise NotStreamable(f"{key}: item written through transforms")
-            path = os.path.join(self.dir, info.relative_path)
-            off = self._item_bytes(path, info.offset, info.length, key, c_size, dtype)
+            path = os.path.join(self.dir, relative_path)
+            off = self._item_bytes(path, offset, length, key, c_size, dtype)
             r0 = c_off[d] - offsets[d]
             if col is not None and c_size[col] != sizes[col]:
                 width = c_size[col] * dtype.itemsize

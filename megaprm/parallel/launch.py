@@ -332,12 +332,15 @@ def _child(rank, world_size, port, fn, args, queue, threads):
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 600.0) -> List[Any]:
-    """Run fn(*args) on `world_size` fresh processes; return each rank's result, rank order."""
+def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 600.0,
+          start_method: str = "spawn") -> List[Any]:
+    """Run fn(*args) on `world_size` fresh processes; return each rank's result, rank order.
+    `start_method` "fork": the ranks are forks of this process, with its imports (no
+    interpreter start-up; for callers that have started no threads or GPU work yet)."""
     import torch
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     port = _free_port()
     threads = max(1, (os.cpu_count() or 1) // world_size)

@@ -3,7 +3,7 @@
 Reference: the original HF directory itself (tensors compared bit for bit, transformers logits
 compared exactly). One spawned 4-rank world runs every round trip and the in-rank error cases
 (the torchrun path: each rank calls the library); the CLI is exercised once as a user runs it
-(one process that spawns its own ranks), including the (2,1) -> (1,2) reshard through `verify`.
+(one process that forks its own ranks), including the (2,2) -> (1,2) reshard through `verify`.
 """
 import json
 import os
@@ -320,11 +320,15 @@ def _cli(*args):
                           check=False, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
-def test_cli_import_then_verify_resharded(hf_dirs, tmp_path):
+def test_cli_import_then_verify_resharded(world, hf_dirs, tmp_path):
+    """The CLI's ranks are forks of its process (`convert.RANK_START`): the checkpoint equals
+    the one the 4-rank world wrote from fresh interpreters; then verified at another layout."""
     ck = str(tmp_path / "ck")
-    r = _cli("import-hf", "--hf", hf_dirs["qwen2_tied"], "--out", ck, "--tp", "2", "--pp", "1")
+    r = _cli("import-hf", "--hf", hf_dirs["qwen2_tied"], "--out", ck, "--tp", "2", "--pp", "2")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["verify"]["passed"]
+    _same_checkpoint_files(os.path.join(ck, "model"),
+                           os.path.join(world[0]["roundtrip"]["qwen2_tied"]["ckpt"], "model"))
     r = _cli("verify", "--hf", hf_dirs["qwen2_tied"], "--ckpt", ck, "--tp", "1", "--pp", "2")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
@@ -350,9 +354,18 @@ def test_cli_exports_a_trainer_run_dir(hf_dirs, tmp_path):
     (step / "trainer.json").write_text("{}")
     (tmp_path / "run" / "checkpoints" / "latest").write_text("step_000002")
     out = str(tmp_path / "exported")
-    r = _cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", out, "--no-verify")
+    r = subprocess.run([sys.executable, "-X", "importtime", "-W", "ignore", "-m",
+                        "checkpoint_tools", "export-hf", "--ckpt", str(tmp_path / "run"),
+                        "--out", out, "--no-verify"], check=False, cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["ckpt"] == str(step / "actor")
+    assert json.loads(r.stdout)["streamed"]
+    # streamed in this process without megatron-core or torch.distributed.checkpoint
+    imported = [line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines()
+                if line.startswith("import time:")]
+    assert "checkpoint_tools.streaming" in imported
+    assert not [m for m in imported if m.startswith(("megatron", "torch.distributed.checkp"))]
     want, got = _hf_tensors(hf_dirs["qwen2_tied"]), _hf_tensors(out)
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     r = _cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", out + "2", "--model", "prm")

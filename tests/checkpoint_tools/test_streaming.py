@@ -58,6 +58,121 @@ def test_streamed_export_equals_the_loading_export(tmp_path, monkeypatch, family
     _same_weights(hf, str(tmp_path / "streamed"))
 
 
+# ------------------------------------------- the plan without megatron-core vs the plan of a stage
+
+def _stage(spec, dtype=torch.float32):
+    """The whole model as one stage (tp = pp = 1), built by megatron-core as export-hf used to."""
+    from checkpoint_tools import convert, stages
+
+    g = convert._init(1, 1)
+    return g, stages.build(spec, g, dtype, init=False)
+
+
+def _stage_pieces(model, items) -> dict:
+    """Reference for `streaming._metadata_pieces`: each parameter's chunks found through the
+    stage's own sharded state dict (megatron-core's layer stacking and swiglu factory), as
+    export-hf planned before it stopped importing megatron-core."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+        apply_factories,
+    )
+
+    from checkpoint_tools import stages
+
+    sharded = stages.sharded_state_dict(model)
+    if any(isinstance(v, ShardedTensorFactory) for v in nested_values(sharded)):
+        apply_factories(sharded)
+    names = {p.data_ptr(): n for n, p in model.named_parameters()}
+    spans = sorted((p.data_ptr(), p) for p in model.parameters())
+    out = {}
+    for st in (v for v in nested_values(sharded) if isinstance(v, ShardedTensor)):
+        assert st.flattened_range is None and st.data.is_contiguous()
+        data = st.data
+        owner = next(p for ptr, p in reversed(spans) if ptr <= data.data_ptr())
+        base = data.data_ptr() - owner.data_ptr()
+        row = data[0].numel() * data.itemsize if data.dim() else 0
+        sizes = (1,) * st.prepend_axis_num + tuple(st.local_shape)
+        for lo, path, off, size, cols in items.rows(st.key, tuple(st.global_offset), sizes,
+                                                    data.dtype):
+            if cols is not None:
+                cols = (base // row + cols[0], *cols[1:])
+            out.setdefault(names[owner.data_ptr()], []).append((base + lo, path, off, size,
+                                                                cols))
+    return {n: sorted(r, key=lambda x: x[:4]) for n, r in out.items()}
+
+
+def _plan_key(plan: list) -> list:
+    return [(n, t.dtype, tuple(t.shape), type(t).__name__, getattr(t, "pieces", None),
+             getattr(t, "parts", None), getattr(t, "row_bytes", None)) for n, t in plan]
+
+
+def _check_plan_against_stage(ckpt: str) -> None:
+    """The plan from `.metadata` and the config alone equals the plan through a built stage's
+    sharded state dict, and `.metadata` read without DCP equals DCP's own reading."""
+    from checkpoint_tools import convert, streaming
+    from megaprm.models.hf_spec import spec_from_hf
+
+    model_dir = os.path.join(ckpt, "model")
+    spec = spec_from_hf(os.path.join(ckpt, "hf"))
+    assert streaming.read_metadata(model_dir) == streaming._dcp_metadata(model_dir)
+    try:
+        _, model = _stage(spec)
+        ref = streaming.plan_export(model_dir, spec, torch.float32,
+                                    pieces_of=lambda items: _stage_pieces(model, items))
+    finally:
+        convert._in_process(lambda: None)  # tear the world of one down
+    assert _plan_key(streaming.plan_export(model_dir, spec, torch.float32)) == _plan_key(ref)
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("qwen2", {"tie": True}), ("qwen2", {"tie": False}), ("qwen3", {}),
+    ("llama", {"head": "token_cls"}), ("prm_mlp", {})])
+def test_stage_params_are_a_built_stages(tmp_path, family, kw):
+    """`stage_params` (from the config) and `checkpoint_keys` against megatron-core: the
+    stage's named_parameters (names, shapes, order) and its sharded state dict's keys,
+    global offsets and sizes (fc1's two swiglu halves together make the whole parameter)."""
+    from checkpoint_tools import convert, stages, streaming
+    from megaprm.models.hf_spec import spec_from_hf
+
+    if family == "prm_mlp":
+        from checkpoint_tools import hf_reference
+        from megaprm.models.tiny import tiny_config
+
+        hf = str(tmp_path / "hf")
+        hf_reference.save_process_reward_model(tiny_config("qwen2", tie=False), hf, seed=5)
+    else:
+        hf = save_tiny_model(family, str(tmp_path / "hf"), seed=3, **kw)
+    spec = spec_from_hf(hf)
+    try:
+        _, model = _stage(spec)
+        assert streaming.stage_params(spec) == [(n, tuple(p.shape))
+                                                for n, p in model.named_parameters()]
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+        sharded = stages.sharded_state_dict(model)
+        apply_factories(sharded)
+        names = {p.data_ptr(): (n, tuple(p.shape)) for n, p in model.named_parameters()}
+        seen = {}
+        for st in (v for v in nested_values(sharded) if isinstance(v, ShardedTensor)):
+            owner = max(ptr for ptr in names if ptr <= st.data.data_ptr())
+            seen.setdefault(names[owner], []).append(
+                (st.key, tuple(st.global_offset), (1,) * st.prepend_axis_num
+                 + tuple(st.local_shape)))
+    finally:
+        convert._in_process(lambda: None)
+    assert sorted(seen) == sorted(streaming.stage_params(spec))
+    for (name, shape), shards in seen.items():
+        key, offsets, sizes = streaming.checkpoint_keys(name, shape)
+        d = len(sizes) - len(shape)  # the layer axis, if any
+        assert {k for k, _, _ in shards} == {key}, name
+        assert min(o for _, o, _ in shards) == offsets, name
+        assert sum(s[d] for _, _, s in shards) == sizes[d], name  # halves stack on dim 0
+        assert all(s[:d] + s[d + 1:] == sizes[:d] + sizes[d + 1:] for _, _, s in shards), name
+
+
 def test_layers_saved_over_two_stages_stream(tmp_path):
     """pp = 2 at save: layer chunks carry global layer offsets; exported in this process at
     the checkpoint's own layout (no stage ranks spawned), same files as from a tp = 1 save."""
@@ -69,6 +184,8 @@ def test_layers_saved_over_two_stages_stream(tmp_path):
     assert rep["streamed"] and rep["pp"] == 2
     _same_weights(hf, str(tmp_path / "out"))
     assert _files(str(tmp_path / "out")) == _files(str(tmp_path / "ref"))
+    _check_plan_against_stage(str(tmp_path / "ck"))
+    _check_plan_against_stage(str(tmp_path / "ck1"))
 
 
 def test_row_parallel_chunks_saved_at_tp2_stream(tmp_path, monkeypatch):
@@ -89,6 +206,8 @@ def test_row_parallel_chunks_saved_at_tp2_stream(tmp_path, monkeypatch):
     assert len(rep["files"]) > 1
     assert _files(str(tmp_path / "out")) == _files(str(tmp_path / "ref"))
     _same_weights(hf, str(tmp_path / "out"))
+    _check_plan_against_stage(str(tmp_path / "ck"))
+    _check_plan_against_stage(str(tmp_path / "ck1"))
     monkeypatch.setattr(streaming, "DIRECT_ABOVE_BYTES", 0)
     export_hf(str(tmp_path / "ck"), str(tmp_path / "direct"), verify=False,
               max_shard_size="30KB")
