@@ -1,7 +1,7 @@
 """One RL step through megaprm (1 rank, 2 ranks) and Hugging Face TRL's GRPOTrainer, same CPU work.
 
     python scripts/bench_peer_trl.py [--steps 3] [--warmup 1] [--ranks 1 2] [--pack TOKENS ...]
-                                     [--skip-trl] [--trl-venv DIR]
+                                     [--rounds 1] [--skip-trl] [--trl-venv DIR]
                                      [--out runs/bench/bench_peer_trl.json]
 
 Workload (the same for every row): the tiny Qwen2-shaped policy of `bench_rl_step.py` (char
@@ -361,6 +361,17 @@ def run_trl(py: str, model_dir: str, steps: int, warmup: int, batch_path: str) -
     return out
 
 
+def _over_rounds(results: list) -> dict:
+    """One row from its rounds: the last round's record, with the per-step CPU and wall
+    figures replaced by their median over the rounds (each round's value kept)."""
+    out = dict(results[-1])
+    if len(results) > 1:
+        for key in ("cpu_s_per_step", "wall_s_per_step"):
+            out[key] = statistics.median(r[key] for r in results)
+            out[f"{key}_rounds"] = [r[key] for r in results]
+    return out
+
+
 def cross_check(batch_path: str, model_dir: str) -> dict:
     import torch
 
@@ -414,6 +425,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pack", type=int, nargs="*", default=[], metavar="TOKENS",
                     help="also run megaprm with the update's sequences packed into rows of at "
                          "most TOKENS tokens (actor.max_tokens_per_micro_batch)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every row this many times, interleaved (the shared box drifts "
+                         "by +-15%% between minutes); a row's figure is the median over rounds")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--trl-venv", default=str(ROOT / "runs" / "bench" / "trl-venv"))
     ap.add_argument("--out", default=default_out("bench_peer_trl.json"))
@@ -441,20 +455,23 @@ def main(argv=None) -> int:
         batch = os.path.join(tmp, "batch.pt")
         print("generation alone ...", file=sys.stderr, flush=True)
         generation = run_generation(model_dir)
-        for world in a.ranks:
-            print(f"megaprm, {world} rank(s) ...", file=sys.stderr, flush=True)
-            rows[f"megaprm_{world}_rank"] = run_megaprm(model_dir, world, a.steps, a.warmup)
-            for budget in a.pack:
-                print(f"megaprm, {world} rank(s), packed {budget} ...", file=sys.stderr,
+        runs = {}  # row -> one result per round; the rows run interleaved, round by round
+        py = None if a.skip_trl else trl_python(a.trl_venv)
+        for rnd in range(a.rounds):
+            for world in a.ranks:
+                for budget in [None, *a.pack]:
+                    name = f"megaprm_{world}_rank" + (f"_packed_{budget}" if budget else "")
+                    print(f"round {rnd + 1}/{a.rounds}: {name} ...", file=sys.stderr, flush=True)
+                    over = [f"actor.max_tokens_per_micro_batch={budget}"] if budget else []
+                    runs.setdefault(name, []).append(
+                        run_megaprm(model_dir, world, a.steps, a.warmup, over))
+            if py:
+                print(f"round {rnd + 1}/{a.rounds}: TRL GRPOTrainer ...", file=sys.stderr,
                       flush=True)
-                rows[f"megaprm_{world}_rank_packed_{budget}"] = run_megaprm(
-                    model_dir, world, a.steps, a.warmup,
-                    [f"actor.max_tokens_per_micro_batch={budget}"])
+                runs.setdefault("trl", []).append(run_trl(py, model_dir, a.steps, a.warmup, batch))
+        rows = {name: _over_rounds(results) for name, results in runs.items()}
         check = None
-        if not a.skip_trl:
-            py = trl_python(a.trl_venv)
-            print("TRL GRPOTrainer ...", file=sys.stderr, flush=True)
-            rows["trl"] = run_trl(py, model_dir, a.steps, a.warmup, batch)
+        if py:
             try:
                 check = cross_check(batch, model_dir)
             except RuntimeError as e:  # the timings stand; the report says what failed
@@ -477,7 +494,7 @@ def main(argv=None) -> int:
            "workload": {"prompts": PROMPTS, "samples": SAMPLES, "max_tokens": MAX_TOKENS,
                         "temperature": TEMPERATURE, "loss": "token-mean", "kl": 0.0,
                         "dtype": "fp32", "threads_per_process": 1, "steps": a.steps,
-                        "warmup": a.warmup},
+                        "warmup": a.warmup, "rounds": a.rounds},
            "rows": rows, "ratios": ratios, "cross_check": check,
            "generation_alone": generation}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
