@@ -68,11 +68,13 @@ class CompactDecoder:
                         a.k_proj.bias, a.v_proj.bias, m.gate_proj.weight, m.up_proj.weight)
 
     def _weights(self) -> list:
-        """Per layer: (ln1, qkv weight, qkv bias, o weight, ln2, gate/up weight, down weight).
+        """Per layer: (ln1, qkv weight, qkv bias, o weight^T, ln2, gate/up weight, down weight^T).
 
         The q/k/v weight also carries rotate_half applied to the q and k rows (a signed
         permutation of each head's rows: exact), so one matmul gives q, k, v and the rotated q
-        and k, and the rotary embedding is q * cos + rotate_half(q) * sin with no reshuffle."""
+        and k, and the rotary embedding is q * cos + rotate_half(q) * sin with no reshuffle. The
+        fused copies are remade when a q/k/v or gate/up parameter changes; the others are the
+        parameters themselves (transposed views), so in-place updates reach them."""
         key = tuple((p.data_ptr(), p._version) for p in self._params() if p is not None)
         if self._key == key:
             return self._fused
