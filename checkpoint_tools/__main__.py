@@ -120,9 +120,10 @@ def main(argv=None, fork_ranks: bool = False) -> int:
     """The CLI. `fork_ranks`: start local ranks as forks of this process (`convert.RANK_START`);
     only `python -m checkpoint_tools` says so, where this process has done no torch work yet
     (a caller's process may hold an OpenMP pool or threads, which a fork does not survive)."""
+    from megaprm.parallel import launch  # standard library imports only
+
     args = _parser().parse_args(argv)
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launch.under_torchrun
-    if not (args.command == "export-hf" and args.no_verify and not torchrun):
+    if not (args.command == "export-hf" and args.no_verify and not launch.under_torchrun()):
         # an export without verification streams file to file in this process and needs
         # neither megatron-core nor a model (`streaming`); its fallback imports them as needed
         lean_imports()

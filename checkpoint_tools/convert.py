@@ -774,8 +774,9 @@ def _import_rank(hf_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: in
 
 def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: int,
                  max_shard_bytes: int, verify: bool) -> dict:
-    """One rank of export-hf. A world of one without verification streams file to file
-    (`_export_streaming`) where the checkpoint allows it, else loads the stage."""
+    """One rank of export-hf. A torchrun world of one without verification streams file to
+    file (`_export_streaming`) where the checkpoint allows it, else loads the stage (outside
+    torchrun `export_hf` has tried the stream in its own process before starting ranks)."""
     from checkpoint_tools.shards import ShardWriter
     from megaprm.parallel.weight_sync import iter_hf_weights
 
@@ -784,7 +785,8 @@ def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: 
         meta = layout.CheckpointMeta.read(ckpt_dir)
         spec = spec_from_hf(os.path.join(ckpt_dir, layout.HF_SUBDIR))
         why = {}
-        if g.world_size == 1 and not verify:  # nothing needs the weights in memory
+        if g.world_size == 1 and not verify and launch.under_torchrun():
+            # nothing needs the weights in memory
             streamed = _export_streaming(ckpt_dir, spec, DTYPES[meta.dtype], tmp,
                                          max_shard_bytes)
             if streamed["streamed"]:

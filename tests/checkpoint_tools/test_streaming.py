@@ -213,13 +213,22 @@ def test_row_parallel_chunks_saved_at_tp2_stream(tmp_path, monkeypatch):
               max_shard_size="30KB")
     assert _files(str(tmp_path / "direct")) == _files(str(tmp_path / "ref"))
 
+    refused = []
+
     def refuse(*a, **k):
+        refused.append(a[0])
         raise streaming.NotStreamable("refused by the test")
 
     monkeypatch.setattr(streaming, "plan_export", refuse)  # this process only: the spawned
     rep = export_hf(str(tmp_path / "ck"), str(tmp_path / "loaded"), verify=False)  # ranks load
     assert not rep["streamed"] and rep["not_streamed_because"] == "refused by the test"
     _same_weights(hf, str(tmp_path / "loaded"))
+    # a tp1 checkpoint loads in this process: the refused plan is not made a second time there
+    refused.clear()
+    rep = export_hf(str(tmp_path / "ck1"), str(tmp_path / "loaded1"), verify=False)
+    assert not rep["streamed"] and rep["not_streamed_because"] == "refused by the test"
+    assert len(refused) == 1
+    _same_weights(hf, str(tmp_path / "loaded1"))
 
 
 def test_assembled_blocks_must_tile_the_tensor():
