@@ -443,12 +443,13 @@ def test_row_blocks_build_the_same_shards(tmp_path, family, tp):
 def test_write_safetensors_matches_safetensors(tmp_path, monkeypatch, direct, block):
     """Export's shard writer produces files safetensors reads back exactly (dtypes, views that
     are not contiguous or share a storage, 0-d and empty tensors, metadata, tensors copied from
-    byte ranges of a file; O_DIRECT with tensors that span bounce buffers, every buffer reused
-    several times at 1 MiB, and a last partial block; plain writes)."""
+    byte ranges of a file, row-parallel weights assembled from column blocks; O_DIRECT with
+    tensors and rows that span bounce buffers, every buffer reused several times at 1 MiB, and
+    a last partial block; plain writes)."""
     from safetensors import safe_open
 
     from checkpoint_tools import shards
-    from checkpoint_tools.shards import FileBytes, write_safetensors
+    from checkpoint_tools.shards import Assembled, FileBytes, write_safetensors
 
     if block:
         monkeypatch.setattr(shards._DirectFile, "BLOCK", block)
@@ -467,6 +468,24 @@ def test_write_safetensors_matches_safetensors(tmp_path, monkeypatch, direct, bl
               (src_path, 4 * 7, 4 * 5)]
     want = {**tensors, "copied": torch.cat([src[2_900_000:], src[:1_100_000], src[7:12]])}
     tensors["copied"] = FileBytes(torch.float32, (1_200_005,), pieces)
+    # row-parallel weights saved in column blocks (one block also split by rows), each block's
+    # rows contiguous in a file: 6,000-byte rows straddle the bounce buffers' ends, and a row of
+    # the wide one is longer than a 1 MiB buffer
+    blocks_path, at = str(tmp_path / "blocks.bin"), 0
+    with open(blocks_path, "wb") as f:
+        for name, shape, cuts in [("row_parallel", (700, 1500), [(0, 700, 0, 600),
+                                                                  (0, 300, 600, 1500),
+                                                                  (300, 700, 600, 1500)]),
+                                  ("wide", (3, 300_000), [(0, 3, 150_000, 300_000),
+                                                          (0, 3, 0, 150_000)])]:
+            full, parts = torch.randn(*shape, generator=g), []
+            for r0, r1, c0, c1 in cuts:
+                data = full[r0:r1, c0:c1].contiguous().numpy().tobytes()
+                f.write(data)
+                parts.append((blocks_path, at, r0, r1 - r0, 4 * c0, 4 * (c1 - c0)))
+                at += len(data)
+            want[name] = full
+            tensors[name] = Assembled(torch.float32, shape, 4 * shape[1], parts)
     path = str(tmp_path / "x.safetensors")
     write_safetensors(path, tensors, metadata={"format": "pt"}, direct=direct)
     got = load_file(path)
