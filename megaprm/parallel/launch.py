@@ -19,6 +19,9 @@
   (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), runs `fn(*args)` and sends back its
   return value or its traceback. With more ranks than GPUs the children see no GPU
   (`CUDA_VISIBLE_DEVICES=""`): multi-rank work on a one-GPU machine runs under gloo on the CPU.
+  The children are forks of a forkserver that imported torch, megatron-core and the trainer
+  once (`PRELOAD`; seconds per rank saved), each taking the caller's environment and new RNG
+  seeds; `start_context`/`rank_env`/`enter_rank` give other rank starters the same.
 """
 from __future__ import annotations
 
@@ -313,14 +316,21 @@ def hidden_gpus(hide: bool):
 PRELOAD = ("torch", "torch.distributed", "numpy", "transformers", "megatron.core",
            "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
            "megaprm.parallel.init", "megaprm.trainer.loop")
-# Variables whose value a rank reads only when it uses them, never while importing PRELOAD:
-# a difference from the forkserver's own environment is applied in the rank.
-_LATE_ENV = ("CUDA_VISIBLE_DEVICES", "PYTEST_CURRENT_TEST")
+# Variables that no PRELOAD module reads while it is imported (torch reads
+# CUDA_VISIBLE_DEVICES when CUDA starts, inductor its cache dir when it compiles; megatron-core
+# sets NVTE_* itself when it builds a model; the rest are read by megaprm, torch.distributed,
+# vLLM or Ray when used): one that differs from the forkserver's environment is simply set in
+# the rank. Any other difference (HF_HUB_OFFLINE, OMP_NUM_THREADS, ...) may have been read at
+# import, so its ranks start as fresh interpreters.
+_LATE_ENV = ("CUDA_VISIBLE_DEVICES", "PYTEST_CURRENT_TEST", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+             "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
+_LATE_PREFIXES = ("MEGAPRM_", "VLLM_", "RAY_", "NVTE_", "TORCHINDUCTOR_")
 _server: dict = {}  # pid and environment of the forkserver this process started
 
 
 def _env_key(env) -> dict:
-    return {k: v for k, v in env.items() if k not in _LATE_ENV}
+    return {k: v for k, v in env.items()
+            if k not in _LATE_ENV and not k.startswith(_LATE_PREFIXES)}
 
 
 def start_context(start_method: str = "forkserver"):

@@ -17,11 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _probe():
+    import huggingface_hub.constants
     import numpy as np
     import torch
 
     return {"pid": os.getpid(), "ppid": os.getppid(), "tag": os.environ.get("MEGAPRM_TEST_TAG"),
             "rank": os.environ["RANK"], "preloaded": "megatron.core" in sys.modules,
+            "offline": huggingface_hub.constants.HF_HUB_OFFLINE,  # read when imported
             "draws": (random.random(), float(np.random.rand()), torch.initial_seed())}
 
 
@@ -57,14 +59,19 @@ def test_ranks_are_fresh_forks_with_the_callers_environment(monkeypatch):
     for i in range(3):  # Python, numpy and torch RNGs: new entropy in every rank
         assert len({d[i] for d in draws}) == 4, draws
     assert not any(_alive(r["pid"]) for r in (a, b, *again))  # none left behind
-    # a variable set after the server started (it may be read at import): fresh interpreters
+    # set after the server started: megaprm's own variables are read when used (forks) ...
     monkeypatch.setenv("MEGAPRM_TEST_TAG", "x")
     c, d = launch.spawn(_probe, 2)
-    assert c["tag"] == d["tag"] == "x" and c["ppid"] == d["ppid"] == os.getpid()
+    assert c["tag"] == d["tag"] == "x" and c["ppid"] == d["ppid"] == a["ppid"]
+    # ... others may be read at import (huggingface_hub's offline switch): fresh interpreters
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0" if a["offline"] else "1")
+    e, f = launch.spawn(_probe, 2)
+    assert e["offline"] == f["offline"] == (not a["offline"]) and e["tag"] == "x"
+    assert e["ppid"] == f["ppid"] == os.getpid()
 
 
 def test_a_rank_that_raises_or_dies_is_reported():
-    with pytest.raises(launch.RankFailed, match="(?s)rank 0 of 2 failed.*boom on purpose"):
+    with pytest.raises(launch.RankFailed, match="(?s)rank [01] of 2 failed.*boom on purpose"):
         launch.spawn(_raise, 2)
     with pytest.raises(launch.RankFailed, match="exited with code 7 without reporting"):
         launch.spawn(_exit, 2)
