@@ -349,7 +349,11 @@ def start_context(start_method: str = "forkserver"):
     pid = getattr(server, "_forkserver_pid", None)
     if pid is not None and pid != _server.get("pid"):  # another caller's server
         return mp.get_context("spawn")
-    if pid is None or os.waitpid(pid, os.WNOHANG)[0]:  # not started yet, or it died
+    try:
+        dead = pid is not None and os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:  # a fork of the process that started it: not ours to use
+        return mp.get_context("spawn")
+    if pid is None or dead:  # not started yet, or it died
         if pid is not None:  # let ensure_running see it dead
             server._forkserver_pid = None
             os.close(server._forkserver_alive_fd)
