@@ -11,9 +11,9 @@
 Each call starts `world_size` processes: forks of a server that has imported torch and
 megatron-core once (`megaprm.parallel.launch.start_context`), or fresh interpreters (2-8 s of
 imports each) when the environment has changed since that server started. Put many checks into
-one function rather than one world per check. An exception on any
-rank is re-raised here as `DistributedTestError` carrying that rank's traceback; a hung rank
-is killed after `timeout` seconds. Return values travel through files (torch.save) rather than
+one function rather than one world per check. An exception on any rank is re-raised here as
+`DistributedTestError` carrying that rank's traceback; a hung rank is killed after `timeout`
+seconds. Return values travel through files (torch.save) rather than
 a queue, so tensors need no shared memory between processes.
 """
 from __future__ import annotations
