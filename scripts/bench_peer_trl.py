@@ -99,7 +99,9 @@ def run_megaprm(model_dir: str, world: int, steps: int, warmup: int,
     with tempfile.TemporaryDirectory(prefix="bench-peer-trl-") as run_dir:
         c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         w0 = time.perf_counter()
-        ranks = spawn(megaprm_rank, world, model_dir, run_dir, steps, warmup, tuple(overrides))
+        # fresh interpreters: process_cpu_s_total counts each rank's imports, as TRL's does
+        ranks = spawn(megaprm_rank, world, model_dir, run_dir, steps, warmup, tuple(overrides),
+                      start_method="spawn")
         wall = time.perf_counter() - w0
         c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     per_step_cpu = [sum(r["steps"][i]["cpu_s"] for r in ranks) for i in range(steps)]

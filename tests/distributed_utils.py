@@ -8,10 +8,12 @@
 
     results = run_distributed(_check, 2, 16)    # [rank 0's return, rank 1's return]
 
-Each call spawns `world_size` fresh interpreters (about 2-4 s, mostly `import torch`), so put
-many checks into one spawned function rather than one world per check. An exception on any
-rank is re-raised here as `DistributedTestError` carrying that rank's traceback; a hung rank
-is killed after `timeout` seconds. Return values travel through files (torch.save) rather than
+Each call starts `world_size` processes: forks of a server that has imported torch and
+megatron-core once (`megaprm.parallel.launch.start_context`), or fresh interpreters (2-8 s of
+imports each) when the environment has changed since that server started. Put many checks into
+one function rather than one world per check. An exception on any rank is re-raised here as
+`DistributedTestError` carrying that rank's traceback; a hung rank is killed after `timeout`
+seconds. Return values travel through files (torch.save) rather than
 a queue, so tensors need no shared memory between processes.
 """
 from __future__ import annotations
@@ -26,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 class DistributedTestError(RuntimeError):
@@ -40,7 +41,10 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any],
-            args: tuple) -> None:
+            args: tuple, env: dict | None) -> None:
+    from megaprm.parallel.launch import enter_rank
+
+    enter_rank(env)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)  # N ranks share 2 cores in CI
@@ -64,14 +68,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     `fn` must be importable by name (a module-level function) and its arguments and return
     value must be picklable by torch.save.
     """
-    ctx = mp.get_context("spawn")
+    from megaprm.parallel.launch import gpu_count, hidden_gpus, rank_env, start_context
+
+    ctx = start_context()  # forks of a server that has imported torch and megatron-core
     with tempfile.TemporaryDirectory(prefix="megaprm-dist-") as out_dir:
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args),
-                             daemon=True) for r in range(world_size)]
-        from megaprm.parallel.launch import gpu_count, hidden_gpus
-
         with hidden_gpus(world_size > gpu_count()):  # one GPU, several ranks: gloo on the CPU
+            env = rank_env(ctx)
+            procs = [ctx.Process(target=_worker,
+                                 args=(r, world_size, port, out_dir, fn, args, env),
+                                 daemon=True) for r in range(world_size)]
             for p in procs:
                 p.start()
         for p in procs:

@@ -19,6 +19,9 @@
   (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), runs `fn(*args)` and sends back its
   return value or its traceback. With more ranks than GPUs the children see no GPU
   (`CUDA_VISIBLE_DEVICES=""`): multi-rank work on a one-GPU machine runs under gloo on the CPU.
+  The children are forks of a forkserver that imported torch, megatron-core and the trainer
+  once (`PRELOAD`; seconds per rank saved), each taking the caller's environment and new RNG
+  seeds; `start_context`/`rank_env`/`enter_rank` give other rank starters the same.
 """
 from __future__ import annotations
 
@@ -308,8 +311,103 @@ def hidden_gpus(hide: bool):
             os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
-def _child(rank, world_size, port, fn, args, queue, threads):
-    _set_pdeathsig()  # never outlive the test or bench that spawned us
+# The modules a rank of this project imports (seconds each): the forkserver imports them once,
+# and every rank it forks starts with them (see `spawn`).
+PRELOAD = ("torch", "torch.distributed", "numpy", "transformers", "megatron.core",
+           "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
+           "megaprm.parallel.init", "megaprm.trainer.loop")
+# Variables that no PRELOAD module reads while it is imported (torch reads
+# CUDA_VISIBLE_DEVICES when CUDA starts, inductor its cache dir when it compiles; megatron-core
+# sets NVTE_* itself when it builds a model; the rest are read by megaprm, torch.distributed,
+# vLLM or Ray when used): one that differs from the forkserver's environment is simply set in
+# the rank. Any other difference (HF_HUB_OFFLINE, OMP_NUM_THREADS, ...) may have been read at
+# import, so its ranks start as fresh interpreters.
+_LATE_ENV = ("CUDA_VISIBLE_DEVICES", "PYTEST_CURRENT_TEST", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+             "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
+_LATE_PREFIXES = ("MEGAPRM_", "VLLM_", "RAY_", "NVTE_", "TORCHINDUCTOR_")
+_server: dict = {}  # pid and environment of the forkserver this process started
+
+
+def _env_key(env) -> dict:
+    return {k: v for k, v in env.items()
+            if k not in _LATE_ENV and not k.startswith(_LATE_PREFIXES)}
+
+
+def start_context(start_method: str = "forkserver"):
+    """The multiprocessing context to start ranks with; "forkserver" starts (once) a server that
+    has imported PRELOAD and nothing else, with this process's environment. When the
+    environment has changed since (a variable an import may read, e.g. HF_HUB_OFFLINE), or a
+    forkserver not started here is running, ranks start with "spawn" instead. A rank started
+    with the returned context calls `enter_rank(rank_env(ctx))` first."""
+    import multiprocessing.forkserver as fs
+
+    import torch.multiprocessing as mp
+
+    if start_method != "forkserver":
+        return mp.get_context(start_method)
+    server = fs._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None and pid != _server.get("pid"):  # another caller's server
+        return mp.get_context("spawn")
+    try:
+        dead = pid is not None and os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:  # a fork of the process that started it: not ours to use
+        return mp.get_context("spawn")
+    if pid is None or dead:  # not started yet, or it died
+        if pid is not None:  # let ensure_running see it dead
+            server._forkserver_pid = None
+            os.close(server._forkserver_alive_fd)
+        server._preload_modules = list(PRELOAD)
+        env = _env_key(os.environ)
+        # Python 3.11's forkserver imports PRELOAD before taking our sys.path: it must import
+        # them from where this process would (this checkout's megaprm, not another install)
+        old = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        try:
+            server.ensure_running()
+        finally:
+            if old is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = old
+        _server.update(pid=server._forkserver_pid, env=env)
+    if _env_key(os.environ) != _server["env"]:
+        return mp.get_context("spawn")
+    return mp.get_context("forkserver")
+
+
+def rank_env(ctx) -> Optional[dict]:
+    """What a rank started with `ctx` passes to `enter_rank`: this process's environment when
+    the rank is a fork of the forkserver (which has its own)."""
+    return dict(os.environ) if ctx.get_start_method() == "forkserver" else None
+
+
+def enter_rank(env: Optional[dict]) -> None:
+    """First thing in a rank: it dies with its parent; a fork of the forkserver also takes the
+    caller's environment (`env`) and seeds its RNGs anew, as a fresh interpreter would."""
+    _set_pdeathsig()  # never outlive the test or bench that spawned us (or its forkserver)
+    if env is None:
+        return
+    import multiprocessing.forkserver as fs
+
+    # the forkserver exits (and its ranks with it, by the parent-death signal) when the last
+    # holder of this pipe closes it: that must be the caller alone, or a killed caller would
+    # leave its ranks running
+    alive = fs._forkserver._forkserver_alive_fd
+    if alive is not None:
+        os.close(alive)
+        fs._forkserver._forkserver_alive_fd = None
+    os.environ.clear()
+    os.environ.update(env)
+    import torch
+
+    torch.seed()  # Python's `random` reseeds itself in a fork
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
+def _child(rank, world_size, port, fn, args, queue, threads, env):
+    enter_rank(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -333,20 +431,24 @@ def _child(rank, world_size, port, fn, args, queue, threads):
 
 
 def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 600.0,
-          start_method: str = "spawn") -> List[Any]:
+          start_method: str = "forkserver") -> List[Any]:
     """Run fn(*args) on `world_size` fresh processes; return each rank's result, rank order.
-    `start_method` "fork": the ranks are forks of this process, with its imports (no
-    interpreter start-up; for callers that have started no threads or GPU work yet)."""
+    `start_method` "forkserver" (default): the ranks are forks of a server process that has
+    imported PRELOAD and done nothing else (started on the first call, with this process's
+    environment; it ends with this process), so a rank skips the seconds of those imports; its
+    environment is this process's. "spawn": fresh interpreters. "fork": forks of this process,
+    with its imports (for callers that have started no threads or GPU work yet)."""
     import torch
-    import torch.multiprocessing as mp
 
-    ctx = mp.get_context(start_method)
+    ctx = start_context(start_method)
     queue = ctx.Queue()
     port = _free_port()
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, threads))
-             for r in range(world_size)]
     with hidden_gpus(world_size > gpu_count()):
+        env = rank_env(ctx)
+        procs = [ctx.Process(target=_child,
+                             args=(r, world_size, port, fn, args, queue, threads, env))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
     results, errors = {}, {}

@@ -3,8 +3,10 @@ the rename and `latest`, after the model files, or by SIGKILL at seeded random m
 save loop; a real full disk (a small tmpfs in a private mount namespace). After each fault the
 next start resumes from an intact checkpoint holding exactly the weights that were saved.
 
-The victim is this file run as a script (`python test_faults.py MODE ...`), one process per
-fault; the resume runs in the test process.
+The victim is one process per fault, in a session of its own: a fork of launch's forkserver
+(which has imported torch and megatron-core once for all victims), or this file run as a script
+(`python test_faults.py MODE ...`) under `unshare` for the full disk; the resume runs in the
+test process.
 """
 import hashlib
 import json
@@ -14,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -120,9 +123,93 @@ def _start(mode, root, hf, arg="", wrap=()):
                OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
+    if not wrap:
+        return _Forked(mode, root, hf, arg, env)
     return subprocess.Popen([*wrap, sys.executable, os.path.abspath(__file__), mode, root, hf,
                              arg], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=ROOT, start_new_session=True)
+
+
+def _forked_victim(mode, root, hf, arg, out, err):
+    os.setsid()  # a session of its own, as start_new_session gives the script
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
+    torch.set_num_threads(1)  # OMP_NUM_THREADS=1 of the script (read at import: in the server)
+    _victim(mode, root, hf, arg)
+
+
+class _Forked:
+    """The victim as a fork of launch's forkserver (torch and megatron-core imported once for
+    all trials, not once per victim), with the part of Popen's interface these tests use: its
+    own session, stdout and stderr pipes, signals, and its exit code (-signal when killed)."""
+
+    def __init__(self, mode, root, hf, arg, env):
+        from multiprocessing.connection import Connection
+
+        from megaprm.parallel import launch
+
+        ctx = launch.start_context()
+        ends = [os.pipe(), os.pipe()]
+        writers = [Connection(w, readable=False) for _, w in ends]
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(env)  # the victim's environment (a forkserver rank takes ours)
+        try:
+            self._p = ctx.Process(target=_enter_and_run, args=(
+                launch.rank_env(ctx), mode, root, hf, arg, *writers))
+            self._p.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+            for w in writers:
+                w.close()
+        self.pid = self._p.pid
+        self.stdout, self.stderr = (os.fdopen(r, "r") for r, _ in ends)
+        self._err: list = []
+        self._readers = [threading.Thread(target=lambda: self._err.append(self.stderr.read()),
+                                          daemon=True)]
+        self._readers[0].start()
+
+    @property
+    def returncode(self):
+        return self._p.exitcode
+
+    def poll(self):
+        return self._p.exitcode
+
+    def send_signal(self, sig):
+        if self._p.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self):
+        self._p.join()
+        return self._p.exitcode
+
+    def communicate(self, timeout):
+        out: list = []
+        reader = threading.Thread(target=lambda: out.append(self.stdout.read()), daemon=True)
+        reader.start()
+        deadline = time.time() + timeout
+        self._p.join(timeout)
+        for t in (reader, *self._readers):
+            t.join(max(0.0, deadline - time.time()))
+        if self._p.exitcode is None or not out or not self._err:
+            raise subprocess.TimeoutExpired("victim", timeout)
+        return out[0], self._err[0]
+
+
+def _enter_and_run(env, *args):
+    from megaprm.parallel.launch import enter_rank
+
+    enter_rank(env)
+    _forked_victim(*args)
 
 
 def _session(sid: int) -> list:
