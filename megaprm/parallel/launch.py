@@ -19,9 +19,10 @@
   (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), runs `fn(*args)` and sends back its
   return value or its traceback. With more ranks than GPUs the children see no GPU
   (`CUDA_VISIBLE_DEVICES=""`): multi-rank work on a one-GPU machine runs under gloo on the CPU.
-  The children are forks of a forkserver that imported torch, megatron-core and the trainer
-  once (`PRELOAD`; seconds per rank saved), each taking the caller's environment and new RNG
-  seeds; `start_context`/`rank_env`/`enter_rank` give other rank starters the same.
+  On a machine without a GPU the children are forks of a forkserver that imported torch,
+  megatron-core and the trainer once (`PRELOAD`; seconds per rank saved), each taking the
+  caller's environment and new RNG seeds; `start_context`/`rank_env`/`enter_rank` give other
+  rank starters the same. Where CUDA is present they are fresh interpreters.
 """
 from __future__ import annotations
 
@@ -334,8 +335,9 @@ def _env_key(env) -> dict:
 
 
 def start_context(start_method: str = "forkserver"):
-    """The multiprocessing context to start ranks with; "forkserver" starts (once) a server that
-    has imported PRELOAD and nothing else, with this process's environment. When the
+    """The multiprocessing context to start ranks with; "forkserver" (on a machine without a
+    GPU; "spawn" where there is one) starts (once) a server that has imported PRELOAD and
+    nothing else, with this process's environment. When the
     environment has changed since (a variable an import may read, e.g. HF_HUB_OFFLINE), or a
     forkserver not started here is running, ranks start with "spawn" instead. A rank started
     with the returned context calls `enter_rank(rank_env(ctx))` first."""
@@ -345,6 +347,11 @@ def start_context(start_method: str = "forkserver"):
 
     if start_method != "forkserver":
         return mp.get_context(start_method)
+    if gpu_count():
+        # where CUDA is present, ranks start as fresh interpreters, as before the forkserver:
+        # that no PRELOAD import initialises CUDA in the server (which would break CUDA in
+        # every fork) has only been checked on machines without a GPU
+        return mp.get_context("spawn")
     server = fs._forkserver
     pid = getattr(server, "_forkserver_pid", None)
     if pid is not None and pid != _server.get("pid"):  # another caller's server

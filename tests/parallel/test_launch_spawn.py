@@ -50,6 +50,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_ranks_are_fresh_forks_with_the_callers_environment(monkeypatch):
+    if launch.gpu_count():
+        pytest.skip("with a GPU present ranks start as fresh interpreters (see the next test)")
     a, b = launch.spawn(_probe, 2)
     assert [a["rank"], b["rank"]] == ["0", "1"]
     assert a["ppid"] == b["ppid"] != os.getpid()  # forks of the forkserver, not of this process
@@ -68,6 +70,15 @@ def test_ranks_are_fresh_forks_with_the_callers_environment(monkeypatch):
     e, f = launch.spawn(_probe, 2)
     assert e["offline"] == f["offline"] == (not a["offline"]) and e["tag"] == "x"
     assert e["ppid"] == f["ppid"] == os.getpid()
+
+
+def test_with_a_gpu_present_ranks_are_fresh_interpreters(monkeypatch):
+    """Where CUDA is present the forkserver is not used (a CUDA-initialising import in the server
+    would break CUDA in every fork; only checked without a GPU)."""
+    monkeypatch.setattr(launch, "gpu_count", lambda: 1)
+    assert launch.start_context().get_start_method() == "spawn"
+    a, b = launch.spawn(_probe, 2)
+    assert a["ppid"] == b["ppid"] == os.getpid() and a["rank"] != b["rank"]
 
 
 def test_a_rank_that_raises_or_dies_is_reported():
