@@ -46,8 +46,9 @@ class Assembled:
     """A tensor whose file bytes are blocks of its rows x columns (a row-parallel weight saved
     in column-split chunks): `parts` = [(path, file offset, first row, rows, column byte, bytes
     per row)], each block's bytes contiguous in its file, row after row. Written by reading
-    every block into its place in a buffer (`assemble`; with O_DIRECT, `_DirectFile.write_assembled`
-    reads them straight into its bounce buffers, whole rows at a time)."""
+    every block into its place in a buffer (`assemble`): a scratch buffer of the tensor's size
+    for page-cache writes, the bounce buffers themselves with O_DIRECT
+    (`_DirectFile.write_assembled`, whole rows at a time)."""
 
     def __init__(self, dtype: torch.dtype, shape: tuple, row_bytes: int, parts: list):
         self.dtype, self.shape, self.row_bytes, self.parts = dtype, torch.Size(shape), \
@@ -301,9 +302,9 @@ class _DirectFile:
         return self._plain is None
 
     def write_assembled(self, t: Assembled, files: OpenFiles) -> None:
-        """Append an `Assembled` tensor, its column blocks read straight into the bounce buffer
-        as many whole rows at a time as fit (no intermediate copy of the tensor); a row that
-        straddles the buffer's end goes through a one-row buffer."""
+        """Append an `Assembled` tensor, assembled in the bounce buffer as many whole rows at a
+        time as fit (no scratch buffer of the tensor's size); a row that straddles the
+        buffer's end goes through a one-row buffer."""
         rows, row = t.shape[0], t.row_bytes
         r, one = 0, None
         while r < rows:
