@@ -136,13 +136,15 @@ def _catching(fn, *args):
         return _Failed(str(e))
 
 
-# How local ranks start. "spawn": fresh interpreters, each importing torch and megatron-core
-# again (~3-8 s per rank on the 2-core box: most of import-hf's end to end at tp2).
-# `python -m checkpoint_tools` sets "fork" (`__main__.main(fork_ranks=True)`): its leader has
-# imported them and done no torch work yet (no OpenMP pool, no GPU context, no threads), so
-# forks start with its imports at no cost. Any other caller (a library user, `megaprm
-# convert`, a test calling `main`) may have, and an OpenMP pool is not fork-safe: "spawn".
-RANK_START = "spawn"
+# How local ranks start. `python -m checkpoint_tools` sets "fork"
+# (`__main__.main(fork_ranks=True)`): its leader has imported torch and megatron-core and done
+# no torch work yet (no OpenMP pool, no GPU context, no threads), so forks start with its
+# imports at no cost. Any other caller (a
+# library user, `megaprm convert`, a test calling `main`) may have done torch work, and an
+# OpenMP pool is not fork-safe: "forkserver", `launch.spawn`'s forks of a server that has only
+# imported them (fresh interpreters, ~3-8 s of imports per rank here, where a GPU is present
+# or the environment changed since the server started).
+RANK_START = "forkserver"
 
 
 def _run_ranks(fn, world: int, *args) -> list:
