@@ -139,11 +139,11 @@ def _catching(fn, *args):
 # How local ranks start. `python -m checkpoint_tools` sets "fork"
 # (`__main__.main(fork_ranks=True)`): its leader has imported torch and megatron-core and done
 # no torch work yet (no OpenMP pool, no GPU context, no threads), so forks start with its
-# imports at no cost. Any other caller (a
-# library user, `megaprm convert`, a test calling `main`) may have done torch work, and an
-# OpenMP pool is not fork-safe: "forkserver", `launch.spawn`'s forks of a server that has only
-# imported them (fresh interpreters, ~3-8 s of imports per rank here, where a GPU is present
-# or the environment changed since the server started).
+# imports at no cost. Any other caller (a library user, `megaprm convert`, a test calling
+# `main`) may have done torch work, and an OpenMP pool is not fork-safe: "forkserver",
+# `launch.spawn`'s forks of a server that has only imported them (fresh interpreters, ~3-8 s
+# of imports per rank here, where a GPU is present or the environment changed since the
+# server started).
 RANK_START = "forkserver"
 
 

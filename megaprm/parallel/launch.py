@@ -337,10 +337,10 @@ def _env_key(env) -> dict:
 def start_context(start_method: str = "forkserver"):
     """The multiprocessing context to start ranks with; "forkserver" (on a machine without a
     GPU; "spawn" where there is one) starts (once) a server that has imported PRELOAD and
-    nothing else, with this process's environment. When the
-    environment has changed since (a variable an import may read, e.g. HF_HUB_OFFLINE), or a
-    forkserver not started here is running, ranks start with "spawn" instead. A rank started
-    with the returned context calls `enter_rank(rank_env(ctx))` first."""
+    nothing else, with this process's environment. When the environment has changed since (a
+    variable an import may read, e.g. HF_HUB_OFFLINE), or a forkserver not started here is
+    running, ranks start with "spawn" instead. A rank started with the returned context calls
+    `enter_rank(rank_env(ctx))` first."""
     import multiprocessing.forkserver as fs
 
     import torch.multiprocessing as mp
