@@ -20,7 +20,7 @@ from megaprm.algorithms.losses import actor_loss, guard_ratio_mean
 from megaprm.models.logprobs import next_token_logprobs
 from megaprm.parallel import microbatch, pipeline
 from megaprm.parallel.device import to_host
-from megaprm.parallel.host import dp_reduce, dp_sum
+from megaprm.parallel.host import dp_reduce
 from megaprm.rollout.engine import RightPadded
 from megaprm.trainer.batch import StepSkipped
 
@@ -104,9 +104,8 @@ def _update_minibatch(tr, ids, m, adv, old, ref, lengths=None) -> Optional[dict]
     as sums x tokens) or None when the mini-batch has no valid token anywhere. `old` None: the
     detached new log-probs are the old ones, and the result's "logprobs" [n, L-1] are they."""
     cfg, g = tr.cfg.actor, tr.groups
-    local_tokens = float(m.sum())
-    tokens = dp_sum(local_tokens, g)
-    seqs = dp_sum(float((m.sum(1) > 0).sum()), g)
+    counts = dp_reduce({"tokens": float(m.sum()), "seqs": float((m.sum(1) > 0).sum())}, g)
+    tokens, seqs = counts["tokens"], counts["seqs"]
     if tokens == 0:
         return None
     payload = {"adv": adv, "m": m}

@@ -48,7 +48,7 @@ from megaprm.config import Config, save_config, to_dict
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.parallel.device import resolve_dtype
 from megaprm.parallel.groups import Groups
-from megaprm.parallel.host import agree, dp_mean, dp_reduce, dp_sum
+from megaprm.parallel.host import agree, dp_mean, dp_reduce
 from megaprm.trainer import (
     actor_update,
     advantages,
@@ -311,7 +311,9 @@ class RLTrainer:
         elapsed = time.perf_counter() - t0
         tokens = float(batch.response_mask.sum() + batch.prompt_mask.sum())
         metrics["timing/step_s"] = elapsed
-        metrics["throughput/tokens_per_s"] = dp_sum(tokens, g) / max(elapsed, 1e-9)
+        # the sum over dp of each rank's tokens / s once step_or_skip takes the dp mean (no
+        # collective of its own)
+        metrics["throughput/tokens_per_s"] = tokens * g.dp_size / max(elapsed, 1e-9)
         step_metrics.log_samples(self, step, sb)
         return metrics
 
