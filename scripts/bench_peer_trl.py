@@ -374,6 +374,16 @@ def _over_rounds(results: list) -> dict:
     return out
 
 
+def _paired(runs: dict, num: str, den: str, name: str) -> dict:
+    """`num` over `den` CPU-s per step within each round (rows of one round run minutes apart,
+    so the box's drift between rounds cancels), and their median: `<name>_rounds`,
+    `<name>_paired_median`. Empty with one round."""
+    if len(runs[num]) < 2:
+        return {}
+    per = [a["cpu_s_per_step"] / b["cpu_s_per_step"] for a, b in zip(runs[num], runs[den])]
+    return {f"{name}_rounds": per, f"{name}_paired_median": statistics.median(per)}
+
+
 def cross_check(batch_path: str, model_dir: str) -> dict:
     import torch
 
@@ -482,10 +492,12 @@ def main(argv=None) -> int:
     ratios = {}
     if one and "trl" in rows:
         ratios["megaprm_1_rank_cpu_over_trl"] = one["cpu_s_per_step"] / rows["trl"]["cpu_s_per_step"]
+        ratios.update(_paired(runs, "megaprm_1_rank", "trl", "megaprm_1_rank_cpu_over_trl"))
     if one and "megaprm_2_rank" in rows:
         two = rows["megaprm_2_rank"]
         ratios["two_rank_cpu_over_one"] = two["cpu_s_per_step"] / one["cpu_s_per_step"]
         ratios["two_rank_throughput_over_one_wall"] = one["wall_s_per_step"] / two["wall_s_per_step"]
+        ratios.update(_paired(runs, "megaprm_2_rank", "megaprm_1_rank", "two_rank_cpu_over_one"))
     out = {"benchmark": "one RL step, megaprm vs TRL GRPOTrainer, same CPU workload",
            "baseline": "TRL GRPOTrainer (same run), megaprm 1 rank for the 2-rank row",
            "device": {"kind": "cpu", "cpu": cpu_name(), "cores": os.cpu_count(),

@@ -76,3 +76,21 @@ def test_megaprm_side_of_the_cross_check_matches_transformers(tmp_path):
     for k, g in grads.items():
         torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=1e-6, msg=k)
 
+
+
+def test_paired_ratios_are_taken_within_each_round():
+    """The bench's paired statistic: numerator over denominator inside each round, then the
+    median of those (not the ratio of the two medians, which mixes rounds)."""
+    import importlib.util
+    import statistics
+
+    spec = importlib.util.spec_from_file_location("bench_peer_trl", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    num, den = [0.5, 0.9, 0.4], [1.0, 1.0, 0.5]  # the medians' ratio is 0.5 / 1.0
+    runs = {"a": [{"cpu_s_per_step": x} for x in num], "b": [{"cpu_s_per_step": x} for x in den]}
+    out = bench._paired(runs, "a", "b", "r")
+    per = [n / d for n, d in zip(num, den)]
+    assert out == {"r_rounds": per, "r_paired_median": statistics.median(per)}
+    assert out["r_paired_median"] != statistics.median(num) / statistics.median(den)
+    assert bench._paired({"a": runs["a"][:1], "b": runs["b"][:1]}, "a", "b", "r") == {}
