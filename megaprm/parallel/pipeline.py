@@ -200,8 +200,11 @@ class Optimizer:
         if self.megatron:
             self.impl = _megatron_optimizer(ddp_model, cfg, chosen)
         else:
+            # foreach: one multi-tensor call per Adam op, not one Python loop step per
+            # parameter (torch picks it only on CUDA by default); the same update, bit for bit
             self.impl = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                          weight_decay=cfg.weight_decay) if self.params else None
+                                          weight_decay=cfg.weight_decay,
+                                          foreach=True) if self.params else None
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -217,7 +220,7 @@ class Optimizer:
 
     def grad_norm(self) -> float:
         """L2 norm of the full model's grads: tp duplicates once, shared embedding once."""
-        sq = torch.zeros((), dtype=torch.float64, device=comm_device(self.groups.backend))
+        counted = []
         for p in self.params:
             g = p.main_grad if hasattr(p, "main_grad") else p.grad
             if g is None:
@@ -225,7 +228,13 @@ class Optimizer:
             duplicate = (not getattr(p, "tensor_model_parallel", False)) and self.groups.tp_rank > 0
             shared_copy = getattr(p, "shared_embedding", False) and not self.groups.is_first_stage
             if not duplicate and not shared_copy:
-                sq += g.double().pow(2).sum().to(sq.device)
+                counted.append(g)
+        device = comm_device(self.groups.backend)
+        if counted:  # one multi-tensor norm (float64 accumulation), not 4 ops per parameter
+            norms = torch._foreach_norm(counted, 2, dtype=torch.float64)
+            sq = torch.stack(norms).pow(2).sum().to(device)
+        else:
+            sq = torch.zeros((), dtype=torch.float64, device=device)
         if self.groups.mp is not None and dist.get_world_size(self.groups.mp) > 1:
             dist.all_reduce(sq, group=self.groups.mp)
         return float(sq.sqrt())
@@ -246,16 +255,23 @@ class Optimizer:
             self._before_apply()
             ok, norm, _ = self.impl.step()
             return float(norm or 0.0), bool(ok)
+        # host tensors only from here: no torch call through the CUDA->CPU shim's
+        # __torch_function__ (parallel.cpu), which every call of the update paid before
+        with cpu.paused():
+            return self._host_step()
+
+    def _host_step(self) -> tuple:
+        """The CPU path's clip and AdamW step on the reduced grads (`step`)."""
+        grads = []
         for p in self.params:
             p.grad = p.main_grad.to(p.dtype) if hasattr(p, "main_grad") else p.grad
+            if p.grad is not None:
+                grads.append(p.grad)
         norm = self.grad_norm()
         if not math.isfinite(norm):
             return norm, False
-        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
-            scale = self.cfg.clip_grad / (norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad and grads:
+            torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
         if self.impl is not None:
             self._before_apply()
             self.impl.step()

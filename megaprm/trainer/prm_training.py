@@ -38,7 +38,7 @@ from megaprm.models.hf_spec import spec_from_hf
 from megaprm.models.logprobs import vocab_parallel_logprobs
 from megaprm.models.prm import (PRM_HEADS, as_prm_spec, build_prm, gather_positions,
                                 hf_prm_config, load_trunk_from_hf)
-from megaprm.parallel import pipeline, weight_sync
+from megaprm.parallel import cpu, pipeline, weight_sync
 from megaprm.parallel.device import DTYPE_CHOICES, DTYPES, resolve_dtype_name, to_host
 from megaprm.parallel.groups import Groups
 from megaprm.rewards import scoring
@@ -244,22 +244,29 @@ def encode_examples(examples: Sequence[StepExample], tokenizer, fmt: scoring.PRM
                     ) -> Tuple[EncodedSteps, List[str]]:
     """Tokenise, segment and lay out examples like rollouts are scored. Examples whose
     segmentation does not give one step per label are skipped (reported by source)."""
+    with cpu.paused():  # host work that never names CUDA: no call through the CPU shim
+        return _encode_examples(examples, tokenizer, fmt)
+
+
+def _encode_examples(examples, tokenizer, fmt):
     sep_ids = separator_token_ids(tokenizer)
     eos = tokenizer.eos_token_id
+    if not examples:
+        prompt_ids, response_ids = [], []
+    else:  # one batched call each (a fast tokenizer's encode_batch), not one per text
+        prompt_ids = tokenizer([ex.prompt for ex in examples], add_special_tokens=False).input_ids
+        response_ids = tokenizer([ex.response for ex in examples],
+                                 add_special_tokens=False).input_ids
     prompts, responses = [], []
-    for ex in examples:
-        prompts.append(torch.tensor(tokenizer(ex.prompt, add_special_tokens=False).input_ids,
-                                    dtype=torch.long))
-        ids = tokenizer(ex.response, add_special_tokens=False).input_ids
+    for ex, p_ids, ids in zip(examples, prompt_ids, response_ids):
+        prompts.append(torch.tensor(p_ids, dtype=torch.long))
         if ex.ends_with_eos and eos is not None:
             ids = ids + [eos]
         responses.append(torch.tensor(ids, dtype=torch.long))
-    T = max([r.numel() for r in responses] + [1])
-    resp = torch.zeros(len(examples), T, dtype=torch.long)
-    mask = torch.zeros(len(examples), T, dtype=torch.bool)
-    for i, r in enumerate(responses):
-        resp[i, : r.numel()] = r
-        mask[i, : r.numel()] = True
+    resp_len = torch.tensor([r.numel() for r in responses], dtype=torch.long)
+    T = max([int(resp_len.max()) if responses else 0, 1])
+    resp = _right_padded(responses, T)
+    mask = torch.arange(T)[None, :] < resp_len[:, None]
     seg = segment_steps(resp, mask, sep_ids)
     keep, skipped = [], []
     for i, ex in enumerate(examples):
@@ -273,11 +280,18 @@ def encode_examples(examples: Sequence[StepExample], tokenizer, fmt: scoring.PRM
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch = scoring.build_prm_batch([prompts[i] for i in keep], [responses[i] for i in keep],
                                     seg, fmt, pad_id=pad)
-    S = batch.step_mask.shape[1]
-    labels = torch.zeros(len(keep), S, dtype=torch.long)
-    for row, i in enumerate(keep):
-        labels[row, : len(examples[i].labels)] = torch.tensor(examples[i].labels)
+    labels = _right_padded([torch.tensor(examples[i].labels, dtype=torch.long) for i in keep],
+                           batch.step_mask.shape[1])
     return EncodedSteps(batch, labels, tuple(examples[i].kind for i in keep)), skipped
+
+
+def _right_padded(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """[len(rows), width] long: each 1-D row (at most `width` long) then zeros."""
+    out = torch.zeros(len(rows), width, dtype=torch.long)
+    if rows:
+        padded = torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True)
+        out[:, : padded.shape[1]] = padded
+    return out
 
 
 # ------------------------------------------------------------------------------- evaluation
