@@ -390,6 +390,31 @@ def prm_train_step(model, optimizer, groups: Groups, data: EncodedSteps, rows: t
     """One optimiser step on the global batch `rows` (the same on every rank; this dp rank takes
     its contiguous share). Returns (mean step cross-entropy of the global batch, grad norm,
     mean auxiliary LM token loss or 0). The LM term needs a PRM built with `aux_lm`."""
+    totals, grad_norm = _local_train_step(model, optimizer, groups, data, rows,
+                                          micro_batch_size=micro_batch_size,
+                                          lm_loss_weight=lm_loss_weight, vocab_size=vocab_size)
+    ((loss, lm),) = reduce_step_losses([totals], groups)
+    return loss, grad_norm, lm
+
+
+def reduce_step_losses(totals: Sequence[torch.Tensor], groups: Groups
+                       ) -> List[Tuple[float, float]]:
+    """[(loss, lm loss)] of the global batch of each step, from every rank's per-step local
+    sums (`_local_train_step`, [2] float64 each, zeros off the last stage): one dp all-reduce
+    and one pp broadcast for all the steps given, not one of each per step."""
+    if not totals:
+        return []
+    stacked = torch.stack(list(totals))
+    if groups.dp_size > 1:
+        dist.all_reduce(stacked, group=groups.host_dp)
+    return [tuple(row) for row in pipeline.broadcast_from_last_stage(stacked, groups).tolist()]
+
+
+def _local_train_step(model, optimizer, groups: Groups, data: EncodedSteps, rows: torch.Tensor,
+                      *, micro_batch_size: int, lm_loss_weight: float,
+                      vocab_size: Optional[int]) -> Tuple[torch.Tensor, float]:
+    """`prm_train_step` without the loss reduction: (this rank's [2] float64 sums of the step
+    loss and LM loss, each already divided by its global count; grad norm)."""
     per_rank = len(rows) // groups.dp_size
     local = data.select(rows[groups.dp_rank * per_rank:(groups.dp_rank + 1) * per_rank])
     denom = int(data.batch.step_mask[rows].sum())  # steps in the global batch: all ranks agree
@@ -426,10 +451,7 @@ def prm_train_step(model, optimizer, groups: Groups, data: EncodedSteps, rows: t
     parts = pipeline.run(model, mbs, groups=groups, post=post, forward_only=False)
     grad_norm, _ = optimizer.step()
     totals = to_host(sum(parts)).double() if parts else torch.zeros(2, dtype=torch.float64)
-    if groups.dp_size > 1:
-        dist.all_reduce(totals, group=groups.host_dp)
-    loss, lm = pipeline.broadcast_from_last_stage(totals, groups).tolist()
-    return loss, grad_norm, lm
+    return totals, grad_norm
 
 
 def _load_data(cfg: PRMTrainConfig, tokenizer, fmt) -> Tuple[EncodedSteps, EncodedSteps, list]:
@@ -526,6 +548,7 @@ def train_prm(cfg: PRMTrainConfig, groups: Groups,
                    if n.startswith("score.") or n.startswith("output_layer.")]
     ddp.module.emit_lm_logits = cfg.lm_loss_weight > 0
     history = []
+    pending = []  # local loss sums of the steps whose global losses are not reduced yet
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(cfg.seed)
     order, cursor = torch.randperm(len(train), generator=gen), 0
@@ -543,15 +566,23 @@ def train_prm(cfg: PRMTrainConfig, groups: Groups,
             cursor += cfg.global_batch_size
             step_lr = _lr_at(step, lr, cfg.warmup_steps, steps, cfg.lr_decay)
             opt.set_lr(step_lr)
-            loss, grad_norm, lm = prm_train_step(ddp, opt, groups, train, rows,
-                                                 micro_batch_size=cfg.micro_batch_size,
-                                                 lm_loss_weight=cfg.lm_loss_weight,
-                                                 vocab_size=spec.vocab_size)
-            history.append(dict(stage=stage, step=step, loss=loss, lm_loss=lm,
+            totals, grad_norm = _local_train_step(ddp, opt, groups, train, rows,
+                                                  micro_batch_size=cfg.micro_batch_size,
+                                                  lm_loss_weight=cfg.lm_loss_weight,
+                                                  vocab_size=spec.vocab_size)
+            history.append(dict(stage=stage, step=step, loss=None, lm_loss=None,
                                 grad_norm=grad_norm, lr=step_lr))
-            if cfg.log_every and (step % cfg.log_every == 0 or step == steps - 1):
-                log(f"stage {stage} step {step}/{steps} loss {loss:.4f} "
-                    + (f"lm {lm:.4f} " if cfg.lm_loss_weight else "")
+            pending.append(totals)
+            log_now = cfg.log_every and (step % cfg.log_every == 0 or step == steps - 1)
+            if log_now or step == steps - 1:  # the losses since the last reduction, at once
+                for h, (loss, lm) in zip(history[-len(pending):],
+                                         reduce_step_losses(pending, groups)):
+                    h.update(loss=loss, lm_loss=lm)
+                pending = []
+            if log_now:
+                h = history[-1]
+                log(f"stage {stage} step {step}/{steps} loss {h['loss']:.4f} "
+                    + (f"lm {h['lm_loss']:.4f} " if cfg.lm_loss_weight else "")
                     + f"grad_norm {grad_norm:.3f} ({time.perf_counter() - t0:.0f}s)")
     train_seconds = time.perf_counter() - t0
     ddp.module.emit_lm_logits = False
