@@ -220,7 +220,10 @@ class Optimizer:
 
     def grad_norm(self) -> float:
         """L2 norm of the full model's grads: tp duplicates once, shared embedding once."""
-        counted = []
+        # a per-parameter sum of squares, not torch._foreach_norm: that one takes each norm
+        # through a sqrt and back, which can round the clip scale (and every weight after it)
+        # differently, and a rebuild of the demo's shipped start must stay bit-identical
+        sq = torch.zeros((), dtype=torch.float64, device=comm_device(self.groups.backend))
         for p in self.params:
             g = p.main_grad if hasattr(p, "main_grad") else p.grad
             if g is None:
@@ -228,13 +231,7 @@ class Optimizer:
             duplicate = (not getattr(p, "tensor_model_parallel", False)) and self.groups.tp_rank > 0
             shared_copy = getattr(p, "shared_embedding", False) and not self.groups.is_first_stage
             if not duplicate and not shared_copy:
-                counted.append(g)
-        device = comm_device(self.groups.backend)
-        if counted:  # one multi-tensor norm (float64 accumulation), not 4 ops per parameter
-            norms = torch._foreach_norm(counted, 2, dtype=torch.float64)
-            sq = torch.stack(norms).pow(2).sum().to(device)
-        else:
-            sq = torch.zeros((), dtype=torch.float64, device=device)
+                sq += g.double().pow(2).sum().to(sq.device)
         if self.groups.mp is not None and dist.get_world_size(self.groups.mp) > 1:
             dist.all_reduce(sq, group=self.groups.mp)
         return float(sq.sqrt())
