@@ -243,14 +243,50 @@ def tiny_run(tmp_path_factory):
     return tmp
 
 
+def _read_only(cmd: str) -> bool:
+    """`megaprm plan`: prints a plan, writes nothing, reads only the repository's configs, so
+    consecutive ones may run side by side (seconds of imports each)."""
+    return cmd.split()[:2] == [".venv/bin/megaprm", "plan"] and "\n" not in cmd
+
+
+def _check_run(doc: str, cmd: str, p) -> None:
+    assert p.returncode == 0, (doc, cmd, p.stdout[-2000:], p.stderr[-3000:])
+    if "-m pytest" in cmd:  # README promises the skip reasons
+        assert "SKIPPED" in p.stdout and "CUDA" in p.stdout, p.stdout[-2000:]
+    else:  # megatron-core's TE/Apex fallbacks and deprecations are not the user's
+        for noise in ("not installed", "Falling back", "FutureWarning"):
+            assert noise not in p.stderr, (cmd, noise, p.stderr[-3000:])
+
+
 @pytest.mark.parametrize("doc", list(ALL))
-def test_doc_commands_run_as_written(doc, tiny_run):
+def test_doc_commands_run_as_written(doc, tiny_run, request):
     tmp = tiny_run
     seen = []
-    for cmd in ALL[doc]:
+    cmds = ALL[doc]
+    ahead = {}  # index -> Popen of a read-only command started next to the one before it
+
+    def no_process_left():  # a failed check before its turn came
+        for proc in ahead.values():
+            proc.kill()
+            proc.wait()
+
+    request.addfinalizer(no_process_left)
+    for i, cmd in enumerate(cmds):
         k = kind(cmd)
         seen.append(k)
         t0 = time.perf_counter()
+        if (k == "run" and _read_only(cmd) and i + 1 < len(cmds) and i + 1 not in ahead
+                and kind(cmds[i + 1]) == "run" and _read_only(cmds[i + 1])):
+            ahead[i + 1] = subprocess.Popen(["bash", "-c", _substitute(cmds[i + 1], tmp)],
+                                            cwd=ROOT, env=_env(tmp), stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True)
+        if i in ahead:
+            proc = ahead.pop(i)
+            out, err = proc.communicate(timeout=600)
+            _check_run(doc, cmd, subprocess.CompletedProcess(proc.args, proc.returncode,
+                                                             out, err))
+            print(f"{k:5s} {time.perf_counter() - t0:5.1f}s {cmd.splitlines()[0][:90]}")
+            continue
         if k == "skip":
             if cmd == GPU_INSTALL:
                 setup = (ROOT / "setup.py").read_text()
@@ -269,11 +305,6 @@ def test_doc_commands_run_as_written(doc, tiny_run):
                 continue  # the GPU tier itself: run on its own, not inside this test
             p = subprocess.run(["bash", "-c", _substitute(cmd, tmp)], cwd=ROOT, env=_env(tmp),
                                capture_output=True, text=True, timeout=600, check=False)
-            assert p.returncode == 0, (doc, cmd, p.stdout[-2000:], p.stderr[-3000:])
-            if "-m pytest" in cmd:  # README promises the skip reasons
-                assert "SKIPPED" in p.stdout and "CUDA" in p.stdout, p.stdout[-2000:]
-            else:  # megatron-core's TE/Apex fallbacks and deprecations are not the user's
-                for noise in ("not installed", "Falling back", "FutureWarning"):
-                    assert noise not in p.stderr, (cmd, noise, p.stderr[-3000:])
+            _check_run(doc, cmd, p)
         print(f"{k:5s} {time.perf_counter() - t0:5.1f}s {cmd.splitlines()[0][:90]}")
     print(doc, {k: seen.count(k) for k in set(seen)})

@@ -25,6 +25,24 @@ def run(args, timeout=600, extra_env=None, **kw):
                           env=env, **kw)
 
 
+def start(args, extra_env=None):
+    """`run` in the background: the Popen; `finish` waits for it."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=env)
+
+
+def finish(proc, timeout=600):
+    """The CompletedProcess of a `start`ed command (killed if it overruns the timeout)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -71,9 +89,6 @@ def two_rank_run(policy, tmp_path_factory):
 def test_train_two_ranks_export_verify_eval(two_rank_run, policy, tmp_path):
     """`megaprm train --nproc 2` -> `checkpoint_tools export-hf` of the trainer checkpoint ->
     transformers' logits equal Megatron's on it (verify) -> `megaprm eval --model <checkpoint>`."""
-    import torch
-    from safetensors.torch import load_file
-
     p, run_dir = two_rank_run
     assert p.returncode == 0, p.stderr[-4000:]
     # the last line says where to look (after wandb's summary), and the plots are drawn
@@ -89,11 +104,33 @@ def test_train_two_ranks_export_verify_eval(two_rank_run, policy, tmp_path):
                                       "throughput/tokens_per_s", "response/length_max"))
     samples = [json.loads(x) for x in open(run_dir / "samples.jsonl")]
     assert {s["step"] for s in samples} == {0, 1} and all("response" in s for s in samples)
-    p = run([*MEGAPRM, "plot", str(run_dir)])
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert all((run_dir / "plots" / f"{f}.png").is_file() for f in ("actor", "eval", "reward"))
     step_dir = run_dir / "checkpoints" / "step_000001"
     assert (step_dir / "actor" / "megaprm_checkpoint.json").is_file()
+    # the commands below only read the run (plot writes its plots/): the plot and the eval run
+    # alongside the export, verify and the new run (seconds of imports each)
+    side = {"plot": start([*MEGAPRM, "plot", str(run_dir)]),
+            "eval": start([*MEGAPRM, "eval", "--model", str(step_dir), "--benchmarks", "math500",
+                           "--limit", "2", "--k", "1", "--max-tokens", "4", "--no-progress",
+                           "--out", str(tmp_path / "eval.json")])}
+    try:
+        _export_verify_and_restart(policy, run_dir, step_dir, tmp_path)
+        p = finish(side["plot"])
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert all((run_dir / "plots" / f"{f}.png").is_file()
+                   for f in ("actor", "eval", "reward"))
+        p = finish(side["eval"])
+        assert p.returncode == 0, p.stderr[-4000:]
+        assert json.load(open(tmp_path / "eval.json"))
+    finally:  # none left behind when a check fails first
+        for proc in side.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _export_verify_and_restart(policy, run_dir, step_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file
 
     out = tmp_path / "exported"
     p = run([sys.executable, "-m", "checkpoint_tools", "export-hf", "--ckpt", str(run_dir),
@@ -117,12 +154,6 @@ def test_train_two_ranks_export_verify_eval(two_rank_run, policy, tmp_path):
     assert p.returncode == 0, p.stderr[-4000:]
     row = json.loads(open(tmp_path / "from-ckpt" / "metrics.jsonl").readline())
     assert row["rollout/logprob_diff_max"] <= 1e-4, row["rollout/logprob_diff_max"]
-
-    p = run([*MEGAPRM, "eval", "--model", str(step_dir), "--benchmarks", "math500", "--limit",
-             "2", "--k", "1", "--max-tokens", "4", "--no-progress", "--out",
-             str(tmp_path / "eval.json")])
-    assert p.returncode == 0, p.stderr[-4000:]
-    assert json.load(open(tmp_path / "eval.json"))
 
 
 def test_resume_with_other_layout_and_config_is_refused_before_ranks(policy, tmp_path):

@@ -200,8 +200,11 @@ class Optimizer:
         if self.megatron:
             self.impl = _megatron_optimizer(ddp_model, cfg, chosen)
         else:
+            # foreach: one multi-tensor call per Adam op, not one Python loop step per
+            # parameter (torch picks it only on CUDA by default); the same update, bit for bit
             self.impl = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                          weight_decay=cfg.weight_decay) if self.params else None
+                                          weight_decay=cfg.weight_decay,
+                                          foreach=True) if self.params else None
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -217,6 +220,9 @@ class Optimizer:
 
     def grad_norm(self) -> float:
         """L2 norm of the full model's grads: tp duplicates once, shared embedding once."""
+        # a per-parameter sum of squares, not torch._foreach_norm: that one takes each norm
+        # through a sqrt and back, which can round the clip scale (and every weight after it)
+        # differently, and a rebuild of the demo's shipped start must stay bit-identical
         sq = torch.zeros((), dtype=torch.float64, device=comm_device(self.groups.backend))
         for p in self.params:
             g = p.main_grad if hasattr(p, "main_grad") else p.grad
@@ -246,16 +252,23 @@ class Optimizer:
             self._before_apply()
             ok, norm, _ = self.impl.step()
             return float(norm or 0.0), bool(ok)
+        # host tensors only from here: no torch call through the CUDA->CPU shim's
+        # __torch_function__ (parallel.cpu), which every call of the update paid before
+        with cpu.paused():
+            return self._host_step()
+
+    def _host_step(self) -> tuple:
+        """The CPU path's clip and AdamW step on the reduced grads (`step`)."""
+        grads = []
         for p in self.params:
             p.grad = p.main_grad.to(p.dtype) if hasattr(p, "main_grad") else p.grad
+            if p.grad is not None:
+                grads.append(p.grad)
         norm = self.grad_norm()
         if not math.isfinite(norm):
             return norm, False
-        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
-            scale = self.cfg.clip_grad / (norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad and grads:
+            torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
         if self.impl is not None:
             self._before_apply()
             self.impl.step()

@@ -38,7 +38,7 @@ from megaprm.models.hf_spec import spec_from_hf
 from megaprm.models.logprobs import vocab_parallel_logprobs
 from megaprm.models.prm import (PRM_HEADS, as_prm_spec, build_prm, gather_positions,
                                 hf_prm_config, load_trunk_from_hf)
-from megaprm.parallel import pipeline, weight_sync
+from megaprm.parallel import cpu, pipeline, weight_sync
 from megaprm.parallel.device import DTYPE_CHOICES, DTYPES, resolve_dtype_name, to_host
 from megaprm.parallel.groups import Groups
 from megaprm.rewards import scoring
@@ -244,22 +244,29 @@ def encode_examples(examples: Sequence[StepExample], tokenizer, fmt: scoring.PRM
                     ) -> Tuple[EncodedSteps, List[str]]:
     """Tokenise, segment and lay out examples like rollouts are scored. Examples whose
     segmentation does not give one step per label are skipped (reported by source)."""
+    with cpu.paused():  # host work that never names CUDA: no call through the CPU shim
+        return _encode_examples(examples, tokenizer, fmt)
+
+
+def _encode_examples(examples, tokenizer, fmt):
     sep_ids = separator_token_ids(tokenizer)
     eos = tokenizer.eos_token_id
+    if not examples:
+        prompt_ids, response_ids = [], []
+    else:  # one batched call each (a fast tokenizer's encode_batch), not one per text
+        prompt_ids = tokenizer([ex.prompt for ex in examples], add_special_tokens=False).input_ids
+        response_ids = tokenizer([ex.response for ex in examples],
+                                 add_special_tokens=False).input_ids
     prompts, responses = [], []
-    for ex in examples:
-        prompts.append(torch.tensor(tokenizer(ex.prompt, add_special_tokens=False).input_ids,
-                                    dtype=torch.long))
-        ids = tokenizer(ex.response, add_special_tokens=False).input_ids
+    for ex, p_ids, ids in zip(examples, prompt_ids, response_ids):
+        prompts.append(torch.tensor(p_ids, dtype=torch.long))
         if ex.ends_with_eos and eos is not None:
             ids = ids + [eos]
         responses.append(torch.tensor(ids, dtype=torch.long))
-    T = max([r.numel() for r in responses] + [1])
-    resp = torch.zeros(len(examples), T, dtype=torch.long)
-    mask = torch.zeros(len(examples), T, dtype=torch.bool)
-    for i, r in enumerate(responses):
-        resp[i, : r.numel()] = r
-        mask[i, : r.numel()] = True
+    resp_len = torch.tensor([r.numel() for r in responses], dtype=torch.long)
+    T = max([int(resp_len.max()) if responses else 0, 1])
+    resp = _right_padded(responses, T)
+    mask = torch.arange(T)[None, :] < resp_len[:, None]
     seg = segment_steps(resp, mask, sep_ids)
     keep, skipped = [], []
     for i, ex in enumerate(examples):
@@ -273,11 +280,18 @@ def encode_examples(examples: Sequence[StepExample], tokenizer, fmt: scoring.PRM
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch = scoring.build_prm_batch([prompts[i] for i in keep], [responses[i] for i in keep],
                                     seg, fmt, pad_id=pad)
-    S = batch.step_mask.shape[1]
-    labels = torch.zeros(len(keep), S, dtype=torch.long)
-    for row, i in enumerate(keep):
-        labels[row, : len(examples[i].labels)] = torch.tensor(examples[i].labels)
+    labels = _right_padded([torch.tensor(examples[i].labels, dtype=torch.long) for i in keep],
+                           batch.step_mask.shape[1])
     return EncodedSteps(batch, labels, tuple(examples[i].kind for i in keep)), skipped
+
+
+def _right_padded(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """[len(rows), width] long: each 1-D row (at most `width` long) then zeros."""
+    out = torch.zeros(len(rows), width, dtype=torch.long)
+    if rows:
+        padded = torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True)
+        out[:, : padded.shape[1]] = padded
+    return out
 
 
 # ------------------------------------------------------------------------------- evaluation
@@ -376,6 +390,31 @@ def prm_train_step(model, optimizer, groups: Groups, data: EncodedSteps, rows: t
     """One optimiser step on the global batch `rows` (the same on every rank; this dp rank takes
     its contiguous share). Returns (mean step cross-entropy of the global batch, grad norm,
     mean auxiliary LM token loss or 0). The LM term needs a PRM built with `aux_lm`."""
+    totals, grad_norm = _local_train_step(model, optimizer, groups, data, rows,
+                                          micro_batch_size=micro_batch_size,
+                                          lm_loss_weight=lm_loss_weight, vocab_size=vocab_size)
+    ((loss, lm),) = reduce_step_losses([totals], groups)
+    return loss, grad_norm, lm
+
+
+def reduce_step_losses(totals: Sequence[torch.Tensor], groups: Groups
+                       ) -> List[Tuple[float, float]]:
+    """[(loss, lm loss)] of the global batch of each step, from every rank's per-step local
+    sums (`_local_train_step`, [2] float64 each, zeros off the last stage): one dp all-reduce
+    and one pp broadcast for all the steps given, not one of each per step."""
+    if not totals:
+        return []
+    stacked = torch.stack(list(totals))
+    if groups.dp_size > 1:
+        dist.all_reduce(stacked, group=groups.host_dp)
+    return [tuple(row) for row in pipeline.broadcast_from_last_stage(stacked, groups).tolist()]
+
+
+def _local_train_step(model, optimizer, groups: Groups, data: EncodedSteps, rows: torch.Tensor,
+                      *, micro_batch_size: int, lm_loss_weight: float,
+                      vocab_size: Optional[int]) -> Tuple[torch.Tensor, float]:
+    """`prm_train_step` without the loss reduction: (this rank's [2] float64 sums of the step
+    loss and LM loss, each already divided by its global count; grad norm)."""
     per_rank = len(rows) // groups.dp_size
     local = data.select(rows[groups.dp_rank * per_rank:(groups.dp_rank + 1) * per_rank])
     denom = int(data.batch.step_mask[rows].sum())  # steps in the global batch: all ranks agree
@@ -412,10 +451,7 @@ def prm_train_step(model, optimizer, groups: Groups, data: EncodedSteps, rows: t
     parts = pipeline.run(model, mbs, groups=groups, post=post, forward_only=False)
     grad_norm, _ = optimizer.step()
     totals = to_host(sum(parts)).double() if parts else torch.zeros(2, dtype=torch.float64)
-    if groups.dp_size > 1:
-        dist.all_reduce(totals, group=groups.host_dp)
-    loss, lm = pipeline.broadcast_from_last_stage(totals, groups).tolist()
-    return loss, grad_norm, lm
+    return totals, grad_norm
 
 
 def _load_data(cfg: PRMTrainConfig, tokenizer, fmt) -> Tuple[EncodedSteps, EncodedSteps, list]:
@@ -512,6 +548,7 @@ def train_prm(cfg: PRMTrainConfig, groups: Groups,
                    if n.startswith("score.") or n.startswith("output_layer.")]
     ddp.module.emit_lm_logits = cfg.lm_loss_weight > 0
     history = []
+    pending = []  # local loss sums of the steps whose global losses are not reduced yet
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(cfg.seed)
     order, cursor = torch.randperm(len(train), generator=gen), 0
@@ -529,15 +566,23 @@ def train_prm(cfg: PRMTrainConfig, groups: Groups,
             cursor += cfg.global_batch_size
             step_lr = _lr_at(step, lr, cfg.warmup_steps, steps, cfg.lr_decay)
             opt.set_lr(step_lr)
-            loss, grad_norm, lm = prm_train_step(ddp, opt, groups, train, rows,
-                                                 micro_batch_size=cfg.micro_batch_size,
-                                                 lm_loss_weight=cfg.lm_loss_weight,
-                                                 vocab_size=spec.vocab_size)
-            history.append(dict(stage=stage, step=step, loss=loss, lm_loss=lm,
+            totals, grad_norm = _local_train_step(ddp, opt, groups, train, rows,
+                                                  micro_batch_size=cfg.micro_batch_size,
+                                                  lm_loss_weight=cfg.lm_loss_weight,
+                                                  vocab_size=spec.vocab_size)
+            history.append(dict(stage=stage, step=step, loss=None, lm_loss=None,
                                 grad_norm=grad_norm, lr=step_lr))
-            if cfg.log_every and (step % cfg.log_every == 0 or step == steps - 1):
-                log(f"stage {stage} step {step}/{steps} loss {loss:.4f} "
-                    + (f"lm {lm:.4f} " if cfg.lm_loss_weight else "")
+            pending.append(totals)
+            log_now = cfg.log_every and (step % cfg.log_every == 0 or step == steps - 1)
+            if log_now or step == steps - 1:  # the losses since the last reduction, at once
+                for h, (loss, lm) in zip(history[-len(pending):],
+                                         reduce_step_losses(pending, groups)):
+                    h.update(loss=loss, lm_loss=lm)
+                pending = []
+            if log_now:
+                h = history[-1]
+                log(f"stage {stage} step {step}/{steps} loss {h['loss']:.4f} "
+                    + (f"lm {h['lm_loss']:.4f} " if cfg.lm_loss_weight else "")
                     + f"grad_norm {grad_norm:.3f} ({time.perf_counter() - t0:.0f}s)")
     train_seconds = time.perf_counter() - t0
     ddp.module.emit_lm_logits = False

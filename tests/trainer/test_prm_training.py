@@ -151,8 +151,8 @@ def test_layouts_train_alike_and_saved_prm_reloads_in_transformers(tmp_path):
 # correct solutions is what lets the trunk learn the arithmetic the head has to check; without
 # it the PRM stays near AUROC 0.7 (docs/prm.md).
 LEARN = dict(arithmetic=ArithmeticConfig(num_ops=(2, 4), operand_max=9, ops="+-"),
-             num_train=8000, num_eval=512, stage1_steps=20, stage1_lr=1e-3, stage2_steps=1500,
-             stage2_lr=2e-3, warmup_steps=50, lr_decay="cosine", lm_loss_weight=1.0,
+             num_train=8000, num_eval=512, stage1_steps=20, stage1_lr=1e-3, stage2_steps=1000,
+             stage2_lr=4e-3, warmup_steps=50, lr_decay="cosine", lm_loss_weight=1.0,
              global_batch_size=64, micro_batch_size=32, log_every=0, seed=0)
 
 
@@ -249,17 +249,27 @@ def test_train_prm_cli_runs_the_yaml_recipe_and_names_bad_keys(tmp_path):
     small = [f"model_dir={d}", f"output_dir={out}", "num_train=32", "num_eval=16",
              "stage1_steps=1", "stage2_steps=1", "global_batch_size=8", "micro_batch_size=4"]
     cli = [sys.executable, "-m", "megaprm.cli", "train-prm", "--config", recipe]
-    p = subprocess.run(cli + small, capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr[-2000:]
-    report = json.loads(p.stdout.strip().splitlines()[-1])
-    assert 0.0 <= report["auroc"] <= 1.0 and report["output_dir"] == out
-    assert os.path.isfile(os.path.join(out, "model.safetensors"))
-    for bad, message in [(["stage2_lrr=1"], "unknown PRM config key(s) ['stage2_lrr']"),
-                         (["head=lm"], "PRMTrainConfig.head='lm'"),
-                         (["stage2_steps"], "expected key=value")]:
-        p = subprocess.run(cli + small + bad, capture_output=True, text=True)
-        err = p.stderr.strip().splitlines()
-        assert p.returncode == 2 and len(err) == 1 and message in err[0], p.stderr[-2000:]
+    bad_cases = [(["stage2_lrr=1"], "unknown PRM config key(s) ['stage2_lrr']"),
+                 (["head=lm"], "PRMTrainConfig.head='lm'"),
+                 (["stage2_steps"], "expected key=value")]
+    # the bad-input runs (independent processes, seconds of imports each) run alongside
+    bad_runs = [subprocess.Popen(cli + small + bad, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for bad, _ in bad_cases]
+    try:
+        p = subprocess.run(cli + small, capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr[-2000:]
+        report = json.loads(p.stdout.strip().splitlines()[-1])
+        assert 0.0 <= report["auroc"] <= 1.0 and report["output_dir"] == out
+        assert os.path.isfile(os.path.join(out, "model.safetensors"))
+        for proc, (_, message) in zip(bad_runs, bad_cases):
+            _, stderr = proc.communicate(timeout=600)
+            err = stderr.strip().splitlines()
+            assert proc.returncode == 2 and len(err) == 1 and message in err[0], stderr[-2000:]
+    finally:
+        for proc in bad_runs:  # none left behind when an assertion fails first
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.mark.parametrize("name", ["tiny.yaml", "pure_7b.yaml"])
