@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from checkpoint_tools import layout, manifest, stages
 from checkpoint_tools.layout import DTYPES, ConversionError
-from checkpoint_tools.shards import OpenFiles, ShortFile, copy_range, read_into
+from checkpoint_tools.shards import OpenFiles, ShortFile, copy_range, read_into, write_all
 from megaprm.models import mapping
 from megaprm.models.hf_spec import ModelSpec, UnsupportedModelError, spec_from_hf
 from megaprm.parallel import launch
@@ -508,7 +508,7 @@ class _HoleStream:
         pos = self.raw.tell()
         for lo, hi, src in self.copies.split(_address(view), n):
             if src is None:
-                self.raw.write(view[lo:hi])
+                write_all(self.raw.write, view[lo:hi])
             else:
                 self.holes.append((pos + lo, hi - lo, src))
                 self.raw.seek(pos + hi)

@@ -211,8 +211,11 @@ def test_import_without_verify_copies_the_same_bytes(world, name):
 def test_import_copies_in_one_process_with_and_without_copy_file_range(hf_dirs, tmp_path,
                                                                         monkeypatch):
     """tp = pp = 1 (every weight copied, the row-parallel ones too), then again where the
-    kernel refuses copy_file_range (EXDEV): plain reads and writes, same bytes."""
+    kernel refuses copy_file_range (EXDEV): plain reads and writes, same bytes (the writes
+    from memory in pieces of an odd size: `shards.write_all`)."""
     import errno
+
+    from checkpoint_tools import shards
 
     d = hf_dirs["qwen3_qk_norm"]
     import_hf(d, str(tmp_path / "loaded"))
@@ -222,6 +225,7 @@ def test_import_copies_in_one_process_with_and_without_copy_file_range(hf_dirs, 
     def refuse(*a):
         raise OSError(errno.EXDEV, "cross-device")
     monkeypatch.setattr(os, "copy_file_range", refuse)
+    monkeypatch.setattr(shards, "WRITE_PIECE", 1000)
     import_hf(d, str(tmp_path / "plain"), verify=False)
     _same_checkpoint_files(str(tmp_path / "loaded" / "model"), str(tmp_path / "plain" / "model"))
 

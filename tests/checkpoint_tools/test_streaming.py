@@ -193,10 +193,12 @@ def test_row_parallel_chunks_saved_at_tp2_stream(tmp_path, monkeypatch):
     (buffered and O_DIRECT writers, shards small enough that tensors straddle them), and the
     files equal the export of a tp = 1 save and the source HF tensors bit for bit. Where the
     plan is refused the export loads the stage at the checkpoint's layout instead."""
-    from checkpoint_tools import streaming
+    from checkpoint_tools import shards, streaming
 
     hf = save_tiny_model("llama", str(tmp_path / "hf"), seed=9)
     import_hf(hf, str(tmp_path / "ck"), tp=2, pp=1, verify=False)
+    # writes from memory go in pieces (shards.write_all): an odd size splits every tensor
+    monkeypatch.setattr(shards, "WRITE_PIECE", 1000)
     import_hf(hf, str(tmp_path / "ck1"), verify=False)
     ref = export_hf(str(tmp_path / "ck1"), str(tmp_path / "ref"), verify=False,
                     max_shard_size="30KB")
@@ -229,6 +231,25 @@ def test_row_parallel_chunks_saved_at_tp2_stream(tmp_path, monkeypatch):
     assert not rep["streamed"] and rep["not_streamed_because"] == "refused by the test"
     assert len(refused) == 1
     _same_weights(hf, str(tmp_path / "loaded1"))
+
+
+def test_writes_from_memory_go_in_pieces():
+    """`write_all` hands a file's write at most WRITE_PIECE bytes at a time (large page-cache
+    folios; shards.py), resumes after a short write, and the file gets every byte in order."""
+    from checkpoint_tools.shards import WRITE_PIECE, write_all
+
+    data = memoryview(bytes(range(256)) * (WRITE_PIECE // 64 + 3))  # 4 pieces and a tail
+    out, sizes = io.BytesIO(), []
+
+    def write(view):
+        sizes.append(len(view))
+        n = len(view) if len(sizes) % 3 else len(view) // 2  # every third write is short
+        return out.write(view[:n])
+
+    write_all(write, data)
+    assert out.getvalue() == bytes(data)
+    assert max(sizes) == WRITE_PIECE and len(sizes) >= 3  # a short write was resumed
+    assert sum(sizes) > len(data)  # the short write's rest was handed over again
 
 
 def test_assembled_blocks_must_tile_the_tensor():
