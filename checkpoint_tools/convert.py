@@ -32,7 +32,14 @@ import torch.distributed as dist
 
 from checkpoint_tools import layout, manifest, stages
 from checkpoint_tools.layout import DTYPES, ConversionError
-from checkpoint_tools.shards import OpenFiles, ShortFile, copy_range, read_into, write_all
+from checkpoint_tools.shards import (
+    OpenFiles,
+    ShortFile,
+    chunk_buffer,
+    copy_range,
+    read_into,
+    write_all,
+)
 from megaprm.models import mapping
 from megaprm.models.hf_spec import ModelSpec, UnsupportedModelError, spec_from_hf
 from megaprm.parallel import launch
@@ -332,6 +339,28 @@ class FileReads:
                                   f"{self.info(name)[1][0]} rows")
         self._read(name, path, offset, dst)
 
+    def read_columns(self, name: str, first: int, dst: torch.Tensor) -> None:
+        """Columns first, first+1, ... of 2-D `name` (as many as `dst` [rows, w] has) into
+        `dst` (contiguous, same dtype): a row-parallel weight's tp shard. Runs of whole rows
+        are read into this thread's reused 4 MiB buffer and each run's columns placed by one
+        strided copy: no fresh buffer of the tensor's size to fault in, no object per row."""
+        import numpy as np
+
+        path, offset, nbytes, _, shape = self._where[name]
+        rows, row = dst.shape[0], nbytes // max(shape[0], 1)
+        c0, w = first * dst.element_size(), dst.shape[1] * dst.element_size()
+        if rows != shape[0] or c0 + w > row:
+            raise ConversionError(f"{name} in {path!r}: columns {first}.. of shape "
+                                  f"{list(shape)} do not fit {tuple(dst.shape)}")
+        grid = np.frombuffer(_bytes_of(dst), np.uint8).reshape(rows, w)
+        chunk = chunk_buffer()
+        step = max(1, len(chunk) // max(row, 1))
+        for r in range(0, rows, step):
+            k = min(step, rows - r)
+            run = chunk[:k * row] if k * row <= len(chunk) else memoryview(bytearray(k * row))
+            self._read(name, path, offset + r * row, run)
+            grid[r:r + k] = np.frombuffer(run, np.uint8).reshape(k, row)[:, c0:c0 + w]
+
     def _read(self, name: str, path: str, offset: int, view: memoryview) -> None:
         """Positional reads (pread): callable from several threads at once."""
         try:
@@ -362,6 +391,10 @@ def plan_stage(model, reads: FileReads, spec: ModelSpec, g: Groups) -> tuple[lis
     loaded here, through `mapping.to_megatron_shard`; vocab padding rows are zeroed here."""
     direct, jobs = [], []
     for rule, param in mapping.stage_rules(model, spec, g.pp_size, g.pp_rank):
+        if _columns_of_one(rule, param, reads, g.tp_size):  # row-parallel at tp > 1
+            reads.read_columns(rule.hf_names[0], g.tp_rank * param.shape[1], param)
+            _check_finite_param(rule, param)
+            continue
         blocks = mapping.row_blocks(rule, spec, param.shape[0], g.tp_rank, g.tp_size)
         if blocks is None or param.dim() == 0 or not param.is_contiguous() or not all(
                 reads.info(n) == (param.dtype, (reads.info(n)[1][0], *param.shape[1:]))
@@ -381,6 +414,21 @@ def plan_stage(model, reads: FileReads, spec: ModelSpec, g: Groups) -> tuple[lis
             param[covered:].zero_()
         direct.append((rule, param))
     return direct, jobs
+
+
+def _columns_of_one(rule, param, reads: FileReads, tp_size: int) -> bool:
+    """Whether `param` is a column slice of one HF tensor of its dtype (mapping's "row" rule,
+    a row-parallel weight, at tp > 1) that `FileReads.read_columns` can fill in place."""
+    return (rule.kind == "row" and tp_size > 1 and param.dim() == 2 and param.is_contiguous()
+            and reads.info(rule.hf_names[0]) == (param.dtype, (param.shape[0],
+                                                               param.shape[1] * tp_size)))
+
+
+def _check_finite_param(rule, param: torch.Tensor) -> None:
+    # a sum is finite iff every term is (or it overflowed: then the exact test decides)
+    if not math.isfinite(float(param.sum())) and not torch.isfinite(param).all():
+        raise ValueError(f"HF tensor {', '.join(rule.hf_names)} holds NaN/inf: the "
+                         "checkpoint is corrupt; re-download or re-save it")
 
 
 @torch.no_grad()
@@ -521,14 +569,24 @@ class _HoleStream:
         self.raw.flush()
 
 
-def check_finite(reads: FileReads, names: list) -> None:
-    """NaN/inf in any of these HF tensors names it (the copies never pass through memory here:
-    each tensor is mapped, summed and unmapped, so at most one is resident)."""
+def check_finite(reads: FileReads, jobs: list) -> None:
+    """NaN/inf in the HF bytes that `plan_stage`'s jobs copy names the tensor. Only this rank's
+    rows are checked (at tp > 1 each rank copies its part of a tensor); the copies never pass
+    through memory here: each run of consecutive rows is mapped, summed and unmapped, so at
+    most one is resident."""
     import mmap
 
-    for name in names:
+    runs: list = []  # [name, first row, bytes], consecutive jobs of a tensor merged
+    for name, first, view in jobs:
+        last = runs[-1] if runs else None
+        if last and last[0] == name and reads.location(name, last[1])[1] + last[2] == \
+                reads.location(name, first)[1]:
+            last[2] += len(view)
+        else:
+            runs.append([name, first, len(view)])
+    for name, first, nbytes in runs:
         dtype = reads.info(name)[0]
-        path, offset, nbytes = reads.location(name)
+        path, offset, _ = reads.location(name, first)
         if not nbytes or dtype is None or not dtype.is_floating_point:
             continue
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
@@ -757,8 +815,7 @@ def _import_rank(hf_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: in
                 _, jobs = _agree("HF weights", functools.partial(
                     plan_stage, model, weights, spec, g))
                 copies = FileCopies.for_jobs(weights, jobs, model)
-                names = sorted({j[0] for j in jobs})
-                _agree("HF weights", functools.partial(check_finite, weights, names))
+                _agree("HF weights", functools.partial(check_finite, weights, jobs))
             t_read = time.perf_counter() - t0
             save_checkpoint(model, _model_dir(tmp), copies=copies)
         finally:

@@ -73,7 +73,7 @@ class Assembled:
         last_row = self.shape[0] if last_row is None else last_row
         out = buf[:(last_row - first_row) * row]
         grid = np.frombuffer(out, np.uint8).reshape(last_row - first_row, row)
-        chunk = _chunk_buffer()
+        chunk = chunk_buffer()
         for path, offset, r0, n, c0, w in self.parts:
             lo, hi = max(r0, first_row), min(r0 + n, last_row)
             if lo >= hi:
@@ -91,7 +91,7 @@ class Assembled:
 _RUNS = threading.local()
 
 
-def _chunk_buffer() -> memoryview:
+def chunk_buffer() -> memoryview:
     """This thread's 4 MiB read buffer for `Assembled.assemble` (reused: fresh memory costs a
     page fault per 4 KiB on this VM)."""
     if getattr(_RUNS, "buf", None) is None:

@@ -72,7 +72,12 @@ def hf_dirs(tmp_path_factory):
         sd["model.layers.1.self_attn.k_proj.weight"][3, 5] = float("nan")
         return sd
 
+    def nan_in_o(sd):  # o_proj: row-parallel, read by columns into a tp > 1 stage
+        sd["model.layers.1.self_attn.o_proj.weight"][3, 5] = float("inf")
+        return sd
+
     dirs["bad_keys"] = _rewrite_weights(base, str(root / "bad_keys"), drop_and_add)
+    dirs["nan_o"] = _rewrite_weights(base, str(root / "nan_o"), nan_in_o)
     dirs["nan_k"] = _rewrite_weights(base, str(root / "nan_k"), nan_in_k)
     dirs["bad_shape"] = _rewrite_weights(base, str(root / "bad_shape"), bad_shape)
     dirs["other_seed"] = save_tiny_model("qwen2", str(root / "other_seed"), seed=99)
@@ -92,10 +97,10 @@ def _world(dirs: dict, root: str) -> dict:
         out["roundtrip"][name] = {"ckpt": ck, "hf": hf, "import": imp, "export": exp}
     for name in NO_VERIFY_CASES:  # the same import without the logit check: file copies
         import_hf(dirs[name], os.path.join(root, name + ".nv.ckpt"), tp=2, pp=2, verify=False)
-    for case in ("bad_keys", "bad_shape", "nan_k"):
+    for case in ("bad_keys", "bad_shape", "nan_k", "nan_o"):
         try:
             import_hf(dirs[case], os.path.join(root, case + ".ckpt"), tp=2, pp=2,
-                      verify=case != "nan_k")
+                      verify=not case.startswith("nan"))
             out["errors"][case] = None
         except ConversionError as e:
             out["errors"][case] = str(e)
@@ -182,6 +187,9 @@ def test_in_rank_errors(world):
     assert nan == ("HF weights: HF tensor model.layers.1.self_attn.k_proj.weight holds NaN/inf: "
                    "the checkpoint is corrupt; re-download or re-save it"), nan
     assert not os.path.exists(os.path.join(root, "nan_k.ckpt"))
+    assert report["errors"]["nan_o"] == (
+        "HF weights: HF tensor model.layers.1.self_attn.o_proj.weight holds NaN/inf: the "
+        "checkpoint is corrupt; re-download or re-save it"), report["errors"]["nan_o"]
 
 
 def _same_checkpoint_files(a: str, b: str) -> None:
@@ -228,6 +236,32 @@ def test_import_copies_in_one_process_with_and_without_copy_file_range(hf_dirs, 
     monkeypatch.setattr(shards, "WRITE_PIECE", 1000)
     import_hf(d, str(tmp_path / "plain"), verify=False)
     _same_checkpoint_files(str(tmp_path / "loaded" / "model"), str(tmp_path / "plain" / "model"))
+
+
+def test_read_columns_equals_the_column_slice(tmp_path):
+    """FileReads.read_columns (a row-parallel weight's tp shard read in place) against torch's
+    slicing of the tensor: fp32 rows that fill several runs of the 4 MiB buffer, bf16, and
+    rows longer than the buffer."""
+    from checkpoint_tools.convert import FileReads
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3000, 1024, generator=g),  # 4 KiB rows: 1,024 a run
+               "b": torch.randn(40, 96, generator=g).to(torch.bfloat16),
+               "c": torch.randn(3, 1_200_000, generator=g)}  # 4.8 MB rows: one read each
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    reads = FileReads(str(tmp_path))
+    try:
+        for name, t in tensors.items():
+            for tp in (2, 4):
+                w = t.shape[1] // tp
+                for rank in range(tp):
+                    dst = torch.empty(t.shape[0], w, dtype=t.dtype)
+                    reads.read_columns(name, rank * w, dst)
+                    assert torch.equal(dst, t[:, rank * w:(rank + 1) * w]), (name, tp, rank)
+        with pytest.raises(ConversionError, match="do not fit"):
+            reads.read_columns("b", 60, torch.empty(40, 48, dtype=torch.bfloat16))
+    finally:
+        reads.close()
 
 
 def test_file_copies_split_covers_each_byte_once():
