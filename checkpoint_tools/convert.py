@@ -23,6 +23,7 @@ import math
 import os
 import resource
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -339,6 +340,17 @@ class FileReads:
                                   f"{self.info(name)[1][0]} rows")
         self._read(name, path, offset, dst)
 
+    def columns_location(self, name: str, first: int, width: int) -> tuple:
+        """(file path, byte offset of row 0's column `first`, bytes per row) of a column slice
+        of 2-D `name` `width` bytes wide; a `FileCopies` column piece."""
+        path, offset, nbytes, dtype, shape = self._where[name]
+        row = nbytes // max(shape[0], 1)
+        c0 = first * self._DTYPES[dtype].itemsize
+        if c0 + width > row:
+            raise ConversionError(f"{name} in {path!r}: columns {first}.. of shape "
+                                  f"{list(shape)} are past its rows")
+        return path, offset + c0, row
+
     def read_columns(self, name: str, first: int, dst: torch.Tensor) -> None:
         """Columns first, first+1, ... of 2-D `name` (as many as `dst` [rows, w] has) into
         `dst` (contiguous, same dtype): a row-parallel weight's tp shard. Runs of whole rows
@@ -383,17 +395,17 @@ READ_PIECE = 8 << 20  # bytes per read job, so that one big tensor spreads over 
 
 
 @torch.no_grad()
-def plan_stage(model, reads: FileReads, spec: ModelSpec, g: Groups) -> tuple[list, list]:
-    """This rank's stage as row copies from the HF files: ([(rule, param)] of the parameters
-    that the copies fill, [(hf name, first row, destination bytes)] in READ_PIECE pieces), by
-    `mapping.row_blocks` (whole tensors, qkv groups, gate/up halves, vocab rows). A parameter
-    that is not whole rows of its HF tensors (row-parallel at tp > 1) or needs a dtype cast is
-    loaded here, through `mapping.to_megatron_shard`; vocab padding rows are zeroed here."""
-    direct, jobs = [], []
+def plan_stage(model, reads: FileReads, spec: ModelSpec, g: Groups) -> tuple[list, list, list]:
+    """This rank's stage as copies from the HF files: ([(rule, param)] of the parameters that
+    the row copies fill, [(hf name, first row, destination bytes)] in READ_PIECE pieces, by
+    `mapping.row_blocks`: whole tensors, qkv groups, gate/up halves, vocab rows; and
+    [(rule, first column, param)] of the row-parallel weights at tp > 1, each a column slice of
+    one HF tensor). A parameter that needs a dtype cast or another layout is loaded here,
+    through `mapping.to_megatron_shard`; vocab padding rows are zeroed here."""
+    direct, jobs, columns = [], [], []
     for rule, param in mapping.stage_rules(model, spec, g.pp_size, g.pp_rank):
         if _columns_of_one(rule, param, reads, g.tp_size):  # row-parallel at tp > 1
-            reads.read_columns(rule.hf_names[0], g.tp_rank * param.shape[1], param)
-            _check_finite_param(rule, param)
+            columns.append((rule, g.tp_rank * param.shape[1], param))
             continue
         blocks = mapping.row_blocks(rule, spec, param.shape[0], g.tp_rank, g.tp_size)
         if blocks is None or param.dim() == 0 or not param.is_contiguous() or not all(
@@ -413,12 +425,13 @@ def plan_stage(model, reads: FileReads, spec: ModelSpec, g: Groups) -> tuple[lis
         if covered < param.shape[0]:  # vocab padding: the rows after the vocabulary
             param[covered:].zero_()
         direct.append((rule, param))
-    return direct, jobs
+    return direct, jobs, columns
 
 
 def _columns_of_one(rule, param, reads: FileReads, tp_size: int) -> bool:
     """Whether `param` is a column slice of one HF tensor of its dtype (mapping's "row" rule,
-    a row-parallel weight, at tp > 1) that `FileReads.read_columns` can fill in place."""
+    a row-parallel weight, at tp > 1): `FileReads.read_columns` fills it in place, or a
+    `FileCopies` column piece writes it without it in memory."""
     return (rule.kind == "row" and tp_size > 1 and param.dim() == 2 and param.is_contiguous()
             and reads.info(rule.hf_names[0]) == (param.dtype, (param.shape[0],
                                                                param.shape[1] * tp_size)))
@@ -438,10 +451,13 @@ def read_stage(model, reads: FileReads, spec: ModelSpec, g: Groups) -> None:
     name the tensor."""
     from concurrent.futures import ThreadPoolExecutor
 
-    direct, jobs = plan_stage(model, reads, spec, g)
+    direct, jobs, columns = plan_stage(model, reads, spec, g)
     with ThreadPoolExecutor(READ_THREADS) as pool:
         for f in [pool.submit(reads.read_rows, *job) for job in jobs]:
             f.result()
+    for rule, first, param in columns:
+        reads.read_columns(rule.hf_names[0], first, param)
+        _check_finite_param(rule, param)
     for rule, param in direct:
         # a sum is finite iff every term is (or it overflowed: then the exact test decides)
         if not math.isfinite(float(param.sum())) and not torch.isfinite(param).all():
@@ -467,28 +483,38 @@ class FileCopies:
     hole (a seek) and `fill` then copies the HF bytes into the holes with `copy_file_range`
     (page cache to page cache in the kernel; plain reads and writes where it is refused).
     The file holds the same bytes as a save from memory: one read and one write of the
-    weights, no fresh memory to fault in."""
+    weights, no fresh memory to fault in. A column piece (a row-parallel weight's tp shard:
+    each of its rows `width` bytes of an HF row `row` bytes long) is filled through this
+    thread's reused buffers instead: runs of whole HF rows read, their columns gathered,
+    written in WRITE_PIECE writes."""
 
     def __init__(self, pieces: list, tensors: list = (), files: OpenFiles | None = None):
         """pieces: [(address, nbytes, HF file path, byte offset in it)], not overlapping;
-        tensors: those the save may write (the stage's parameters; see `check_source`);
-        files: where the HF files are opened (the caller closes them)."""
+        a column piece adds (bytes per HF row, bytes per piece row): its k-th byte is at
+        offset + (k // width) * row + k % width; tensors: those the save may write (the
+        stage's parameters; see `check_source`); files: where the HF files are opened (the
+        caller closes them)."""
         import bisect
 
         self._bisect = bisect.bisect_right
         self._spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.itemsize)
                              for t in tensors)
-        self._pieces = sorted(pieces)
+        self._pieces = sorted((*p[:4], tuple(p[4:]) or None) for p in pieces)
         self._starts = [p[0] for p in self._pieces]
         self._files = files if files is not None else OpenFiles()
 
     @classmethod
-    def for_jobs(cls, reads: FileReads, jobs: list, model) -> FileCopies:
-        """The pieces of `plan_stage`'s jobs: (hf name, first row, destination bytes)."""
+    def for_jobs(cls, reads: FileReads, jobs: list, model, columns: list = ()) -> FileCopies:
+        """The pieces of `plan_stage`'s jobs (hf name, first row, destination bytes) and
+        column slices (rule, first column, param)."""
         pieces = []
         for name, first, view in jobs:
             path, offset, _ = reads.location(name, first)
             pieces.append((_address(view), len(view), path, offset))
+        for rule, first, param in columns:
+            width = param.shape[1] * param.element_size()
+            path, offset, row = reads.columns_location(rule.hf_names[0], first, width)
+            pieces.append((param.data_ptr(), param.shape[0] * width, path, offset, row, width))
         return cls(pieces, list(model.parameters()), reads.files)
 
     def check_source(self, data) -> None:
@@ -506,11 +532,12 @@ class FileCopies:
 
     def split(self, addr: int, n: int) -> list:
         """[(lo, hi, (path, offset) or None)] covering [addr, addr + n) in order: None = from
-        memory, else the HF bytes at `offset` of `path` fill [lo, hi) of the write."""
+        memory, else the HF bytes at `offset` of `path` fill [lo, hi) of the write; for a
+        column piece (path, piece offset, row, width, first byte of the piece) instead."""
         out, pos = [], addr
         i = max(0, self._bisect(self._starts, addr) - 1)
         while pos < addr + n and i < len(self._pieces):
-            start, size, path, offset = self._pieces[i]
+            start, size, path, offset, cols = self._pieces[i]
             if start + size <= pos:
                 i += 1
                 continue
@@ -520,7 +547,9 @@ class FileCopies:
                 out.append((pos - addr, start - addr, None))
                 pos = start
             end = min(start + size, addr + n)
-            out.append((pos - addr, end - addr, (path, offset + pos - start)))
+            src = (path, offset + pos - start) if cols is None else (path, offset, *cols,
+                                                                     pos - start)
+            out.append((pos - addr, end - addr, src))
             pos = end
             i += 1
         if pos < addr + n:
@@ -535,13 +564,63 @@ class FileCopies:
             return
         raw.flush()
         dst = raw.fileno()
-        for pos, n, (path, offset) in holes:
+        for pos, n, src in holes:
+            path = src[0]
             try:
-                copy_range(self._files.fd(path), dst, n, offset, pos)
+                if len(src) == 2:
+                    copy_range(self._files.fd(path), dst, n, src[1], pos)
+                else:
+                    self._fill_columns(dst, pos, n, *src)
             except ShortFile:
                 raise ConversionError(f"{path!r} ended early while it was copied (truncated or "
                                       "changed during the import); re-download or re-save it"
                                       ) from None
+
+    def _fill_columns(self, dst: int, pos: int, n: int, path: str, offset: int, row: int,
+                      width: int, skip: int) -> None:
+        """Bytes [skip, skip + n) of a column piece (see __init__) to `pos` of fd dst: runs of
+        its rows read as one span each into this thread's 4 MiB buffer, the columns gathered
+        by one strided copy into a second one, written from there."""
+        import numpy as np
+
+        src, chunk = self._files.fd(path), chunk_buffer()
+        staging = _staging_buffer()
+        step = max(1, min(len(chunk) // row, len(staging) // width))
+        r, last = skip // width, -(-(skip + n) // width)  # piece rows holding the bytes
+        while r < last:
+            k = min(step, last - r)
+            span = (k - 1) * row + width  # row r's columns through row r + k - 1's
+            run = chunk[:span] if span <= len(chunk) else memoryview(bytearray(span))
+            read_into(src, run, offset + r * row)
+            cols = np.lib.stride_tricks.as_strided(np.frombuffer(run, np.uint8),
+                                                   (k, width), (row, 1))
+            out = (staging[:k * width] if k * width <= len(staging)
+                   else memoryview(bytearray(k * width)))
+            np.frombuffer(out, np.uint8).reshape(k, width)[:] = cols
+            lo, hi = max(skip, r * width), min(skip + n, (r + k) * width)
+            write_all(_pwriter(dst, pos + lo - skip), out[lo - r * width:hi - r * width])
+            r += k
+
+
+_STAGING = threading.local()
+
+
+def _staging_buffer() -> memoryview:
+    """This thread's 4 MiB buffer for gathered columns (`FileCopies._fill_columns`)."""
+    if getattr(_STAGING, "buf", None) is None:
+        _STAGING.buf = memoryview(bytearray(4 << 20))
+    return _STAGING.buf
+
+
+def _pwriter(fd: int, pos: int):
+    """A write function (for `write_all`) that writes to fd from `pos` on."""
+    at = [pos]
+
+    def write(data: memoryview) -> int:
+        k = os.pwrite(fd, data, at[0])
+        at[0] += k
+        return k
+    return write
 
 
 class _HoleStream:
@@ -569,11 +648,11 @@ class _HoleStream:
         self.raw.flush()
 
 
-def check_finite(reads: FileReads, jobs: list) -> None:
-    """NaN/inf in the HF bytes that `plan_stage`'s jobs copy names the tensor. Only this rank's
-    rows are checked (at tp > 1 each rank copies its part of a tensor); the copies never pass
-    through memory here: each run of consecutive rows is mapped, summed and unmapped, so at
-    most one is resident."""
+def check_finite(reads: FileReads, jobs: list, columns: list = ()) -> None:
+    """NaN/inf in the HF bytes that `plan_stage`'s jobs and column slices copy names the
+    tensor. Only this rank's part is checked (at tp > 1 each rank copies its rows or columns of
+    a tensor); the copies never pass through memory here: each run of consecutive rows (each
+    column slice's tensor) is mapped, summed and unmapped, so at most one is resident."""
     import mmap
 
     runs: list = []  # [name, first row, bytes], consecutive jobs of a tensor merged
@@ -584,9 +663,12 @@ def check_finite(reads: FileReads, jobs: list) -> None:
             last[2] += len(view)
         else:
             runs.append([name, first, len(view)])
-    for name, first, nbytes in runs:
-        dtype = reads.info(name)[0]
-        path, offset, _ = reads.location(name, first)
+    checks = [(name, *reads.location(name, first)[:2], nbytes, None)
+              for name, first, nbytes in runs]
+    checks += [(rule.hf_names[0], *reads.location(rule.hf_names[0])[:3],
+                (first, param.shape[1])) for rule, first, param in columns]
+    for name, path, offset, nbytes, cols in checks:
+        dtype, shape = reads.info(name)
         if not nbytes or dtype is None or not dtype.is_floating_point:
             continue
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
@@ -597,11 +679,13 @@ def check_finite(reads: FileReads, jobs: list) -> None:
         try:
             t = torch.frombuffer(mm, dtype=dtype, offset=offset - start,
                                  count=nbytes // dtype.itemsize)
+            if cols is not None:  # this rank's columns of the whole tensor
+                t = t.view(shape[0], -1)[:, cols[0]:cols[0] + cols[1]]
             if not math.isfinite(float(t.sum())) and not torch.isfinite(t).all():
                 raise ValueError(f"HF tensor {name} holds NaN/inf: the checkpoint is corrupt; "
                                  "re-download or re-save it")
         finally:
-            del t
+            del t  # no view of the mapping may outlive it
             mm.close()
 
 
@@ -812,10 +896,10 @@ def _import_rank(hf_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: in
             if verify:  # the forward needs the weights in memory
                 _agree("HF weights", functools.partial(read_stage, model, weights, spec, g))
             else:
-                _, jobs = _agree("HF weights", functools.partial(
+                _, jobs, columns = _agree("HF weights", functools.partial(
                     plan_stage, model, weights, spec, g))
-                copies = FileCopies.for_jobs(weights, jobs, model)
-                _agree("HF weights", functools.partial(check_finite, weights, jobs))
+                copies = FileCopies.for_jobs(weights, jobs, model, columns)
+                _agree("HF weights", functools.partial(check_finite, weights, jobs, columns))
             t_read = time.perf_counter() - t0
             save_checkpoint(model, _model_dir(tmp), copies=copies)
         finally:

@@ -296,6 +296,36 @@ def test_file_copies_split_covers_each_byte_once():
         assert last == n and got == want
 
 
+def test_file_copies_fill_column_pieces_from_any_byte(tmp_path):
+    """A column piece (a row-parallel weight's tp shard, never in memory) written through the
+    save's stream in odd-sized parts that start and end mid-row, between bytes from memory:
+    the file holds those bytes and the HF tensor's column slice, against torch's slicing.
+    Rows of 1.2 MB: several runs of the 4 MiB buffers per piece."""
+    from checkpoint_tools.convert import FileCopies
+
+    g = torch.Generator().manual_seed(1)
+    hf = torch.randn(10, 300_000, generator=g)  # the HF tensor, at byte 24 of its file
+    src = tmp_path / "hf.bin"
+    src.write_bytes(b"x" * 24 + hf.numpy().tobytes())
+    first, w = 100_000, 150_000  # this rank's columns
+    param = torch.empty(10, w)  # never written: the copies fill the file, not the memory
+    memory = torch.arange(1000, dtype=torch.uint8)  # bytes of the stream that stay as written
+    row = hf.shape[1] * 4
+    copies = FileCopies([(param.data_ptr(), param.numel() * 4, str(src), 24 + first * 4, row,
+                          w * 4)], [param, memory])
+    data = memoryview(param.numpy()).cast("B")
+    with open(tmp_path / "out.bin", "wb") as raw:
+        stream = copies.stream(raw)
+        stream.write(memory[:300].numpy())
+        for lo, hi in ((0, 7), (7, 2_400_001), (2_400_001, 4_123_457), (4_123_457, len(data))):
+            stream.write(data[lo:hi])
+        stream.write(memory[300:].numpy())
+        copies.fill(raw, stream.holes)
+    want = (memory[:300].numpy().tobytes() + hf[:, first:first + w].contiguous().numpy()
+            .tobytes() + memory[300:].numpy().tobytes())
+    assert (tmp_path / "out.bin").read_bytes() == want
+
+
 def test_verify_rejects_a_different_model(world):
     report, _ = world
     r = report["wrong_model"]
