@@ -72,7 +72,7 @@ def hf_dirs(tmp_path_factory):
         sd["model.layers.1.self_attn.k_proj.weight"][3, 5] = float("nan")
         return sd
 
-    def nan_in_o(sd):  # o_proj: row-parallel, read by columns into a tp > 1 stage
+    def nan_in_o(sd):  # o_proj: row-parallel, a column piece of each tp rank at tp > 1
         sd["model.layers.1.self_attn.o_proj.weight"][3, 5] = float("inf")
         return sd
 
