@@ -23,7 +23,6 @@ import math
 import os
 import resource
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,8 +35,10 @@ from checkpoint_tools.layout import DTYPES, ConversionError
 from checkpoint_tools.shards import (
     OpenFiles,
     ShortFile,
+    WRITE_PIECE,
     chunk_buffer,
     copy_range,
+    pwrite_all,
     read_into,
     write_all,
 )
@@ -348,30 +349,30 @@ class FileReads:
         c0 = first * self._DTYPES[dtype].itemsize
         if c0 + width > row:
             raise ConversionError(f"{name} in {path!r}: columns {first}.. of shape "
-                                  f"{list(shape)} are past its rows")
+                                  f"{list(shape)} do not fit {width} bytes a row")
         return path, offset + c0, row
 
     def read_columns(self, name: str, first: int, dst: torch.Tensor) -> None:
         """Columns first, first+1, ... of 2-D `name` (as many as `dst` [rows, w] has) into
-        `dst` (contiguous, same dtype): a row-parallel weight's tp shard. Runs of whole rows
-        are read into this thread's reused 4 MiB buffer and each run's columns placed by one
-        strided copy: no fresh buffer of the tensor's size to fault in, no object per row."""
-        import numpy as np
-
-        path, offset, nbytes, _, shape = self._where[name]
-        rows, row = dst.shape[0], nbytes // max(shape[0], 1)
-        c0, w = first * dst.element_size(), dst.shape[1] * dst.element_size()
-        if rows != shape[0] or c0 + w > row:
+        `dst` (contiguous, same dtype): a row-parallel weight's tp shard, read in runs of rows
+        (`read_column_rows`): no fresh buffer of the tensor's size to fault in, no object per
+        row."""
+        rows, w = dst.shape[0], dst.shape[1] * dst.element_size()
+        shape = self.info(name)[1]
+        path, offset, row = self.columns_location(name, first, w)
+        if rows != shape[0]:
             raise ConversionError(f"{name} in {path!r}: columns {first}.. of shape "
                                   f"{list(shape)} do not fit {tuple(dst.shape)}")
-        grid = np.frombuffer(_bytes_of(dst), np.uint8).reshape(rows, w)
-        chunk = chunk_buffer()
-        step = max(1, len(chunk) // max(row, 1))
+        out = _bytes_of(dst)
+        step = max(1, len(chunk_buffer()) // max(row, 1))
         for r in range(0, rows, step):
             k = min(step, rows - r)
-            run = chunk[:k * row] if k * row <= len(chunk) else memoryview(bytearray(k * row))
-            self._read(name, path, offset + r * row, run)
-            grid[r:r + k] = np.frombuffer(run, np.uint8).reshape(k, row)[:, c0:c0 + w]
+            try:
+                read_column_rows(self.files.fd(path), offset + r * row, row, w,
+                                 out[r * w:(r + k) * w])
+            except ShortFile:
+                raise ConversionError(f"{name} in {path!r}: the file ends early (truncated); "
+                                      "re-download or re-save it") from None
 
     def _read(self, name: str, path: str, offset: int, view: memoryview) -> None:
         """Positional reads (pread): callable from several threads at once."""
@@ -388,6 +389,21 @@ class FileReads:
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous tensor, writable, no copy (any dtype, bf16 included)."""
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def read_column_rows(fd: int, offset: int, row: int, width: int, out: memoryview) -> None:
+    """len(out) // width rows of `width` bytes, the first at `offset` of fd and each `row` bytes
+    after the last (a column slice of a tensor's rows), into `out` one after another: one read
+    of their span into this thread's 4 MiB buffer, one strided copy."""
+    import numpy as np
+
+    k = len(out) // width
+    span = (k - 1) * row + width
+    chunk = chunk_buffer()
+    run = chunk[:span] if span <= len(chunk) else memoryview(bytearray(span))
+    read_into(fd, run, offset)
+    np.frombuffer(out, np.uint8).reshape(k, width)[:] = np.lib.stride_tricks.as_strided(
+        np.frombuffer(run, np.uint8), (k, width), (row, 1))
 
 
 READ_THREADS = 4  # page faults of the fresh stage dominate reads: 2 threads ~2x one, here
@@ -437,10 +453,12 @@ def _columns_of_one(rule, param, reads: FileReads, tp_size: int) -> bool:
                                                                param.shape[1] * tp_size)))
 
 
-def _check_finite_param(rule, param: torch.Tensor) -> None:
+def _check_finite_param(rule, param: torch.Tensor, reads: FileReads) -> None:
+    """NaN/inf in a parameter read from the HF files names the HF tensor(s) holding it."""
     # a sum is finite iff every term is (or it overflowed: then the exact test decides)
     if not math.isfinite(float(param.sum())) and not torch.isfinite(param).all():
-        raise ValueError(f"HF tensor {', '.join(rule.hf_names)} holds NaN/inf: the "
+        bad = [n for n in rule.hf_names if not torch.isfinite(reads(n)).all()]
+        raise ValueError(f"HF tensor {', '.join(bad or rule.hf_names)} holds NaN/inf: the "
                          "checkpoint is corrupt; re-download or re-save it")
 
 
@@ -457,13 +475,8 @@ def read_stage(model, reads: FileReads, spec: ModelSpec, g: Groups) -> None:
             f.result()
     for rule, first, param in columns:
         reads.read_columns(rule.hf_names[0], first, param)
-        _check_finite_param(rule, param)
-    for rule, param in direct:
-        # a sum is finite iff every term is (or it overflowed: then the exact test decides)
-        if not math.isfinite(float(param.sum())) and not torch.isfinite(param).all():
-            bad = [n for n in rule.hf_names if not torch.isfinite(reads(n)).all()]
-            raise ValueError(f"HF tensor {', '.join(bad or rule.hf_names)} holds NaN/inf: the "
-                             "checkpoint is corrupt; re-download or re-save it")
+    for rule, param in [*direct, *((rule, param) for rule, _, param in columns)]:
+        _check_finite_param(rule, param, reads)
 
 
 def _address(view) -> int:
@@ -579,48 +592,19 @@ class FileCopies:
     def _fill_columns(self, dst: int, pos: int, n: int, path: str, offset: int, row: int,
                       width: int, skip: int) -> None:
         """Bytes [skip, skip + n) of a column piece (see __init__) to `pos` of fd dst: runs of
-        its rows read as one span each into this thread's 4 MiB buffer, the columns gathered
-        by one strided copy into a second one, written from there."""
-        import numpy as np
-
-        src, chunk = self._files.fd(path), chunk_buffer()
-        staging = _staging_buffer()
-        step = max(1, min(len(chunk) // row, len(staging) // width))
+        its rows gathered into this thread's "gather" buffer (`read_column_rows`), written from
+        there in WRITE_PIECE writes."""
+        src, staging = self._files.fd(path), chunk_buffer("gather")
+        step = max(1, min(len(chunk_buffer()) // row, len(staging) // width))
         r, last = skip // width, -(-(skip + n) // width)  # piece rows holding the bytes
         while r < last:
             k = min(step, last - r)
-            span = (k - 1) * row + width  # row r's columns through row r + k - 1's
-            run = chunk[:span] if span <= len(chunk) else memoryview(bytearray(span))
-            read_into(src, run, offset + r * row)
-            cols = np.lib.stride_tricks.as_strided(np.frombuffer(run, np.uint8),
-                                                   (k, width), (row, 1))
             out = (staging[:k * width] if k * width <= len(staging)
                    else memoryview(bytearray(k * width)))
-            np.frombuffer(out, np.uint8).reshape(k, width)[:] = cols
+            read_column_rows(src, offset + r * row, row, width, out)
             lo, hi = max(skip, r * width), min(skip + n, (r + k) * width)
-            write_all(_pwriter(dst, pos + lo - skip), out[lo - r * width:hi - r * width])
+            pwrite_all(dst, out[lo - r * width:], hi - lo, pos + lo - skip, WRITE_PIECE)
             r += k
-
-
-_STAGING = threading.local()
-
-
-def _staging_buffer() -> memoryview:
-    """This thread's 4 MiB buffer for gathered columns (`FileCopies._fill_columns`)."""
-    if getattr(_STAGING, "buf", None) is None:
-        _STAGING.buf = memoryview(bytearray(4 << 20))
-    return _STAGING.buf
-
-
-def _pwriter(fd: int, pos: int):
-    """A write function (for `write_all`) that writes to fd from `pos` on."""
-    at = [pos]
-
-    def write(data: memoryview) -> int:
-        k = os.pwrite(fd, data, at[0])
-        at[0] += k
-        return k
-    return write
 
 
 class _HoleStream:

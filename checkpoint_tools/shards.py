@@ -91,13 +91,15 @@ class Assembled:
 _RUNS = threading.local()
 
 
-def chunk_buffer() -> memoryview:
-    """This thread's 4 MiB read buffer for runs of rows (`Assembled.assemble`, the import's
-    column reads and column pieces; reused: fresh memory costs a page fault per 4 KiB on this
-    VM)."""
-    if getattr(_RUNS, "buf", None) is None:
-        _RUNS.buf = memoryview(bytearray(4 << 20))
-    return _RUNS.buf
+def chunk_buffer(slot: str = "read") -> memoryview:
+    """This thread's 4 MiB buffer named `slot` (reads of runs of rows: `Assembled.assemble`,
+    the import's column reads; "gather": the columns a column piece writes). Reused: fresh
+    memory costs a page fault per 4 KiB on this VM."""
+    buf = getattr(_RUNS, slot, None)
+    if buf is None:
+        buf = memoryview(bytearray(4 << 20))
+        setattr(_RUNS, slot, buf)
+    return buf
 
 
 def write_safetensors(path: str, tensors: dict, metadata: dict | None = None,
@@ -201,7 +203,7 @@ def write_all(write, data: memoryview) -> None:
         pos += write(data[pos:pos + WRITE_PIECE])
 
 
-def _pwrite_all(fd: int, buf: memoryview, nbytes: int, pos: int, piece: int | None = None
+def pwrite_all(fd: int, buf: memoryview, nbytes: int, pos: int, piece: int | None = None
                 ) -> None:
     """nbytes of buf at pos of fd, in writes of at most `piece` bytes (None: one write; for
     O_DIRECT, which bypasses the page cache)."""
@@ -231,7 +233,7 @@ def copy_range(src: int, dst: int, n: int, src_off: int, dst_off: int) -> None:
     while done < n:
         k = min(len(buf), n - done)
         read_into(src, buf[:k], src_off + done)
-        _pwrite_all(dst, buf, k, dst_off + done, WRITE_PIECE)
+        pwrite_all(dst, buf, k, dst_off + done, WRITE_PIECE)
         done += k
 
 
@@ -354,7 +356,7 @@ class _DirectFile:
             i, nbytes, pos = job
             try:
                 if self._error is None:
-                    _pwrite_all(self._fd, self._views[i], nbytes, pos)
+                    pwrite_all(self._fd, self._views[i], nbytes, pos)
             except BaseException as e:  # handed to the caller at its next submit / close;
                 self._error = e.with_traceback(None)  # no frame may keep a buffer view
             self._free.put(i)
