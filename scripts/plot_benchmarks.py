@@ -34,14 +34,32 @@ def _device(d: dict) -> str:
 
 
 def plot_actor(d: dict, ax) -> None:
-    names = ["megaprm actor", "transformers"]
-    vals = [d["megaprm_tokens_per_s"], d["transformers_tokens_per_s"]]
-    ax.bar(names, vals, color=["tab:blue", "tab:gray"])
-    for i, v in enumerate(vals):
-        ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom")
+    """The default path (sdpa_chunked) against transformers, one pair of bars per shape (the
+    GPU runs measure two), with MFU where the device has a known peak."""
+    shapes = d.get("shapes") or [{"shape": "", "rows": [
+        {"variant": "sdpa_chunked", "tokens_per_s": d["megaprm_tokens_per_s"]},
+        {"variant": "transformers", "tokens_per_s": d["transformers_tokens_per_s"]}]}]
+    w = 0.38
+    for i, sh in enumerate(shapes):
+        rows = {r["variant"]: r for r in sh["rows"]}
+        for dx, variant, color in ((-w / 2, "sdpa_chunked", "tab:blue"),
+                                   (w / 2, "transformers", "tab:gray")):
+            r = rows[variant]
+            v = r["tokens_per_s"]
+            ax.bar(i + dx, v, w, color=color,
+                   label=("megaprm actor" if variant == "sdpa_chunked" else variant) if i == 0
+                   else None)
+            mfu = f"\nMFU {r['mfu']:.2f}" if r.get("mfu") else ""
+            ax.text(i + dx, v, f"{v:,.0f}{mfu}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(shapes)), [sh["shape"] for sh in shapes])
     ax.set_ylabel("fwd+bwd tokens/s")
-    ax.set_title(f"Actor fwd+bwd throughput (baseline: transformers, same run)\n"
-                 f"ratio {d['ratio_megaprm_over_transformers']:.2f} | {_device(d)}", fontsize=9)
+    ax.legend(fontsize=8)
+    ratios = ", ".join(f"{sh['shape']} {r['ratio_vs_transformers']:.2f}" for sh in shapes
+                       for r in sh["rows"] if r["variant"] == "sdpa_chunked"
+                       and r.get("ratio_vs_transformers")) or \
+        f"{d['ratio_megaprm_over_transformers']:.2f}"
+    ax.set_title(f"Actor fwd+bwd throughput (baseline: transformers, same run, "
+                 f"{d.get('dtype', '')})\nratio {ratios} | {_device(d)}", fontsize=9)
 
 
 def _ms(row: dict, prefix: str) -> float:
@@ -187,13 +205,17 @@ def plot_generic(d: dict, ax) -> None:
 
 PLOTTERS = {"bench_actor": plot_actor, "bench_convert": plot_convert, "bench_advantages": plot_advantages,
             "bench_weight_sync": plot_weight_sync, "bench_rl_step": plot_rl_step,
-            "bench_peer_trl": plot_peer_trl}
+            "bench_peer_trl": plot_peer_trl,
+            "bench_peer_trl_crosscheck": plot_generic}  # one loss cross-check, no timing rows
 
 
 def plot_file(path: Path, out_dir: Path) -> Path:
     d = json.loads(path.read_text())
     # bench_x.partial.json (a run that could not measure everything) plots like bench_x.json
-    fn = PLOTTERS.get(path.name.split(".")[0], plot_generic)
+    # and bench_x_<variant>.json (bench_convert_tp2, bench_actor_gpu_h200) like bench_x.json
+    stem = path.name.split(".")[0]
+    fn = next((PLOTTERS[k] for k in sorted(PLOTTERS, key=len, reverse=True)
+               if stem == k or stem.startswith(k + "_")), plot_generic)
     fig, ax = plt.subplots(figsize=(9, 5))
     try:
         fn(d, ax)
