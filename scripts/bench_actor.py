@@ -25,6 +25,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -203,6 +204,7 @@ def bench_shape(name, shape, args, dev, dtype) -> dict:
         r["ratio_vs_transformers"] = r["tokens_per_s"] / b if r["tokens_per_s"] and b else None
         r["ratio_vs_transformers_median"] = (r["tokens_per_s_median"] / bm
                                              if r.get("tokens_per_s_median") and bm else None)
+    shutil.rmtree(d, ignore_errors=True)  # the HF copy: 6 GB at the 1.5 B shape
     return {"shape": name, "model": {"family": "qwen2", "hidden": hidden, "layers": layers,
                                      "heads": heads, "kv_heads": kv, "ffn": ffn, "vocab": vocab,
                                      "params": n_params},
@@ -248,6 +250,9 @@ def main() -> None:
     load_before = _load()
     t0 = time.perf_counter()
     results = [bench_shape(n, s, args, dev, dtype) for n, s in shapes.items()]
+    from megaprm.parallel.init import destroy
+
+    destroy()  # the process group bench_shape set up (NCCL warns at exit otherwise)
     first = {r["variant"]: r for r in results[0]["rows"]}
     result = {
         "device": _device_name(), "torch": torch.__version__, "dtype": dtype_name,
