@@ -38,8 +38,7 @@ def _config(run_dir, policy, prm, method, extra=()):
 def _full_fp32() -> None:
     """init_distributed turns TF32 on for CUDA's fp32 matmuls (device.configure_cuda_math);
     the fp32 checks here compare with fp32 references at 1e-4, so a rank that runs them turns
-    it off again (with TF32 on, an H200 gave 1.2e-4 engine-vs-trainer and first Adam steps
-    that differ by lr where a gradient's sign is within TF32's rounding)."""
+    it off again (with TF32 on, an H200 gave engine-vs-trainer log-probs 1.2e-4 apart)."""
     torch.set_float32_matmul_precision("highest")
 
 
