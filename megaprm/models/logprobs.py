@@ -165,6 +165,58 @@ class _ChunkedLogProb(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
+class _ChunkedLogSoftmax(torch.autograd.Function):
+    """`_ChunkedLogProb` for a vocabulary held whole (tp = 1): per chunk one fused
+    `log_softmax` forward and one fused `softmax` recomputed in backward, instead of the
+    max / shift / exp / sum passes and their temporaries that a vocabulary split over ranks
+    needs (its max and sum must be all-reduced between them). Same maths: d logp / dx =
+    onehot - p, dH / dx = -p (log p + H); saved for backward: the input logits and H."""
+
+    @staticmethod
+    def forward(ctx, logits, target, n_valid, with_entropy, temperature, chunk_tokens):
+        b, s, _ = logits.shape
+        logp = torch.empty(b, s, dtype=torch.float32, device=logits.device)
+        entropy = torch.zeros_like(logp)
+        idx = target.clamp(0, max(n_valid - 1, 0))
+        blocks = list(_blocks(b, s, chunk_tokens))
+        for rows, toks in blocks:
+            ls = torch.log_softmax(_scaled(logits[rows, toks, :n_valid], temperature), -1)
+            logp[rows, toks] = ls.gather(-1, idx[rows, toks, None]).squeeze(-1)
+            if with_entropy:
+                entropy[rows, toks] = -(ls.exp() * ls).sum(-1)
+        ctx.save_for_backward(logits, idx, entropy)
+        ctx.args = (n_valid, with_entropy, temperature, blocks)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, idx, entropy = ctx.saved_tensors
+        n_valid, with_entropy, temperature, blocks = ctx.args
+        grad = torch.empty_like(logits)
+        grad[..., n_valid:] = 0  # padded vocabulary columns; every block writes the rest
+        for rows, toks in blocks:
+            x = _scaled(logits[rows, toks, :n_valid], temperature)
+            gl = g_logp[rows, toks, None]
+            if with_entropy:
+                ls = torch.log_softmax(x, -1)
+                g = ls.exp()
+                g.mul_(ls.add_(entropy[rows, toks, None]).mul_(g_ent[rows, toks, None])
+                       .add_(gl)).neg_()
+            else:
+                g = torch.softmax(x, -1).mul_(gl.neg())
+            g.scatter_add_(-1, idx[rows, toks, None], gl)
+            if temperature != 1.0:
+                g.div_(temperature)
+            grad[rows, toks, :n_valid] = g
+        return grad, None, None, None, None, None
+
+
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """x / temperature in fp32 (no copy of an fp32 x at temperature 1)."""
+    x = x.float()
+    return x if temperature == 1.0 else x / temperature
+
+
 def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None,
                             tp_rank: int = 0, vocab_size: Optional[int] = None,
                             with_entropy: bool = False, temperature: float = 1.0,
@@ -182,8 +234,13 @@ def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, *, tp_gr
         local_v = logits.shape[-1]
         vocab_start = tp_rank * local_v
         n_valid = local_v if vocab_size is None else max(0, min(local_v, vocab_size - vocab_start))
-        logp, ent = _ChunkedLogProb.apply(logits, target, vocab_start, n_valid, tp_group,
-                                          with_entropy, float(temperature), int(chunk_tokens))
+        if tp_group is None or dist.get_world_size(tp_group) == 1:
+            logp, ent = _ChunkedLogSoftmax.apply(logits, target, n_valid, with_entropy,
+                                                 float(temperature), int(chunk_tokens))
+        else:
+            logp, ent = _ChunkedLogProb.apply(logits, target, vocab_start, n_valid, tp_group,
+                                              with_entropy, float(temperature),
+                                              int(chunk_tokens))
         logp, ent = logp.reshape(lead), ent.reshape(lead)
         return (logp, ent) if with_entropy else logp
     logits = logits.float()
