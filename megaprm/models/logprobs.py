@@ -8,7 +8,9 @@ are masked to -inf so they carry no probability, as in the HF model.
 By default the computation is chunked over tokens (`_ChunkedLogProb`): the fp32 softmax of
 `chunk_tokens` (1024) tokens at a time, recomputed chunk by chunk in backward, so neither an
 fp32 copy of the [b, s, V/tp] logits nor its exp / probabilities are kept; the collectives are
-batched over all chunks (one MAX and one SUM all-reduce per call). `chunk_tokens=0` is the
+batched over all chunks (one MAX and one SUM all-reduce per call). With the vocabulary whole
+(tp = 1) a chunk is one fused `log_softmax` forward and one fused `softmax` in backward
+(`_ChunkedLogSoftmax`: no collectives to place between the passes). `chunk_tokens=0` is the
 unchunked path, kept as the reference the tests and the benchmark compare with.
 `next_token_logprobs` is the causal-LM call: full logits, rolled targets (no sliced copy).
 
