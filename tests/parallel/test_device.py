@@ -52,7 +52,7 @@ def _meta_phases(rank, world_size, hf_dir):
     # training: a loss from the host-built payload, then the backward
     def post(mb, logits):
         lp, ent = loop.logprob_post(spec, g, 0.7, with_entropy=True)(mb, logits)[1]
-        seen["payload"] = mb.payload["adv"].device.type
+        seen.setdefault("payload", mb.payload["adv"].device.type)  # the crossed run's
         return -(lp * mb.payload["adv"] * mb.payload["m"]).sum() - 0.01 * ent.sum(), None
 
     pipeline.run(model, loop._split(ids, mask, payload, 2, 1), groups=g, post=post,
