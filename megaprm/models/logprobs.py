@@ -25,8 +25,13 @@ import torch
 import torch.distributed as dist
 
 
+def _split(group) -> bool:
+    """Whether the vocabulary is split over ranks of `group` (None or size 1: held whole)."""
+    return group is not None and dist.get_world_size(group) > 1
+
+
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
+    if _split(group):
         dist.all_reduce(t, op=op, group=group)
     return t
 
@@ -236,7 +241,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, *, tp_gr
         local_v = logits.shape[-1]
         vocab_start = tp_rank * local_v
         n_valid = local_v if vocab_size is None else max(0, min(local_v, vocab_size - vocab_start))
-        if tp_group is None or dist.get_world_size(tp_group) == 1:
+        if not _split(tp_group):
             logp, ent = _ChunkedLogSoftmax.apply(logits, target, n_valid, with_entropy,
                                                  float(temperature), int(chunk_tokens))
         else:
