@@ -6,7 +6,8 @@ gain is measured on its own:
 
   megatron_local       Megatron's local spec as is, unchunked log-probs (megaprm before issue 15)
   sdpa                 + core attention on torch SDPA, norm weights in the params dtype
-  sdpa_chunked         + chunked vocab-parallel log-probs (the default)
+  sdpa_chunked         + chunked log-probs as the trainer calls them (`next_token_logprobs`,
+                       chunk `default_chunk_tokens`: the default)
   sdpa_chunked_compile + torch.compile of each layer
   ragged: transformers_padded / sdpa_chunked_padded / sdpa_chunked_packed: a batch whose
           lengths are uniform in [seq/4, seq]; tokens/s counts real tokens only.
@@ -87,7 +88,7 @@ def bench_shape(name, shape, args, dev, dtype) -> dict:
     import transformers as tf
 
     from megaprm.models.hf_spec import spec_from_hf
-    from megaprm.models.logprobs import vocab_parallel_logprobs
+    from megaprm.models.logprobs import next_token_logprobs, vocab_parallel_logprobs
     from megaprm.models.mapping import load_hf_weights
     from megaprm.models.tiny import save_tiny_model
     from megaprm.parallel import microbatch, pipeline
@@ -159,10 +160,10 @@ def bench_shape(name, shape, args, dev, dtype) -> dict:
 
         def step(mbs):
             model.zero_grad(set_to_none=True)
-            for mb in mbs:
+            for mb in mbs:  # the trainer's call: full logits, rolled targets
                 logits = pipeline.gpt_forward(model, mb)
-                lp = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:],
-                                             vocab_size=spec.vocab_size, chunk_tokens=chunk)
+                lp = next_token_logprobs(logits, mb.input_ids, vocab_size=spec.vocab_size,
+                                         chunk_tokens=chunk)
                 (-(lp * mb.loss_mask[:, :-1]).sum() / max(1, batch * (seq - 1))).backward()
 
         padded = [pipeline.TokenBatch(ids, real.float())]
@@ -190,11 +191,11 @@ def bench_shape(name, shape, args, dev, dtype) -> dict:
 
     megaprm_rows("local", 0, False, [("megatron_local", "full")])
     megaprm_rows("sdpa", 0, False, [("sdpa", "full")])
-    megaprm_rows("sdpa", 1024, False, [("sdpa_chunked", "full"),
+    megaprm_rows("sdpa", None, False, [("sdpa_chunked", "full"),
                                        ("sdpa_chunked_padded", "ragged"),
                                        ("sdpa_chunked_packed", "packed")])
     if not args.no_compile:
-        megaprm_rows("sdpa", 1024, True, [("sdpa_chunked_compile", "full")])
+        megaprm_rows("sdpa", None, True, [("sdpa_chunked_compile", "full")])
     base = {r["batch"]: r["tokens_per_s"] for r in rows if r["variant"].startswith("transformers")}
     base_med = {r["batch"]: r.get("tokens_per_s_median") for r in rows
                 if r["variant"].startswith("transformers")}

@@ -39,7 +39,7 @@ def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
     if recompute:
         config_overrides = {"recompute_granularity": "full", "recompute_method": "uniform",
                             "recompute_num_layers": 1, **config_overrides}
-    config = transformer_config(spec, tp=tp, pp=pp, dtype=dtype, **config_overrides)
+    config = transformer_config(spec, tp=tp, pp=pp, dtype=dtype, impl=impl, **config_overrides)
     model = (model_cls or GPTModel)(
         config=config,
         transformer_layer_spec=decoder_spec(spec, pp, impl),

@@ -16,6 +16,13 @@ which picks flash / cuDNN / memory-efficient kernels on GPU and a fused kernel o
 `RMSNorm` holds its weight in the model's params dtype (Megatron's local spec wraps
 `torch.nn.RMSNorm`, whose weight stays fp32 in a bf16 model) and calls torch's fused
 `F.rms_norm`.
+
+`SwiGLU` is the MLP's activation, silu(gate) * up of fc1's [gate | up] output, as one autograd
+function (Megatron's unfused `glu`: `chunk`, `x_linear + 0.0`, silu and mul on strided halves,
+and in backward the two halves' gradients `cat`-ed into a new tensor). It saves only fc1's
+output and writes both halves' gradients into one buffer. Megatron calls it on the whole fc1
+output when `use_te_activation_func` is set (`hf_spec.transformer_config` sets it for this
+spec only; the name is Megatron's, the module is this one).
 """
 from __future__ import annotations
 
@@ -168,3 +175,39 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.shape, self.weight.to(x.dtype), self.eps)
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    """silu(gate) * up of x = [gate | up] (last dim): d up = g * silu(gate),
+    d gate = g * up * silu'(gate) (torch's `silu_backward`), both written into one buffer."""
+
+    @staticmethod
+    def forward(ctx, x):
+        gate, up = x.chunk(2, dim=-1)
+        ctx.save_for_backward(x)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        gate, up = x.chunk(2, dim=-1)
+        grad = torch.empty_like(x)
+        d_gate, d_up = grad.chunk(2, dim=-1)
+        torch.mul(g, F.silu(gate), out=d_up)
+        torch.ops.aten.silu_backward.grad_input(g * up, gate, grad_input=d_gate)
+        return grad
+
+
+class SwiGLU(torch.nn.Module):
+    """The MLP's gated activation (Megatron's `MLPSubmodules.activation_func`), for configs with
+    silu, a gated linear unit, no offset and no clamp (every HF model megaprm maps)."""
+
+    def __init__(self, config, **_unused):
+        super().__init__()
+        assert config.gated_linear_unit and config.activation_func is F.silu, \
+            "SwiGLU: silu with a gated linear unit only"
+        assert not config.glu_linear_offset and config.activation_func_clamp_value is None, \
+            "SwiGLU: no glu_linear_offset / activation_func_clamp_value"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SwiGLUFn.apply(x)

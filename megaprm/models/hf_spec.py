@@ -197,7 +197,7 @@ def layer_spec(spec: ModelSpec, impl: Optional[str] = None):
     local = specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     if impl == "local":
         return local
-    from megaprm.models.attention import RMSNorm, SDPAttention
+    from megaprm.models.attention import RMSNorm, SDPAttention, SwiGLU
 
     layer = local.submodules
     attn = layer.self_attention.submodules
@@ -205,6 +205,7 @@ def layer_spec(spec: ModelSpec, impl: Optional[str] = None):
     if spec.qk_norm:
         attn.q_layernorm = attn.k_layernorm = RMSNorm
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    layer.mlp.submodules.activation_func = SwiGLU  # called when use_te_activation_func is set
     return local
 
 
@@ -226,11 +227,16 @@ def decoder_spec(spec: ModelSpec, pp: int, impl: Optional[str] = None):
 
 
 def transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
-                       dtype: torch.dtype = torch.float32, **overrides):
-    """TransformerConfig equal to the HF model's math (no dropout, no fused CUDA-only kernels)."""
+                       dtype: torch.dtype = torch.float32, impl: Optional[str] = None,
+                       **overrides):
+    """TransformerConfig equal to the HF model's math (no dropout, no fused CUDA-only kernels),
+    for the layer implementation `impl` (default as `layer_spec`'s): the fast local spec's MLP
+    calls its own activation module (`attention.SwiGLU`) on the whole fc1 output, which Megatron
+    does when `use_te_activation_func` is set."""
     from megatron.core.transformer import TransformerConfig
 
     spec.check_parallel(tp, pp)
+    impl = impl or default_impl()
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size,
@@ -250,6 +256,7 @@ def transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         # must then neither divide by the micro-batch count nor average grads over dp.
         calculate_per_token_loss=True,
         sequence_parallel=False,
+        use_te_activation_func=impl == "sdpa",
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -6,7 +6,8 @@ values; entropy needs one more (sum of p*z). Padded vocabulary rows (>= the true
 are masked to -inf so they carry no probability, as in the HF model.
 
 By default the computation is chunked over tokens (`_ChunkedLogProb`): the fp32 softmax of
-`chunk_tokens` (1024) tokens at a time, recomputed chunk by chunk in backward, so neither an
+`chunk_tokens` tokens at a time (`default_chunk_tokens`: 1024 on an accelerator, a few MiB of
+fp32 per chunk on the CPU), recomputed chunk by chunk in backward, so neither an
 fp32 copy of the [b, s, V/tp] logits nor its exp / probabilities are kept; the collectives are
 batched over all chunks (one MAX and one SUM all-reduce per call). With the vocabulary whole
 (tp = 1) a chunk is one fused `log_softmax` forward and one fused `softmax` in backward
@@ -28,6 +29,23 @@ import torch.distributed as dist
 def _split(group) -> bool:
     """Whether the vocabulary is split over ranks of `group` (None or size 1: held whole)."""
     return group is not None and dist.get_world_size(group) > 1
+
+
+CHUNK_TOKENS_ACCELERATOR = 1024
+CHUNK_BYTES_CPU = 4 << 20
+
+
+def default_chunk_tokens(local_vocab: int, device: torch.device) -> int:
+    """Tokens per log-prob chunk: 1024 on an accelerator (few kernel launches; the planner's
+    memory model assumes it); on the CPU as many as keep one chunk's fp32 softmax within
+    CHUNK_BYTES_CPU (at least 16 tokens). A chunk's temporaries of a few MiB are reused from
+    the heap and stay in cache; at 1024 tokens they are hundreds of MiB, which the C
+    allocator maps and unmaps afresh each time, so every chunk pays page faults: 512 tokens x
+    151,936 fp32, fwd + bwd, took 0.52 CPU-s chunked by 1024 and 0.25 by 6 (one thread;
+    BENCHMARKS.md, actor, issue 29)."""
+    if device.type != "cpu":
+        return CHUNK_TOKENS_ACCELERATOR
+    return max(16, CHUNK_BYTES_CPU // (4 * max(1, local_vocab)))
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
@@ -227,12 +245,15 @@ def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
 def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None,
                             tp_rank: int = 0, vocab_size: Optional[int] = None,
                             with_entropy: bool = False, temperature: float = 1.0,
-                            chunk_tokens: int = 1024):
+                            chunk_tokens: Optional[int] = None):
     """log p(target) [b, s] (and entropy [b, s]) from logits [b, s, V/tp] of this tp rank.
 
     `vocab_size` is the true (unpadded) vocabulary; rows past it are excluded. Computed in fp32
-    (of logits / temperature), `chunk_tokens` tokens at a time (0 = all at once, unchunked).
+    (of logits / temperature), `chunk_tokens` tokens at a time (None: `default_chunk_tokens`;
+    0 = all at once, unchunked).
     """
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(logits.shape[-1], logits.device)
     if chunk_tokens:
         assert temperature > 0, f"temperature={temperature} must be > 0"
         lead = logits.shape[:-1]

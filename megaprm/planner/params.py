@@ -108,7 +108,7 @@ def _meta_counts(key: tuple, tp: int, pre: bool, post: bool, tie: bool) -> tuple
 
     spec = ModelSpec(**dict(key))
     one = dataclasses.replace(spec, num_layers=1)
-    config = transformer_config(one, tp=1, pp=1, dtype=torch.bfloat16,
+    config = transformer_config(one, tp=1, pp=1, dtype=torch.bfloat16, impl="sdpa",
                                 use_cpu_initialization=True, perform_initialization=True)
     cls = GPTModel
     kw = {"share_embeddings_and_output_weights": tie}

@@ -80,3 +80,43 @@ def test_this_torch_varlen_kernel_is_wrapped():
     from megaprm.models import attention
 
     assert attention._varlen_attn() is not None
+
+
+def test_swiglu_equals_megatrons_glu_and_saves_only_its_input():
+    """`SwiGLU` (the fast local spec's MLP activation) against Megatron's unfused `glu` as
+    autograd sees it (chunk, silu, x_linear + 0.0, mul): equal values and gradients, and while
+    waiting for backward it holds no tensor beyond its output (fc1's output, its saved input,
+    exists anyway), where `glu` holds silu(gate) and the offset copy of `up`: half of fc1's
+    output each."""
+    import torch.nn.functional as F
+
+    from megaprm.models.attention import SwiGLU
+    from megaprm.models.hf_spec import spec_from_hf, transformer_config
+    from megaprm.models.tiny import tiny_config
+    from tests.memory_utils import LiveBytes
+
+    config = transformer_config(spec_from_hf(tiny_config("qwen2").to_dict()), impl="sdpa")
+    assert config.use_te_activation_func  # Megatron's MLP then calls SwiGLU on fc1's output
+    act = SwiGLU(config=config)
+    g = torch.Generator().manual_seed(0)
+    s, b, f = 16, 3, 24
+    x = (torch.randn(s, b, 2 * f, generator=g) * 3).requires_grad_(True)
+    w = torch.randn(s, b, f, generator=g)
+
+    def glu(t):
+        gate, up = torch.chunk(t, 2, dim=-1)
+        return F.silu(gate) * (up + 0.0)
+
+    grads, held = {}, {}
+    for name, fn in (("swiglu", act), ("glu", glu)):
+        with LiveBytes() as m:
+            y = fn(x)
+            held[name] = m.live - y.untyped_storage().nbytes()
+        (y * w).sum().backward()
+        grads[name], x.grad = x.grad, None
+        if name == "swiglu":
+            out = y.detach()
+    torch.testing.assert_close(out, glu(x).detach(), rtol=0, atol=0)
+    torch.testing.assert_close(grads["swiglu"], grads["glu"], rtol=1e-6, atol=1e-6)
+    half = s * b * f * 4
+    assert held["swiglu"] == 0 and held["glu"] == 2 * half, held

@@ -149,3 +149,35 @@ def test_next_token_logprobs_backward_holds_one_logits_sized_gradient():
     lp, ent = next_token_logprobs(logits.detach(), ids, with_entropy=True, chunk_tokens=chunk)
     torch.testing.assert_close(lp, r_lp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent, r_ent, atol=1e-5, rtol=1e-5)
+
+
+def test_the_cpu_default_chunk_is_bounded_in_bytes_and_exact():
+    """On the CPU the default chunk holds at most CHUNK_BYTES_CPU of fp32 softmax (1024 tokens
+    of a 32k vocabulary would be a second logits-sized temporary here, re-mapped by the C
+    allocator each call); on an accelerator it stays 1024 tokens. Values and grads equal the
+    full-softmax reference."""
+    from megaprm.models.logprobs import CHUNK_BYTES_CPU, default_chunk_tokens
+
+    b, s, v = 2, 256, 32768
+    assert default_chunk_tokens(v, torch.device("cuda")) == 1024
+    assert default_chunk_tokens(v, torch.device("cpu")) * v * 4 <= CHUNK_BYTES_CPU
+    assert default_chunk_tokens(8, torch.device("cpu")) * 8 * 4 == CHUNK_BYTES_CPU
+    assert default_chunk_tokens(10**9, torch.device("cpu")) == 16
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(b, s, v, generator=g).requires_grad_(True)
+    ids = torch.randint(0, v, (b, s), generator=g)
+    full = b * s * v * 4
+
+    def step():
+        lp, ent = next_token_logprobs(logits, ids, with_entropy=True)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+
+    peak = peak_bytes(step)
+    assert full <= peak <= full + 8 * CHUNK_BYTES_CPU + 64 * b * s, peak / full
+    ref = logits.detach().clone().requires_grad_(True)
+    r_lp, r_ent = reference_logprobs(ref[:, :-1], ids[:, 1:])
+    (r_lp.sum() + 0.1 * r_ent.sum()).backward()
+    torch.testing.assert_close(logits.grad[:, :-1], ref.grad[:, :-1], atol=1e-6, rtol=1e-5)
+    lp, ent = next_token_logprobs(logits.detach(), ids, with_entropy=True)
+    torch.testing.assert_close(lp, r_lp.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, r_ent.detach(), atol=1e-5, rtol=1e-5)
