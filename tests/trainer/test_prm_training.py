@@ -151,7 +151,7 @@ def test_layouts_train_alike_and_saved_prm_reloads_in_transformers(tmp_path):
 # correct solutions is what lets the trunk learn the arithmetic the head has to check; without
 # it the PRM stays near AUROC 0.7 (docs/prm.md).
 LEARN = dict(arithmetic=ArithmeticConfig(num_ops=(2, 4), operand_max=9, ops="+-"),
-             num_train=8000, num_eval=512, stage1_steps=20, stage1_lr=1e-3, stage2_steps=1000,
+             num_train=8000, num_eval=512, stage1_steps=20, stage1_lr=1e-3, stage2_steps=1200,
              stage2_lr=4e-3, warmup_steps=50, lr_decay="cosine", lm_loss_weight=1.0,
              global_batch_size=64, micro_batch_size=32, log_every=0, seed=0)
 
