@@ -49,11 +49,11 @@ def activation_bytes(w: Workload, tokens: int) -> int:
     on the CPU, tests/test_plan.py): 5h whole on every tp rank (RMSNorm products and residual
     sums; sequence parallelism is off) and, split over tp, 4 q + 3 k + 3 f (q = heads x
     head_dim, k = kv_heads x head_dim: the qkv projection, RoPE's rotated copies, the attention
-    output; f = ffn size: fc1's [gate | up] output and the SwiGLU product, `models.attention.
-    SwiGLU` keeping nothing else; Megatron's unfused `glu` also kept SiLU and a copy of up). Outside the layers: the
-    embedding output and the final norm (3h). With full recompute only each layer's input (h)
-    is kept, plus one layer recomputed in backward. With pp > 1, 1F1B keeps up to pp
-    micro-batches in flight on the first stage."""
+    output; f = ffn size: fc1's [gate | up] output and the SwiGLU product, as
+    `models.attention.SwiGLU` keeps nothing else; Megatron's unfused `glu` also kept SiLU and a
+    copy of up). Outside the layers: the embedding output and the final norm (3h). With full
+    recompute only each layer's input (h) is kept, plus one layer recomputed in backward. With
+    pp > 1, 1F1B keeps up to pp micro-batches in flight on the first stage."""
     s, b = w.actor, w.dtype_bytes
     h, f = s.hidden_size, s.ffn_hidden_size
     q, k = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
