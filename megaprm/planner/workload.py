@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaprm.models.hf_spec import ModelSpec
+from megaprm.models.logprobs import CHUNK_TOKENS_ACCELERATOR
 
 # A prompt length the config does not bound (data.max_prompt_tokens unset): the recipes' own
 # comments give 1024 (PROF-GRPO/GRPO script:43, PRIME script:20, PURE script:43) or 2048 (PAPO).
@@ -38,7 +39,7 @@ class Workload:
     ref_offload: bool = False
     prm_offload: bool = False
     distributed_optimizer: bool | None = None   # None: Megatron's default here (dp > 1)
-    logprob_chunk: int = 1024     # models.logprobs chunk_tokens (the trainer's default)
+    logprob_chunk: int = CHUNK_TOKENS_ACCELERATOR  # the trainer's log-prob chunk on a GPU
     # rollout.placement=separate: the last `rollout_ranks` GPUs run the engine alone (tp 1
     # each, rollout/remote.py), the first world - rollout_ranks train; 0 = colocated
     rollout_ranks: int = 0
