@@ -62,24 +62,26 @@ def _lines(path):
         return [json.loads(x) for x in f]
 
 
-def _run_until_killed(args, done_file, log, timeout=1200):
+def _run_until_killed(args, done_file, next_started, next_done, log, timeout=1200):
     """Start `megaprm compare`, kill its whole process group (launcher and ranks) once
-    `done_file` exists: a run stopped in the middle of its next cell."""
+    `done_file` exists and the next cell has begun (`next_started` exists) but not finished
+    (`next_done` does not): a run stopped in the middle of its next cell. (A fixed wait after
+    the first cell was not: on a faster box a 2-step cell finished within it.)"""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(log, "w") as out:
         proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         t0 = time.time()
         try:
-            while not os.path.exists(done_file):
+            while not (os.path.exists(done_file) and os.path.exists(next_started)):
                 assert proc.poll() is None, log.read_text()[-4000:]
                 assert time.time() - t0 < timeout, "the first cell never finished"
-                time.sleep(0.5)
-            time.sleep(2)  # into the next cell
+                time.sleep(0.05)
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == -signal.SIGKILL
+    assert not os.path.exists(next_done), "the next cell finished before the kill"
     for _ in range(40):  # no process of the group is left behind
         try:
             os.killpg(proc.pid, 0)
@@ -93,8 +95,9 @@ def _run_until_killed(args, done_file, log, timeout=1200):
 def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     rd = tmp_path / "cmp"
     first = rd / "rl" / "grpo-learned-s0" / "result.json"
+    second = rd / "rl" / "prof_grpo-learned-s0"
     _run_until_killed([*MEGAPRM, "compare", "--run-dir", str(rd), *TINY], first,
-                      tmp_path / "killed.log")
+                      second / "metrics.jsonl", second / "result.json", tmp_path / "killed.log")
     mtime = os.path.getmtime(first)
     assert not os.path.exists(rd / "compare.json")  # killed before the end
     # resumed: the finished cell is read back, not re-run; the rest runs
