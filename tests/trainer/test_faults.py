@@ -564,7 +564,7 @@ def test_a_huge_row_is_refused_before_it_is_tokenised(tmp_path):
 _RANK = """import ctypes, os, signal, sys, time
 ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # dies with torchrun, as launch.die_with_parent
 rank = int(os.environ["RANK"])
-print("up", rank, flush=True)
+os.write(1, b"up %d\\n" % rank)  # one write: atomic on a pipe, so the ranks' lines never interleave
 if rank == 1 and sys.argv[1] == "kill1":
     time.sleep(1.0)
     os.kill(os.getpid(), signal.SIGKILL)
