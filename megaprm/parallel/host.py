@@ -23,8 +23,30 @@ def dp_reduce(values: dict, groups: Groups, op: str = "sum") -> dict:
     return dict(zip(keys, t.tolist()))
 
 
-def dp_mean(values: dict, groups: Groups) -> dict:
-    return {k: v / groups.dp_size for k, v in dp_reduce(values, groups).items()}
+def dp_metrics(values: dict, groups: Groups) -> dict:
+    """A step's rank-local metrics made the same on every rank in ONE all-reduce: keys ending in
+    `_max` take the maximum over dp, `_min` the minimum, every other key the mean.
+
+    The sum carries the extrema too: each rank writes its `_max` / `_min` values into its own
+    row of a `[dp, K]` block that is zero elsewhere, so the summed block holds every rank's
+    values exactly and the extrema are taken after it (K x dp floats; a metrics step has a
+    handful of extrema)."""
+    if not values:
+        return {}
+    keys = sorted(values)
+    ext = [k for k in keys if k.endswith(("_max", "_min"))]
+    mean = [k for k in keys if k not in ext]
+    dp = groups.dp_size
+    t = torch.zeros(len(mean) + dp * len(ext), dtype=torch.float64)
+    t[:len(mean)] = torch.tensor([float(values[k]) for k in mean], dtype=torch.float64)
+    block = t[len(mean):].view(dp, len(ext))
+    block[groups.dp_rank] = torch.tensor([float(values[k]) for k in ext], dtype=torch.float64)
+    if dp > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=groups.host_dp)
+    out = dict(zip(mean, (t[:len(mean)] / dp).tolist()))
+    hi, lo = block.amax(0).tolist(), block.amin(0).tolist()
+    out.update({k: hi[i] if k.endswith("_max") else lo[i] for i, k in enumerate(ext)})
+    return out
 
 
 def dp_sum(x: float, groups: Groups) -> float:

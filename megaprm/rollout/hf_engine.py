@@ -83,7 +83,8 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
     if params.greedy:
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
-    logp = torch.log_softmax(logits / params.temperature, -1)
+    logp = torch.log_softmax(logits if params.temperature == 1.0 else
+                             logits / params.temperature, -1)
     if params.top_p < 1.0:
         sorted_lp, order = logp.sort(-1, descending=True)
         p = sorted_lp.exp()
@@ -287,17 +288,24 @@ class HFEngine:
             self.decoder.start(cache, attn, r_max)
             kv = cache = out = None  # the decoder holds the keys and values now
         active = torch.arange(b)  # rows of the batch still generating (indices into B)
+        everyone = True  # no row has stopped yet: `active` is every row, writes are columns
         for t in range(r_max):
-            u = None if uniforms is None else uniforms[active, t]
+            u = None if uniforms is None else uniforms[:, t] if everyone else uniforms[active, t]
             tok, lp = sample_tokens(logits, params, u)
-            resp[active, t] = tok.cpu()
-            resp_lp[active, t] = lp.float().cpu()
+            if everyone:
+                resp[:, t] = tok.cpu()
+                resp_lp[:, t] = lp.cpu()
+            else:
+                resp[active, t] = tok.cpu()
+                resp_lp[active, t] = lp.float().cpu()
             hit = torch.isin(tok, stops)
-            for r in active[hit.cpu()].tolist():
-                finish[r], lengths[r] = "stop", t + 1
-            if t == r_max - 1 or bool(hit.all()):
+            stopped = bool(hit.any())
+            if stopped:
+                for r in active[hit.cpu()].tolist():
+                    finish[r], lengths[r] = "stop", t + 1
+            if t == r_max - 1 or (stopped and bool(hit.all())):
                 break
-            if bool(hit.any()):  # drop finished rows from the batch and the KV cache
+            if stopped:  # drop finished rows from the batch and the KV cache
                 keep = (~hit).nonzero().squeeze(-1)
                 if self.decoder is not None:
                     self.decoder.select(keep)
@@ -305,6 +313,7 @@ class HFEngine:
                     cache.batch_select_indices(keep)
                 attn, next_pos, tok = attn[keep], next_pos[keep], tok[keep]
                 active = active[keep.cpu()]
+                everyone = False
             if self.decoder is not None:
                 logits = self.decoder.step(tok, next_pos)
             else:

@@ -48,7 +48,7 @@ from megaprm.config import Config, save_config, to_dict
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.parallel.device import resolve_dtype
 from megaprm.parallel.groups import Groups
-from megaprm.parallel.host import agree, dp_mean, dp_reduce
+from megaprm.parallel.host import agree, dp_metrics
 from megaprm.trainer import (
     actor_update,
     advantages,
@@ -298,8 +298,6 @@ class RLTrainer:
         logp_sampler = targets_to_response(logp_sampler_t, rp, R)
         off_metrics.update(correction.lag_metrics(lag, logp_sampler, batch.sampler_logprobs,
                                                   batch.response_mask.float()))
-        off_metrics.update(dp_reduce({k: off_metrics[k] for k in (
-            "rollout/staleness_max", "rollout/is_weight_max") if k in off_metrics}, g, op="max"))
         metrics = {**step_metrics.rollout_metrics(self, sb, adv, logp_old, logp_sampler),
                    **off_metrics,
                    **prm_metrics, **refill_metrics, **self._judge_metrics,
@@ -318,12 +316,14 @@ class RLTrainer:
         return metrics
 
     def step_or_skip(self, step: int) -> dict:
-        """One step's metrics, the same on every rank: rollout metrics averaged over dp, the
-        update's already global; or {'guard/skipped': 1} when every rank agreed to skip."""
+        """One step's metrics, the same on every rank: the rank-local ones reduced over dp in
+        one all-reduce (`host.dp_metrics`: maxima as maxima, minima as minima, the rest
+        averaged), the update's already global; or {'guard/skipped': 1} when every rank agreed
+        to skip."""
         try:
             metrics = self.step(step)
-            metrics = {**dp_mean({k: v for k, v in metrics.items()
-                                  if not k.startswith("actor/")}, self.groups),
+            metrics = {**dp_metrics({k: v for k, v in metrics.items()
+                                     if not k.startswith("actor/")}, self.groups),
                        **{k: v for k, v in metrics.items() if k.startswith("actor/")}}
         except StepSkipped as e:  # agreed on by every rank; nothing was applied
             self.actor.opt.zero_grad()
