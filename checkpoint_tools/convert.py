@@ -697,7 +697,17 @@ def in_process_write_queue():
         filesystem_async._results_queue = prev
 
 
-WRITER_THREADS = 4  # files per rank; the loader reads whatever number the metadata lists
+WRITER_THREADS = 4  # most files per rank; the loader reads whatever number the metadata lists
+
+
+def writer_threads(local_ranks: int) -> int:
+    """Writer threads (= files) per rank: this machine's cores shared by its ranks, 1 to
+    `WRITER_THREADS`. The writes are memory copies, so threads beyond the cores contend: on
+    two cores a tp2 import (read + save, 424 MB) took 0.22-0.24 s with one thread per rank
+    against 0.25-0.27 s with four, a one-rank import 0.21 s with two against 0.29 s with one
+    (BENCHMARKS.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(WRITER_THREADS, (cores or 1) // max(1, local_ranks)))
 
 
 @contextlib.contextmanager
@@ -812,7 +822,7 @@ def _import_loader_modules() -> None:
     from checkpoint_tools import streaming  # noqa: F401
 
 
-def save_strategy(threads: int = WRITER_THREADS):
+def save_strategy(threads: int):
     """torch_dist save strategy with `threads` writer files per rank (Megatron's default: 2)."""
     from megatron.core.dist_checkpointing.strategies.torch import (
         TorchDistSaveShardedStrategy,
@@ -838,8 +848,9 @@ def save_checkpoint(model, ckpt_model_dir: str, *, fsync: bool = False,
         os.makedirs(ckpt_model_dir, exist_ok=True)
     dist.barrier()
     with threaded_writers(fsync, copies):
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         dist_checkpointing.save(stages.sharded_state_dict(model), ckpt_model_dir,
-                                sharded_strategy=save_strategy(),
+                                sharded_strategy=save_strategy(writer_threads(local)),
                                 validate_access_integrity=False)
 
 
