@@ -185,7 +185,7 @@ class _SwiGLUFn(torch.autograd.Function):
     def forward(ctx, x):
         gate, up = x.chunk(2, dim=-1)
         ctx.save_for_backward(x)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)  # in place on silu's fresh output: one buffer, not two
 
     @staticmethod
     def backward(ctx, g):
