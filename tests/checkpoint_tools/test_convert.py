@@ -617,3 +617,14 @@ def test_file_copies_refuse_a_tensor_outside_the_parameters():
     copies.check_source(params[1])
     with pytest.raises(RuntimeError, match="not a parameter of the stage"):
         copies.check_source(params[0].clone())
+
+
+@pytest.mark.parametrize("cores,local_ranks,threads", [
+    (2, 1, 2), (2, 2, 1), (2, 4, 1), (16, 1, 4), (16, 8, 2), (16, 2, 4), (1, 1, 1)])
+def test_writer_threads_share_the_cores_among_local_ranks(monkeypatch, cores, local_ranks,
+                                                         threads):
+    """Writer threads per rank = the cores this machine's ranks share, 1 to WRITER_THREADS."""
+    from checkpoint_tools import convert
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert convert.writer_threads(local_ranks) == threads
