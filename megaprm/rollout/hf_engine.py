@@ -288,16 +288,12 @@ class HFEngine:
             self.decoder.start(cache, attn, r_max)
             kv = cache = out = None  # the decoder holds the keys and values now
         active = torch.arange(b)  # rows of the batch still generating (indices into B)
-        everyone = True  # no row has stopped yet: `active` is every row, writes are columns
+        rows = slice(None)  # `active` as an index: every row (column writes) until one stops
         for t in range(r_max):
-            u = None if uniforms is None else uniforms[:, t] if everyone else uniforms[active, t]
+            u = None if uniforms is None else uniforms[rows, t]
             tok, lp = sample_tokens(logits, params, u)
-            if everyone:
-                resp[:, t] = tok.cpu()
-                resp_lp[:, t] = lp.cpu()
-            else:
-                resp[active, t] = tok.cpu()
-                resp_lp[active, t] = lp.float().cpu()
+            resp[rows, t] = tok.cpu()
+            resp_lp[rows, t] = lp.float().cpu()
             hit = torch.isin(tok, stops)
             stopped = bool(hit.any())
             if stopped:
@@ -312,8 +308,7 @@ class HFEngine:
                 else:
                     cache.batch_select_indices(keep)
                 attn, next_pos, tok = attn[keep], next_pos[keep], tok[keep]
-                active = active[keep.cpu()]
-                everyone = False
+                active = rows = active[keep.cpu()]
             if self.decoder is not None:
                 logits = self.decoder.step(tok, next_pos)
             else:
