@@ -48,6 +48,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megaprm import faults
+
 CTRL, DATA, EVAL = 11, 12, 13  # message tags: orders (trainer 0 -> rollout), batches, evaluation
 
 
@@ -429,7 +431,6 @@ def serve(cfg, placement: Placement, tokenizer) -> int:
                    tp_rank=0, pp_rank=0, dp_rank=0, cp_rank=0)
     version, drawn = -1, 0
     weights = WeightReceiver(placement)
-    kill_at = int(os.environ.get("MEGAPRM_KILL_ROLLOUT_AT", "-1"))  # tests only: SIGKILL here
     while True:
         with _from_trainer():
             msg = recv(placement, 0, CTRL)
@@ -441,10 +442,7 @@ def serve(cfg, placement: Placement, tokenizer) -> int:
         elif msg[0] == "generate":
             block, shards = msg[1], msg[2]
             for ids, params, dsts in shards:
-                if drawn == kill_at:
-                    import signal
-
-                    os.kill(os.getpid(), signal.SIGKILL)
+                faults.kill_rollout_at(drawn)  # tests only
                 batch = engine.generate(ids, params)
                 drawn += 1
                 for dst in dsts:

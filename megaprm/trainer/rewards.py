@@ -3,10 +3,9 @@ discriminative PRM, the oracle's exact step labels, or a generative judge), and 
 models' construction. PRIME's implicit PRM scores inside its own phase (implicit_prm.py)."""
 from __future__ import annotations
 
-import os
-
 import torch
 
+from megaprm import faults
 from megaprm.config import ConfigError
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.parallel.device import resolve_dtype, to_host
@@ -42,7 +41,7 @@ def outcome_reward(tr, batch: RolloutBatch, prompts: Prompts, group_ids):
         if tr.cfg.reward.llm_fallback:
             outcome = _llm_fallback(tr, texts, truths_b,
                                     [prompts.problems[i] for i in rows], outcome)
-    outcome = fault_hook(tr, "outcome", outcome)
+    outcome = faults.nan_at("outcome", tr.groups.rank, tr._step, outcome)
     if not torch.isfinite(outcome).all():
         raise FloatingPointError("verifier returned non-finite rewards")
     return ScoredBatch(batch, outcome, group_ids, seg, correct_with_wrong_step=wrong_step,
@@ -67,17 +66,6 @@ def _llm_fallback(tr, texts, truths, problems, outcome):
     tr._fallback_metrics = m
     return outcome
 
-def fault_hook(tr, where: str, t: torch.Tensor) -> torch.Tensor:
-    """Fault injection for the reliability tests: MEGAPRM_FAULT=where:rank:step puts a NaN
-    into `where` on that rank at that step. Inert unless the variable is set."""
-    spec = os.environ.get("MEGAPRM_FAULT")
-    if not spec:
-        return t
-    w, r, s = spec.split(":")
-    if w == where and int(r) == tr.groups.rank and int(s) == tr._step:
-        t = t.clone().float()
-        t.view(-1)[0] = float("nan")
-    return t
 
 def process_reward(tr, sb: ScoredBatch) -> None:
     """Phase: discriminative PRM, P(step correct) per step (PRIME's implicit PRM scores
