@@ -205,8 +205,7 @@ def plot_generic(d: dict, ax) -> None:
 
 PLOTTERS = {"bench_actor": plot_actor, "bench_convert": plot_convert, "bench_advantages": plot_advantages,
             "bench_weight_sync": plot_weight_sync, "bench_rl_step": plot_rl_step,
-            "bench_peer_trl": plot_peer_trl,
-            "bench_peer_trl_crosscheck": plot_generic}  # one loss cross-check, no timing rows
+            "bench_peer_trl": plot_peer_trl}
 
 
 def plot_file(path: Path, out_dir: Path) -> Path:
