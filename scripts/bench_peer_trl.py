@@ -129,10 +129,11 @@ def megaprm_loss_and_grads(batch_path: str, model_dir: str, out_path: str) -> No
     from megaprm.models.mapping import load_hf_weights
     from megaprm.parallel.init import destroy, init_distributed
     from megaprm.parallel.pipeline import TokenBatch, gpt_forward
+    from megaprm.parallel.ports import free_port
     from megaprm.parallel.weight_sync import iter_hf_weights
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()))
+                      MASTER_PORT=str(free_port()))
     g = init_distributed(tp=1, pp=1, seed=0)
     b = torch.load(batch_path)
     spec = spec_from_hf(model_dir)
@@ -168,14 +169,6 @@ def megaprm_loss_and_grads(batch_path: str, model_dir: str, out_path: str) -> No
     torch.save({"loss": float(loss), "grads": grads, "tokens": float(mask.sum())}, out_path)
     destroy()
     del p
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def generation_phase(model_dir: str, reps: int = 3) -> dict:

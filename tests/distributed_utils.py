@@ -19,7 +19,6 @@ a queue, so tensors need no shared memory between processes.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -29,15 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megaprm.parallel.ports import free_port
+
 
 class DistributedTestError(RuntimeError):
     """A rank raised, exited abnormally or timed out."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any],

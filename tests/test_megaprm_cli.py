@@ -4,12 +4,13 @@ trip, the demo's cached warm-up, and each README troubleshooting row -> one line
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+from megaprm.parallel.ports import free_port
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 _BIN = os.path.join(os.path.dirname(sys.executable), "megaprm")
@@ -41,12 +42,6 @@ def finish(proc, timeout=600):
         proc.wait()
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_line_error(p, *needles):

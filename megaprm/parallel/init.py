@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from typing import Optional
 
 import torch
@@ -16,16 +15,11 @@ import torch.distributed as dist
 from megaprm.parallel import cpu
 from megaprm.parallel.device import configure_cuda_math
 from megaprm.parallel.groups import Groups
+from megaprm.parallel.ports import free_port
 
 
 class ParallelConfigError(ValueError):
     """A tp/pp/cp/world-size combination that cannot be laid out."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
@@ -71,7 +65,7 @@ def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] =
         else:
             if "MASTER_ADDR" not in os.environ:
                 os.environ["MASTER_ADDR"] = "127.0.0.1"
-                os.environ["MASTER_PORT"] = str(_free_port())
+                os.environ["MASTER_PORT"] = str(free_port())
             dist.init_process_group(backend=backend, world_size=world_size, rank=rank,
                                     timeout=timeout)
     if ps.model_parallel_is_initialized():

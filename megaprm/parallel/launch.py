@@ -31,7 +31,6 @@ import io
 import os
 import queue as queue_mod
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,8 @@ import time
 import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, List, Optional
+
+from megaprm.parallel.ports import free_port
 
 # torch is imported where it is used: `megaprm <cmd> --help` builds its parser from this module
 # and must not pay torch's import (seconds)
@@ -54,12 +55,6 @@ class RankFailed(RuntimeError):
 
 class LaunchError(ValueError):
     """A launch request that cannot work (too many local ranks for the GPUs, bad node rank)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def seconds_since_launch() -> float | None:
@@ -449,7 +444,7 @@ def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 600.0,
 
     ctx = start_context(start_method)
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     threads = max(1, (os.cpu_count() or 1) // world_size)
     with hidden_gpus(world_size > gpu_count()):
         env = rank_env(ctx)

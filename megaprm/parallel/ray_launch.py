@@ -42,6 +42,7 @@ from megaprm.parallel.launch import (
     resolve_nproc,
     strip_launch_args,
 )
+from megaprm.parallel.ports import free_port
 
 INSTALL_HINT = "--launcher ray needs Ray: pip install -e '.[ray]' (or pip install ray)"
 RAY_FLAGS = ("--launcher", "--ray-address")
@@ -147,9 +148,7 @@ class RankActor:
         return ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port(host="")  # on the actor's node, reachable from the others
 
     def run(self, module: str, argv: list[str], cwd: str, env: dict) -> tuple[int, str | None]:
         """Run the rank to its end: (exit code, its one-line user error or None). No

@@ -3,13 +3,13 @@ flags the ranks must not see, and the one-line errors that need no Ray start (no
 a bad or silent --ray-address, torchrun-only flags). Training under Ray, a killed actor and the
 processes left behind: tests/test_megaprm_cli.py."""
 import argparse
-import socket
 import sys
 
 import pytest
 
 from megaprm.parallel import launch, ray_launch
 from megaprm.parallel.launch import LaunchError
+from megaprm.parallel.ports import free_port
 
 
 def _args(*argv):
@@ -81,8 +81,6 @@ def test_without_ray_installed_the_error_says_how_to_install(monkeypatch):
 def test_a_bad_or_silent_address_fails_fast():
     with pytest.raises(LaunchError, match="expected auto or HOST:PORT"):
         ray_launch._check_reachable("headnode")
-    with socket.socket() as s:  # a port nothing listens on: refused at once
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens on it: refused at once
     with pytest.raises(LaunchError, match=f"127.0.0.1:{port}: no Ray head answers there"):
         ray_launch._check_reachable(f"127.0.0.1:{port}")
