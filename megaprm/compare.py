@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import hashlib
 import json
 import math
 import os
@@ -27,6 +26,8 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
+
+from megaprm.digest import json_digest
 
 if TYPE_CHECKING:  # the parser imports this module: torch and the packages load in the ranks
     from megaprm.parallel.groups import Groups
@@ -164,10 +165,6 @@ def run_overrides(spec: RunSpec, ccfg: CompareConfig, sft_dir: str, prm_dir: str
 
 # ------------------------------------------------------------------------------ stages
 
-def _digest(blob) -> str:
-    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def _read_json(path: str):
     if not os.path.isfile(path):
         return None
@@ -234,7 +231,7 @@ def prm_stage(ccfg: CompareConfig, groups: Groups, tok) -> tuple[str, dict]:
     prm_dir = os.path.join(ccfg.run_dir, "prm")
     recipe = prm_recipe(ccfg)
     # the logging interval does not change the PRM (normalised so a cache survives it)
-    digest = _digest({"recipe": {**recipe, "log_every": 0}, "hidden": ccfg.prm_hidden,
+    digest = json_digest({"recipe": {**recipe, "log_every": 0}, "hidden": ccfg.prm_hidden,
                       "layers": ccfg.prm_layers})
     rec = demo._cached(prm_dir, digest)
     if rec is not None:
@@ -285,7 +282,7 @@ def baseline_stage(ccfg: CompareConfig, groups: Groups, tok, sft_dir: str, sft_d
     from megaprm.rollout.factory import build_engine
 
     path = os.path.join(ccfg.run_dir, "baseline.json")
-    digest = _digest([sft_digest, ccfg.eval_problems, ccfg.sampled_n, temperature, EVAL_FORMAT])
+    digest = json_digest([sft_digest, ccfg.eval_problems, ccfg.sampled_n, temperature, EVAL_FORMAT])
     rec = _read_json(path)
     if rec is not None and rec.get("digest") == digest:
         return rec
@@ -323,7 +320,7 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
     d = os.path.join(ccfg.run_dir, "rl", spec.name)
     overrides = run_overrides(spec, ccfg, sft_dir, prm_dir)
     # EVAL_FORMAT: a result without per-problem counts is re-run, not mixed in
-    digest = _digest([base_digest, overrides, ccfg.eval_problems, ccfg.sampled_n, EVAL_FORMAT])
+    digest = json_digest([base_digest, overrides, ccfg.eval_problems, ccfg.sampled_n, EVAL_FORMAT])
     res_path = os.path.join(d, "result.json")
     rec = _read_json(res_path)
     if rec is not None and rec.get("digest") == digest:
@@ -897,7 +894,7 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False) -> dic
     # the runs' rollout temperature (demo.yaml's, or an override): the baseline samples at it too
     temperature = load_config(demo.RL_YAML, list(ccfg.extra)).rollout.temperature
     baseline = baseline_stage(ccfg, groups, tok, sft_dir, sft["digest"], temperature)
-    base_digest = _digest([sft["digest"], prm["digest"]])
+    base_digest = json_digest([sft["digest"], prm["digest"]])
     runs = plan(ccfg)
     results, missing = [], []
     for i, spec in enumerate(runs):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import hashlib
 import json
 import math
 import os
@@ -33,6 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from megaprm.digest import json_digest
 from megaprm.parallel import pipeline
 from megaprm.parallel.groups import Groups
 from megaprm.tasks.arithmetic import ArithmeticConfig, generate_problems
@@ -182,7 +182,7 @@ def _stage_digest(dcfg: DemoConfig, stage: str) -> str:
     keys = ["seed", "warmup_steps", "warmup_batch", "warmup_lr", "hidden", "layers"]
     blob = {k: getattr(dcfg, k) for k in keys}
     blob["task"] = repr(TASK)
-    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+    return json_digest(blob)
 
 
 def _cached(out_dir: str, digest: str) -> dict | None:

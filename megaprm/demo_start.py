@@ -22,6 +22,8 @@ import json
 import os
 import time
 
+from megaprm.digest import json_digest
+
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "assets", "demo")
 MANIFEST = "manifest.json"
 # files a start directory needs (model weights, config, the char tokenizer)
@@ -43,10 +45,6 @@ def recipe(warmup_steps: int = 400, prm_steps: int = 3000, prm_examples: int = 1
             "prm": {**prm, "hidden": c.prm_hidden, "layers": c.prm_layers, "init_seed": 0}}
 
 
-def recipe_digest(rec: dict) -> str:
-    return hashlib.sha256(json.dumps(rec, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def tensor_digests(model_dir: str) -> dict:
     """sha256 of every tensor's bytes (name -> hex), independent of the file's layout/metadata."""
     from safetensors import safe_open
@@ -57,10 +55,6 @@ def tensor_digests(model_dir: str) -> dict:
             t = f.get_tensor(name).contiguous()
             out[name] = hashlib.sha256(t.numpy().tobytes()).hexdigest()
     return out
-
-
-def combined_digest(digests: dict) -> str:
-    return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def read_manifest(start_dir: str | None = None) -> dict | None:
@@ -107,7 +101,7 @@ def build(out_dir: str, rec: dict, groups, tok, say=print) -> dict:
     res = train_prm(PRMTrainConfig(model_dir=prm_init, output_dir=prm_dir,
                                    **compare.prm_recipe(ccfg)), groups)
     times["prm_s"] = time.perf_counter() - t
-    man = {"recipe": rec, "digest": recipe_digest(rec), "origin": "built",
+    man = {"recipe": rec, "digest": json_digest(rec), "origin": "built",
            "sft_final_loss": sft_loss,
            "prm_eval": {"auroc": res.eval.auroc, "f1": res.eval.f1,
                         "per_kind": res.eval.per_kind},
@@ -160,7 +154,7 @@ def ensure(run_dir: str, rec: dict, groups, tok, from_scratch: bool, say=print) 
     reused by a later run with the same recipe ("cached")."""
     import torch.distributed as dist
 
-    digest = recipe_digest(rec)
+    digest = json_digest(rec)
     shipped = read_manifest()
     here = read_manifest(run_dir)
     have = here is not None and here.get("digest") == digest and all(
