@@ -185,17 +185,17 @@ def cmd_train(args) -> int:
 
     def body():
         from megaprm.parallel.init import destroy, init_distributed
+        from megaprm.rollout import remote
         from megaprm.trainer.loop import RLTrainer
         from megaprm.trainer.prm_training import load_tokenizer
-
-        from megaprm.rollout import remote
+        from megaprm.trainer.rollout_source import serve
 
         # not AutoTokenizer: next to a Qwen2 config it would rebuild the char tokenizer as
         # Qwen2Tokenizer, which splits the "\n\n" step separator into two tokens
         tok = load_tokenizer(RLTrainer.tokenizer_dir(cfg.model.path))
         placement = remote.split_world(cfg)  # rollout.placement=separate: the last ranks
         if placement is not None and placement.is_rollout:
-            remote.serve(cfg, placement, tok)
+            serve(cfg, placement, tok)
             return 0
         groups = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed)
         RLTrainer(cfg, groups, tok).fit()

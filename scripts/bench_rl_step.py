@@ -63,6 +63,7 @@ def rank_main(model_dir: str, run_dir: str, tp: int, pp: int, steps: int, warmup
     from megaprm.config import load_config
     from megaprm.parallel.init import destroy, init_distributed
     from megaprm.rollout import remote
+    from megaprm.trainer import rollout_source
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer.loop import RLTrainer
 
@@ -94,7 +95,7 @@ def rank_main(model_dir: str, run_dir: str, tp: int, pp: int, steps: int, warmup
             return engine
 
         factory.build_engine = marking_build
-        drawn = remote.serve(cfg, placement, build_char_tokenizer())
+        drawn = rollout_source.serve(cfg, placement, build_char_tokenizer())
         end = time.process_time()
         return {"role": "rollout", "drawn": drawn,
                 "cpu_s": end - marks[warmup] if len(marks) > warmup else float("nan")}

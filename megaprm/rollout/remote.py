@@ -14,7 +14,7 @@ One torchrun world, split before Megatron starts (`split_world`):
 * trainer rank 0 and the rollout ranks: the `weights` group (ranks 0, 1 .. rollout.ranks),
   broadcasts of the weight buckets only.
 
-Weights (`RemoteSource.sync` -> `serve`): every trainer rank runs the HF-layout bucketed gather
+Weights (trainer/rollout_source.py: `RemoteSource.sync` -> `serve`): every trainer rank runs the HF-layout bucketed gather
 of parallel/weight_sync.py (tp and pp pieces joined on the trainer side); trainer rank 0 packs
 each bucket's tensors, as raw bytes, into one flat buffer and broadcasts it over the `weights`
 group (trainer rank 0 and every rollout rank: NCCL on GPU, gloo on the CPU), after a small
@@ -42,13 +42,15 @@ import contextlib
 import datetime
 import io
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megaprm import faults
+from megaprm.config import ConfigError
+from megaprm.parallel.device import rank_device
 
 CTRL, DATA, EVAL = 11, 12, 13  # message tags: orders (trainer 0 -> rollout), batches, evaluation
 
@@ -88,8 +90,6 @@ def split_world(cfg, timeout_minutes: int = 30) -> Optional[Placement]:
     global _CURRENT
     if cfg.rollout.placement != "separate":
         return None
-    from megaprm.config import ConfigError
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     k = cfg.rollout.ranks
@@ -121,8 +121,6 @@ def _weights_group(store, rank: int, size: int, timeout) -> tuple:
     """The weights group (trainer rank 0 = 0, rollout ranks 1 .. size-1) and its device: NCCL
     on this rank's GPU where CUDA is present (the trainer's tensors and the engine's weights are
     there), else gloo on the CPU. Built by its members only, from their launch store."""
-    from megaprm.parallel.device import rank_device
-
     device = rank_device()
     wstore = dist.PrefixStore("megaprm/weights", store)
     if device.type == "cuda":  # untested here (no GPU on the development machine)
@@ -211,8 +209,6 @@ class WeightSender:
     def send(self, version: int, buckets) -> dict:
         """Returns {"bytes": HF tensor bytes, "wait_seconds": time spent waiting for an older
         version's broadcasts}."""
-        import time
-
         t0 = time.perf_counter()
         self._retire(keep=self.in_flight - 1)
         waited = time.perf_counter() - t0
@@ -258,7 +254,7 @@ class WeightReceiver:
             self.buf = torch.empty(largest, dtype=torch.uint8, device=self.p.device)
         for layout, size in self.plan:
             view = self.buf[:size]
-            with _from_trainer():
+            with from_trainer():
                 _broadcast(self.p.weights, view).wait()
             yield from unpack_bucket(view, layout)
 
@@ -267,7 +263,7 @@ LOST_WAIT_S = 60.0
 
 
 @contextlib.contextmanager
-def _from_trainer():
+def from_trainer():
     """A rollout rank's wait on trainer rank 0. Raising means that rank is gone (killed, or
     failed): the launcher stops every rank and names the one that failed first, so wait to be
     stopped rather than race its one line with a traceback of this rank's own (a kill -9 of
@@ -275,8 +271,6 @@ def _from_trainer():
     try:
         yield
     except RuntimeError:
-        import time
-
         time.sleep(LOST_WAIT_S)
         raise
 
@@ -309,145 +303,3 @@ def recv(p: Placement, src: int, tag: int):
     data = torch.empty(int(n), dtype=torch.uint8)
     p.xfer.recv([data], src, tag).wait()
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
-
-
-# ----------------------------------------------------------------------------- trainer side
-
-class RemoteSource:
-    """The trainer's rollout source under a separate placement (the interface of
-    trainer/rollout_source.ColocatedSource): `generate(block, ...)` returns this rank's batch of
-    prompt block `block` with `row_versions` [B] set; `sync()` streams the actor's weights to the
-    rollout ranks (collective over the trainer ranks); `evaluate()` runs the held-out evaluation
-    on rollout rank 0 with the newest weights; `stop()` ends the rollout ranks' loop."""
-
-    def __init__(self, tr, placement: Placement):
-        self.tr, self.p = tr, placement
-        self.k = tr.cfg.rollout.max_staleness
-        self.version = -1
-        self.ordered = -1  # the last block ordered from the rollout ranks
-        g = tr.groups
-        servers = placement.rollout_ranks
-        self.server = servers[g.dp_rank % len(servers)]
-        # which trainer ranks hold each dp shard (every tp/pp peer gets the same batch)
-        ranks_of: list = [None] * g.world_size
-        if g.world_size > 1:
-            dist.all_gather_object(ranks_of, g.dp_rank, group=g.agree)
-        else:
-            ranks_of = [g.dp_rank]
-        self.dp_ranks = {d: [r for r, x in enumerate(ranks_of) if x == d]
-                         for d in range(g.dp_size)}
-        # trainer rank 0 only; a rollout rank drawing ahead takes version v after the blocks
-        # ordered before it, i.e. after the block the trainer consumed max_staleness syncs later
-        self.sender = WeightSender(placement, self.k) if g.rank == 0 else None
-
-    def _order(self, block: int) -> None:
-        """Trainer rank 0: order block `block` (every dp shard) from its rollout rank."""
-        from megaprm.trainer.data import encode_prompts
-        from megaprm.trainer.rollout_source import local_prompts, sampling_params
-
-        tr, servers = self.tr, self.p.rollout_ranks
-        per_server: dict = {s: [] for s in servers}
-        for d, dsts in self.dp_ranks.items():
-            local, _ = local_prompts(tr.data, block, d, tr.groups.dp_size)
-            per_server[servers[d % len(servers)]].append(
-                (encode_prompts(tr.tok, local.texts), sampling_params(tr.cfg, block, d, tr.eos),
-                 dsts))
-        for s, shards in per_server.items():
-            if shards:  # not waited for: a gloo send completes when the receiver takes it
-                send(self.p, ("generate", block, shards), s, CTRL, wait=False)
-
-    def generate(self, block: int, ids=None, params=None):
-        """This rank's batch of `block` (ids/params: the colocated interface's; the rollout
-        rank draws the same ones, ordered by trainer rank 0)."""
-        if self.tr.groups.rank == 0:
-            for b in range(max(self.ordered + 1, block), block + self.k + 1):
-                self._order(b)
-            self.ordered = max(self.ordered, block + self.k)
-        kind, got, version, batch = recv(self.p, self.server, DATA)
-        assert kind == "batch" and got == block, (kind, got, block)
-        batch.row_versions = torch.full((batch.batch_size,), version, dtype=torch.long)
-        return batch
-
-    def sync(self) -> None:
-        """The actor's HF weights (bucketed gather, every trainer rank) -> the rollout ranks
-        (broadcast by trainer rank 0, not waited for); the new version. `weight_sync/seconds` is
-        the trainer's time in this call: the gather, trainer rank 0's packing and issuing, and
-        `weight_sync/wait_seconds` of it waiting for an older version to be taken."""
-        import time
-
-        from megaprm.parallel import weight_sync
-
-        tr = self.tr
-        start = time.perf_counter()
-        self.version += 1
-        buckets = weight_sync.iter_hf_buckets(tr.actor.model, tr.groups)
-        if self.sender is not None:
-            out = self.sender.send(self.version, buckets)
-        else:  # the gather is collective: every trainer rank iterates
-            out = {"bytes": sum(t.numel() * t.element_size() for b in buckets for _, t in b),
-                   "wait_seconds": 0.0}
-        seconds = time.perf_counter() - start
-        tr.last_sync = {"weight_sync/seconds": seconds, "weight_sync/gbytes": out["bytes"] / 1e9,
-                        "weight_sync/gbps": out["bytes"] / max(seconds, 1e-12) / 1e9,
-                        "weight_sync/wait_seconds": out["wait_seconds"]}
-
-    def evaluate(self) -> dict:
-        g = self.tr.groups
-        out = None
-        if g.rank == 0:
-            send(self.p, ("eval",), self.p.rollout_ranks[0], CTRL)
-            out = recv(self.p, self.p.rollout_ranks[0], EVAL)
-        if g.world_size > 1:
-            box = [out]
-            dist.broadcast_object_list(box, src=0, group=g.agree)
-            out = box[0]
-        return out
-
-    def stop(self) -> None:
-        if self.tr.groups.rank == 0:
-            for s in self.p.rollout_ranks:
-                send(self.p, ("stop",), s, CTRL)
-            self.sender.drain()
-            for w, _ in self.p.pending:
-                w.wait()
-            self.p.pending = []
-
-
-# ----------------------------------------------------------------------------- rollout side
-
-def serve(cfg, placement: Placement, tokenizer) -> int:
-    """A rollout rank's whole life: build the engine, then obey trainer rank 0's orders in
-    order until "stop". Returns the number of batches drawn."""
-    from megaprm.parallel.device import rank_device
-    from megaprm.parallel.groups import Groups
-    from megaprm.rollout.factory import build_engine
-    from megaprm.trainer import model_source
-    from megaprm.trainer.evaluate import evaluate_with
-
-    src = model_source.resolve(cfg.model.path, "model.path")
-    engine = build_engine(cfg.rollout, src.hf_dir, tokenizer, world_size=1, tp_size=1,
-                          seed=cfg.trainer.seed, device=rank_device(), load_weights=False)
-    alone = Groups(world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, cp_size=1,
-                   tp_rank=0, pp_rank=0, dp_rank=0, cp_rank=0)
-    version, drawn = -1, 0
-    weights = WeightReceiver(placement)
-    while True:
-        with _from_trainer():
-            msg = recv(placement, 0, CTRL)
-        if msg[0] == "weights":
-            version, stream = msg[1], weights.receive(msg[2])
-            engine.update_weights(stream)
-            for _ in stream:  # every bucket's broadcast, whatever the engine left unread
-                pass
-        elif msg[0] == "generate":
-            block, shards = msg[1], msg[2]
-            for ids, params, dsts in shards:
-                faults.kill_rollout_at(drawn)  # tests only
-                batch = engine.generate(ids, params)
-                drawn += 1
-                for dst in dsts:
-                    send(placement, ("batch", block, version, batch), dst, DATA, wait=False)
-        elif msg[0] == "eval":
-            send(placement, evaluate_with(cfg, engine, tokenizer, alone), 0, EVAL)
-        elif msg[0] == "stop":
-            return drawn

@@ -1,20 +1,30 @@
 """Phase: rollout. Where the step's samples come from, behind one interface (`source.generate`,
 `sync`, `evaluate`, `stop`, `version`): the colocated engine on the trainer's own ranks (its
 memory lifecycle in trainer/lifecycle.py), or the rollout ranks of a separate placement
-(rollout/remote.py). Every batch carries `row_versions` [B], the weight version it was drawn
-with. The sampling seed of a prompt block is fixed by (trainer
-seed, block, dp rank), so every placement draws the same samples."""
+(`RemoteSource` here, `serve` on the rollout ranks; the transport in rollout/remote.py). Every
+batch carries `row_versions` [B], the weight version it was drawn with. The sampling seed of a
+prompt block is fixed by (trainer seed, block, dp rank), so every placement draws the same
+samples."""
 from __future__ import annotations
 
 import functools
+import time
 from typing import List
 
 import torch
+import torch.distributed as dist
 
+from megaprm import faults
+from megaprm.config import ConfigError
 from megaprm.parallel import weight_sync
+from megaprm.parallel.device import rank_device
+from megaprm.parallel.groups import Groups
 from megaprm.parallel.offload import Offload
+from megaprm.rollout import factory, remote
 from megaprm.rollout.engine import RolloutBatch, SamplingParams
+from megaprm.trainer import model_source
 from megaprm.trainer.data import Prompts, encode_prompts
+from megaprm.trainer.evaluate import evaluate_with
 from megaprm.trainer.lifecycle import Lifecycle
 
 
@@ -42,8 +52,6 @@ class ColocatedSource:
         return batch
 
     def evaluate(self) -> dict:
-        from megaprm.trainer.evaluate import evaluate_with
-
         tr = self.tr
         return self.lifecycle.generate(lambda: evaluate_with(tr.cfg, self.engine, tr.tok,
                                                              tr.groups))
@@ -65,11 +73,8 @@ def build_engine(tr):
     which the actor, reference and PRM would no longer leave."""
     if tr.cfg.rollout.placement == "separate":
         return None
-    from megaprm.parallel.device import rank_device
-    from megaprm.rollout.factory import build_engine as build
-
     g = tr.groups
-    engine = build(tr.cfg.rollout, tr.src.hf_dir, tr.tok, world_size=g.world_size,
+    engine = factory.build_engine(tr.cfg.rollout, tr.src.hf_dir, tr.tok, world_size=g.world_size,
                    tp_size=g.tp_size, seed=tr.cfg.trainer.seed, device=rank_device(),
                    load_weights=False)
     engine.sleep()  # the first sync wakes its weights with the actor's
@@ -79,14 +84,11 @@ def build_engine(tr):
 def make_source(tr) -> tuple:
     """(lifecycle or None, the rollout source) of this trainer's placement."""
     if tr.cfg.rollout.placement == "separate":
-        from megaprm.config import ConfigError
-        from megaprm.rollout import remote
-
         placement = remote.current()
         if placement is None:
             raise ConfigError("rollout.placement=separate: the launch must split its ranks "
                               "first (megaprm train does; rollout.remote.split_world)")
-        return None, remote.RemoteSource(tr, placement)
+        return None, RemoteSource(tr, placement)
     lifecycle = Lifecycle(tr.engine, tr._stream_weights, offloads(tr))
     return lifecycle, ColocatedSource(tr, lifecycle, tr.engine)
 
@@ -149,3 +151,132 @@ def rollout(tr, block: int, requeued: tuple = ()):
     params = sampling_params(tr.cfg, block, g.dp_rank, tr.eos)
     batch = tr.source.generate(block, encode_prompts(tr.tok, local.texts), params)
     return batch, local, ids_of_groups[batch.group_index].long()
+
+
+# ----------------------------------------------------------------------------- separate placement
+
+class RemoteSource:
+    """The trainer's rollout source under a separate placement (ColocatedSource's interface):
+    `generate(block, ...)` returns this rank's batch of prompt block `block` with
+    `row_versions` [B] set; `sync()` streams the actor's weights to the
+    rollout ranks (collective over the trainer ranks); `evaluate()` runs the held-out evaluation
+    on rollout rank 0 with the newest weights; `stop()` ends the rollout ranks' loop."""
+
+    def __init__(self, tr, placement: remote.Placement):
+        self.tr, self.p = tr, placement
+        self.k = tr.cfg.rollout.max_staleness
+        self.version = -1
+        self.ordered = -1  # the last block ordered from the rollout ranks
+        g = tr.groups
+        servers = placement.rollout_ranks
+        self.server = servers[g.dp_rank % len(servers)]
+        # which trainer ranks hold each dp shard (every tp/pp peer gets the same batch)
+        ranks_of: list = [None] * g.world_size
+        if g.world_size > 1:
+            dist.all_gather_object(ranks_of, g.dp_rank, group=g.agree)
+        else:
+            ranks_of = [g.dp_rank]
+        self.dp_ranks = {d: [r for r, x in enumerate(ranks_of) if x == d]
+                         for d in range(g.dp_size)}
+        # trainer rank 0 only; a rollout rank drawing ahead takes version v after the blocks
+        # ordered before it, i.e. after the block the trainer consumed max_staleness syncs later
+        self.sender = remote.WeightSender(placement, self.k) if g.rank == 0 else None
+
+    def _order(self, block: int) -> None:
+        """Trainer rank 0: order block `block` (every dp shard) from its rollout rank."""
+        tr, servers = self.tr, self.p.rollout_ranks
+        per_server: dict = {s: [] for s in servers}
+        for d, dsts in self.dp_ranks.items():
+            local, _ = local_prompts(tr.data, block, d, tr.groups.dp_size)
+            per_server[servers[d % len(servers)]].append(
+                (encode_prompts(tr.tok, local.texts), sampling_params(tr.cfg, block, d, tr.eos),
+                 dsts))
+        for s, shards in per_server.items():
+            if shards:  # not waited for: a gloo send completes when the receiver takes it
+                remote.send(self.p, ("generate", block, shards), s, remote.CTRL, wait=False)
+
+    def generate(self, block: int, ids=None, params=None):
+        """This rank's batch of `block` (ids/params: the colocated interface's; the rollout
+        rank draws the same ones, ordered by trainer rank 0)."""
+        if self.tr.groups.rank == 0:
+            for b in range(max(self.ordered + 1, block), block + self.k + 1):
+                self._order(b)
+            self.ordered = max(self.ordered, block + self.k)
+        kind, got, version, batch = remote.recv(self.p, self.server, remote.DATA)
+        assert kind == "batch" and got == block, (kind, got, block)
+        batch.row_versions = torch.full((batch.batch_size,), version, dtype=torch.long)
+        return batch
+
+    def sync(self) -> None:
+        """The actor's HF weights (bucketed gather, every trainer rank) -> the rollout ranks
+        (broadcast by trainer rank 0, not waited for); the new version. `weight_sync/seconds` is
+        the trainer's time in this call: the gather, trainer rank 0's packing and issuing, and
+        `weight_sync/wait_seconds` of it waiting for an older version to be taken."""
+        tr = self.tr
+        start = time.perf_counter()
+        self.version += 1
+        buckets = weight_sync.iter_hf_buckets(tr.actor.model, tr.groups)
+        if self.sender is not None:
+            out = self.sender.send(self.version, buckets)
+        else:  # the gather is collective: every trainer rank iterates
+            out = {"bytes": sum(t.numel() * t.element_size() for b in buckets for _, t in b),
+                   "wait_seconds": 0.0}
+        seconds = time.perf_counter() - start
+        tr.last_sync = {"weight_sync/seconds": seconds, "weight_sync/gbytes": out["bytes"] / 1e9,
+                        "weight_sync/gbps": out["bytes"] / max(seconds, 1e-12) / 1e9,
+                        "weight_sync/wait_seconds": out["wait_seconds"]}
+
+    def evaluate(self) -> dict:
+        g = self.tr.groups
+        out = None
+        if g.rank == 0:
+            remote.send(self.p, ("eval",), self.p.rollout_ranks[0], remote.CTRL)
+            out = remote.recv(self.p, self.p.rollout_ranks[0], remote.EVAL)
+        if g.world_size > 1:
+            box = [out]
+            dist.broadcast_object_list(box, src=0, group=g.agree)
+            out = box[0]
+        return out
+
+    def stop(self) -> None:
+        if self.tr.groups.rank == 0:
+            for s in self.p.rollout_ranks:
+                remote.send(self.p, ("stop",), s, remote.CTRL)
+            self.sender.drain()
+            for w, _ in self.p.pending:
+                w.wait()
+            self.p.pending = []
+
+
+def serve(cfg, placement: remote.Placement, tokenizer) -> int:
+    """A rollout rank's whole life under a separate placement: build the engine, then obey
+    trainer rank 0's orders in order until "stop". Returns the number of batches drawn."""
+    src = model_source.resolve(cfg.model.path, "model.path")
+    engine = factory.build_engine(cfg.rollout, src.hf_dir, tokenizer, world_size=1, tp_size=1,
+                                  seed=cfg.trainer.seed, device=rank_device(),
+                                  load_weights=False)
+    alone = Groups(world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, cp_size=1,
+                   tp_rank=0, pp_rank=0, dp_rank=0, cp_rank=0)
+    version, drawn = -1, 0
+    weights = remote.WeightReceiver(placement)
+    while True:
+        with remote.from_trainer():
+            msg = remote.recv(placement, 0, remote.CTRL)
+        if msg[0] == "weights":
+            version, stream = msg[1], weights.receive(msg[2])
+            engine.update_weights(stream)
+            for _ in stream:  # every bucket's broadcast, whatever the engine left unread
+                pass
+        elif msg[0] == "generate":
+            block, shards = msg[1], msg[2]
+            for ids, params, dsts in shards:
+                faults.kill_rollout_at(drawn)  # tests only
+                batch = engine.generate(ids, params)
+                drawn += 1
+                for dst in dsts:
+                    remote.send(placement, ("batch", block, version, batch), dst, remote.DATA,
+                                wait=False)
+        elif msg[0] == "eval":
+            remote.send(placement, evaluate_with(cfg, engine, tokenizer, alone), 0, remote.EVAL)
+        elif msg[0] == "stop":
+            return drawn

@@ -22,6 +22,7 @@ def _run(run_dir, policy, prm, extra):
     """One rank of a launch, as `megaprm train` runs it: split the world, then train or serve."""
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import remote
+    from megaprm.trainer import rollout_source
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer.loop import RLTrainer
 
@@ -29,7 +30,7 @@ def _run(run_dir, policy, prm, extra):
     tok = build_char_tokenizer()
     placement = remote.split_world(cfg)
     if placement is not None and placement.is_rollout:
-        return {"drawn": remote.serve(cfg, placement, tok)}
+        return {"drawn": rollout_source.serve(cfg, placement, tok)}
     return RLTrainer(cfg, init_distributed(), tok).fit()
 
 
@@ -74,6 +75,7 @@ def test_separate_on_policy_equals_colocated_and_stale_stays_within_k(models, tm
 def _run_method(run_dir, policy, prm, method, extra):
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import remote
+    from megaprm.trainer import rollout_source
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer.loop import RLTrainer
 
@@ -81,7 +83,7 @@ def _run_method(run_dir, policy, prm, method, extra):
     tok = build_char_tokenizer()
     placement = remote.split_world(cfg)
     if placement is not None and placement.is_rollout:
-        return {"drawn": remote.serve(cfg, placement, tok)}
+        return {"drawn": rollout_source.serve(cfg, placement, tok)}
     return RLTrainer(cfg, init_distributed(), tok).fit()
 
 
