@@ -21,7 +21,7 @@ from megaprm.planner.workload import Workload
 from megaprm.trainer.preflight import check_plan
 from tests.memory_utils import LiveBytes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.stem.endswith("_tiny"))
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]
 

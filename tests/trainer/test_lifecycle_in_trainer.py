@@ -36,7 +36,7 @@ def policy(tmp_path_factory):
 
 
 def _ops(log):
-    import fake_vllm
+    from tests.rollout import fake_vllm
 
     return fake_vllm.call_names(log)
 
@@ -76,7 +76,7 @@ def _record_hf(log):
 
 
 def _train(run_root, policy, tp):
-    import fake_vllm
+    from tests.rollout import fake_vllm
 
     from megaprm.config import load_config
     from megaprm.parallel import weight_sync
@@ -130,7 +130,7 @@ def test_trainer_drives_the_lifecycle_on_two_ranks(policy, tmp_path, tp):
 
 
 def _build_order(run_root, policy):
-    import fake_vllm
+    from tests.rollout import fake_vllm
 
     from megaprm.config import load_config
     from megaprm.parallel.init import init_distributed
