@@ -13,6 +13,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from checkpoint_tools import model_source
+
 _SHIPPED = os.path.join(os.path.dirname(__file__), "hf_configs")
 
 
@@ -36,8 +38,6 @@ def hf_config_for(path: str | None, what: str) -> ModelConfigSource:
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "config.json")):
             return ModelConfigSource(load_hf_config(path), os.path.join(path, "config.json"))
-        from megaprm.trainer import model_source
-
         src = model_source.resolve(path, what)
         return ModelConfigSource(load_hf_config(src.hf_dir), os.path.join(src.hf_dir,
                                                                           "config.json"))

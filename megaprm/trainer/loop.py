@@ -44,6 +44,7 @@ from typing import List
 
 import torch
 
+from checkpoint_tools import model_source
 from megaprm.config import Config, save_config, to_dict
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.parallel.device import resolve_dtype
@@ -55,7 +56,6 @@ from megaprm.trainer import (
     correction,
     evaluate,
     implicit_prm,
-    model_source,
     refill,
     resume,
     rewards,

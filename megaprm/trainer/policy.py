@@ -8,12 +8,12 @@ from typing import List, Optional
 
 import torch
 
+from checkpoint_tools import model_source
 from megaprm.models.logprobs import next_token_logprobs
 from megaprm.parallel import microbatch, pipeline
 from megaprm.parallel.device import to_host
 from megaprm.parallel.groups import Groups
 from megaprm.rollout.engine import RightPadded
-from megaprm.trainer import model_source
 
 
 def response_to_targets(values: torch.Tensor, rp: RightPadded) -> torch.Tensor:

@@ -12,7 +12,7 @@ from megaprm.parallel.init import check_layout
 
 def check_rl_launch(cfg: Config, world_size: int) -> None:
     from megaprm.models.hf_spec import spec_from_hf
-    from megaprm.trainer import model_source
+    from checkpoint_tools import model_source
 
     world_size = trainer_world(cfg, world_size)
     dp = check_layout(world_size, cfg.parallel.tp, cfg.parallel.pp)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from checkpoint_tools import model_source
 from megaprm import faults
 from megaprm.config import ConfigError
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.parallel.device import resolve_dtype, to_host
 from megaprm.parallel.host import dp_reduce
 from megaprm.rollout.engine import RolloutBatch
-from megaprm.trainer import model_source
 from megaprm.trainer.batch import ScoredBatch
 from megaprm.trainer.data import Prompts
 

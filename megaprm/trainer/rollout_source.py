@@ -14,6 +14,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from checkpoint_tools import model_source
 from megaprm import faults
 from megaprm.config import ConfigError
 from megaprm.parallel import weight_sync
@@ -22,7 +23,6 @@ from megaprm.parallel.groups import Groups
 from megaprm.parallel.offload import Offload
 from megaprm.rollout import factory, remote
 from megaprm.rollout.engine import RolloutBatch, SamplingParams
-from megaprm.trainer import model_source
 from megaprm.trainer.data import Prompts, encode_prompts
 from megaprm.trainer.evaluate import evaluate_with
 from megaprm.trainer.lifecycle import Lifecycle

@@ -78,7 +78,7 @@ def test_export_and_verify_refuse_a_damaged_checkpoint(made, tmp_path):
 
 def test_model_path_refuses_a_damaged_checkpoint(made, tmp_path):
     """Issue 35.1: `model.path` = a damaged checkpoint trained from corrupted weights."""
-    from megaprm.trainer import model_source
+    from checkpoint_tools import model_source
 
     _, ck = made
     assert model_source.resolve(ck).megatron_dir == os.path.join(ck, "model")

@@ -49,7 +49,8 @@ def _actor_vs_transformers(policy, dtype_name):
 
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.parallel.init import init_distributed
-    from megaprm.trainer import loop, model_source
+    from checkpoint_tools import model_source
+    from megaprm.trainer import loop
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     g = init_distributed()
@@ -87,7 +88,7 @@ def _one_adam_step(policy):
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
     from megaprm.trainer.sft import sft_step
-    from megaprm.trainer import model_source
+    from checkpoint_tools import model_source
 
     g = init_distributed()
     _full_fp32()
@@ -216,7 +217,7 @@ def _prm_score_and_train(policy, prm, out_dir):
     from megaprm.models.prm import build_prm
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
-    from megaprm.trainer import model_source
+    from checkpoint_tools import model_source
     from megaprm.trainer.prm_training import PRMTrainConfig, train_prm
 
     g = init_distributed()

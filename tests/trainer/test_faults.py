@@ -517,7 +517,7 @@ def test_a_wrong_shaped_tensor_is_named_before_loading(tmp_path, hf_dir, g1):
 
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.parallel import pipeline
-    from megaprm.trainer import model_source
+    from checkpoint_tools import model_source
 
     bad = str(tmp_path / "bad")
     shutil.copytree(hf_dir, bad)

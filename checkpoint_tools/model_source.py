@@ -14,7 +14,10 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from checkpoint_tools import layout, manifest
+
 _verified: set = set()  # checkpoint dirs whose manifest this process checked
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -31,8 +34,6 @@ def resolve(path: Optional[str], what: str = "model.path") -> ModelSource:
     """Classify `path` (an HF directory, else whatever `checkpoint_tools.layout.
     resolve_checkpoint` accepts: a checkpoint, a trainer step dir or run dir); a one-line
     ValueError names what is missing and what would work."""
-    from checkpoint_tools import layout
-
     if path is None or not os.path.isdir(path):
         raise ValueError(f"{what}={path!r} is not a directory; point it at an HF model directory "
                          "(config.json + safetensors) or a megaprm checkpoint "
@@ -45,8 +46,6 @@ def resolve(path: Optional[str], what: str = "model.path") -> ModelSource:
         raise ValueError(f"{what}={path!r} has no config.json; pass an HF model directory or a "
                          "megaprm checkpoint directory") from None
     if ckpt not in _verified:
-        from checkpoint_tools import manifest
-
         try:
             manifest.check(ckpt)
         except ValueError as e:
@@ -71,6 +70,7 @@ def load_weights(model, src: ModelSource, spec, groups) -> None:
     """Fill this rank's stage from `src` (HF safetensors through the mapping, or the dist
     checkpoint resharded to this run's tp/pp, as checkpoint_tools loads it)."""
     if not src.is_megatron:
+        # deferred: megatron (convert and the mapping import it), which resolving a path needs not
         from checkpoint_tools.convert import check_hf_weights
         from megaprm.models.mapping import load_hf_weights
 
@@ -81,6 +81,6 @@ def load_weights(model, src: ModelSource, spec, groups) -> None:
         load_hf_weights(model, src.hf_dir, spec, tp_rank=groups.tp_rank, tp_size=groups.tp_size,
                         pp=groups.pp_size, pp_rank=groups.pp_rank)
         return
-    from checkpoint_tools.convert import load_checkpoint
+    from checkpoint_tools.convert import load_checkpoint  # deferred: megatron
 
     load_checkpoint(model.module if hasattr(model, "module") else model, src.megatron_dir)
