@@ -1,7 +1,7 @@
 """MANIFEST.json: size + crc32 of every file of a checkpoint, written last; every reader checks it.
 
 An `import-hf` checkpoint holds its own `DIR/MANIFEST.json`. A trainer step holds one for the
-whole step (`step_N/MANIFEST.json`, megaprm.trainer.checkpoint), so its model `step_N/actor/`
+whole step (`step_N/MANIFEST.json`, written by megaprm.trainer.checkpoint.save), so its model `step_N/actor/`
 is checked against the entries under `actor/`. The format is the trainer's:
 `{"checksum": "crc32", "total_bytes": N, "files": {relative path: [size, "crc32 hex"]}}`.
 A checkpoint written before manifests existed has none; it is read with a warning.
@@ -26,15 +26,32 @@ def crc32(path: str) -> str:
     return f"{crc:08x}"
 
 
-def write(root: str, **header) -> None:
-    """Write `root/MANIFEST.json` over every other file below `root` (call after the last write)."""
-    files = {}
+def listing(root: str) -> list:
+    """Every file below `root` but the manifest itself, relative to `root`, sorted."""
+    out = []
     for d, _, names in os.walk(root):
         for n in names:
             rel = os.path.relpath(os.path.join(d, n), root)
             if rel != MANIFEST:
-                full = os.path.join(root, rel)
-                files[rel] = [os.path.getsize(full), crc32(full)]
+                out.append(rel)
+    return sorted(out)
+
+
+def entries(root: str, files: list) -> dict:
+    """rel -> [size, crc32] of `files` (relative to `root`): what the manifest lists for them.
+    A multi-rank writer checksums a share of the files per rank and merges the dicts."""
+    out = {}
+    for rel in files:
+        full = os.path.join(root, rel)
+        out[rel] = [os.path.getsize(full), crc32(full)]
+    return out
+
+
+def write(root: str, files: dict | None = None, **header) -> None:
+    """Write `root/MANIFEST.json`, `header` first, over `files` (rel -> [size, crc32]; default:
+    every other file below `root`). Call it after the last write; it is fsynced."""
+    if files is None:
+        files = entries(root, listing(root))
     with open(os.path.join(root, MANIFEST), "w", encoding="utf-8") as f:
         json.dump({**header, "checksum": "crc32",
                    "total_bytes": sum(n for n, _ in files.values()), "files": files}, f, indent=2)
@@ -42,13 +59,29 @@ def write(root: str, **header) -> None:
         os.fsync(f.fileno())
 
 
-def _read(path: str):
+def _one_line(e: BaseException, limit: int) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:limit]}"
+
+
+def _load(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         manifest = json.load(f)
     files = manifest["files"]
     if not isinstance(files, dict) or not files:
         raise ValueError("no files listed")
-    return files
+    return manifest
+
+
+def read(ckpt_dir: str) -> tuple:
+    """(`ckpt_dir/MANIFEST.json` as a dict, None), or (None, what is wrong) when it is missing
+    (an interrupted save, or an older writer) or unreadable. Single process."""
+    mpath = os.path.join(ckpt_dir, MANIFEST)
+    if not os.path.isfile(mpath):
+        return None, f"no {MANIFEST} (an incomplete save, or written by an older megaprm)"
+    try:
+        return _load(mpath), None
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        return None, f"{MANIFEST} is unreadable ({_one_line(e, 400)})"
 
 
 def problems(ckpt_dir: str) -> list | None:
@@ -65,9 +98,9 @@ def problems(ckpt_dir: str) -> list | None:
     else:
         return None
     try:
-        files = _read(mpath)
+        files = _load(mpath)["files"]
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        return [f"{mpath} is unreadable ({type(e).__name__}: {' '.join(str(e).split())[:200]})"]
+        return [f"{mpath} is unreadable ({_one_line(e, 200)})"]
     mine = {rel: v for rel, v in files.items() if rel.startswith(prefix)}
     if not mine:
         return [f"{mpath} lists no file of {ckpt_dir}"]
@@ -94,7 +127,7 @@ def file_problem(full: str, entry, name: str | None = None) -> str | None:
         if crc32(full) != crc:
             return f"{name} fails its checksum (its bytes changed)"
     except (OSError, ValueError, TypeError) as e:
-        return f"{name} cannot be checked ({type(e).__name__}: {' '.join(str(e).split())[:400]})"
+        return f"{name} cannot be checked ({_one_line(e, 400)})"
     return None
 
 

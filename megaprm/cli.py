@@ -21,7 +21,7 @@ def _user_errors() -> tuple:
     from megaprm.config import ConfigError
     from megaprm.parallel.init import ParallelConfigError
     from megaprm.parallel.launch import LaunchError
-    from megaprm.trainer.checkpoint import CheckpointError
+    from megaprm.trainer.checkpoint.store import CheckpointError
     from megaprm.trainer.run_lock import RunLockError
 
     types = [ConfigError, ParallelConfigError, LaunchError, CheckpointError, RunLockError,

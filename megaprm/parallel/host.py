@@ -53,18 +53,31 @@ def dp_sum(x: float, groups: Groups) -> float:
     return dp_reduce({"x": x}, groups)["x"]
 
 
+def all_failures(failure, group, world_size: int) -> list:
+    """Every rank learns which ranks failed: [(rank in `group`, failure)] for each rank whose
+    `failure` is not None, the same list on every rank, [] when none failed. The one home of
+    "every rank raises the same error, none waits in a collective while another raises".
+
+    One all-reduce of a flag on `group`, and only when some rank failed a gather of the
+    failures (any picklable value): the common path is one small all-reduce instead of a
+    pickled gather whose size grows with the world. `group` takes CPU tensors (a gloo group,
+    or None for a gloo default group); `world_size` is its size."""
+    if world_size == 1 or not dist.is_initialized():
+        return [] if failure is None else [(0, failure)]
+    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag):
+        return []
+    found: list = [None] * world_size
+    dist.all_gather_object(found, failure, group=group)
+    return [(r, f) for r, f in enumerate(found) if f is not None]
+
+
 def agree(fault: Optional[str], groups: Groups) -> Optional[str]:
-    """Every rank learns whether any rank faulted; returns the first faulting rank's message, or
-    None. On the agreement group (all ranks, short timeout): one all-reduce of a flag, and only
-    when some rank faulted a gather of the messages. The common path is one small all-reduce a
-    step instead of a pickled gather of every rank's message (two gathers whose size grows with
-    the world)."""
+    """Every rank learns whether any rank faulted; returns the first faulting rank's message
+    ("rank R: ..."), or None. On the agreement group (all ranks, short timeout, so a dead rank
+    is an error in minutes)."""
     if groups.world_size == 1 or not dist.is_initialized():
         return fault
-    flag = torch.tensor([0 if fault is None else 1], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.agree)
-    if not int(flag):
-        return None
-    msgs: list = [None] * groups.world_size
-    dist.all_gather_object(msgs, fault, group=groups.agree)
-    return next(((f"rank {r}: {m}") for r, m in enumerate(msgs) if m is not None), None)
+    found = all_failures(fault, groups.agree, groups.world_size)
+    return f"rank {found[0][0]}: {found[0][1]}" if found else None

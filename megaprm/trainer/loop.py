@@ -127,10 +127,10 @@ class RLTrainer:
         check_batch(cfg, groups.dp_size)
         self.lock = resume.lock_run_dir(cfg.trainer.run_dir, groups)
         if not cfg.trainer.resume:  # an earlier run there: refused, or moved aside (replace_run)
-            from megaprm.trainer import checkpoint
+            from megaprm.trainer.checkpoint.run_dir import start_fresh
 
-            checkpoint.start_fresh(cfg.trainer.run_dir, groups, replace=cfg.trainer.replace_run,
-                                   log=print if groups.rank == 0 else (lambda _m: None))
+            start_fresh(cfg.trainer.run_dir, groups, replace=cfg.trainer.replace_run,
+                        log=print if groups.rank == 0 else (lambda _m: None))
         self.run_id = uuid.uuid4().hex[:12]  # a resume takes the checkpoint's
         # the data first: a bad prompt file fails before any model is built
         self.data = make_data(cfg, tokenizer, log=print if groups.rank == 0 else None)

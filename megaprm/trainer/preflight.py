@@ -92,22 +92,29 @@ def check_resume(cfg: Config, world_size: int) -> None:
     start (trainer.resume=false) never overwrites a run there. Only files that match their
     checkpoint's MANIFEST are read: a damaged newest checkpoint is passed over for the previous
     one, as the ranks' resume falls back (or refused, trainer.resume_fallback=false)."""
-    from megaprm.trainer import checkpoint
+    from megaprm.trainer.checkpoint.load import other_runs
+    from megaprm.trainer.checkpoint.run_dir import refuse_overwrite
+    from megaprm.trainer.checkpoint.store import (
+        CheckpointError,
+        step_dirs,
+        verified_trainer_json,
+    )
+    from megaprm.trainer.run_config import config_diff, config_digest_fields
 
     if not cfg.trainer.resume:
-        checkpoint.refuse_overwrite(cfg.trainer.run_dir, cfg.trainer.replace_run)
+        refuse_overwrite(cfg.trainer.run_dir, cfg.trainer.replace_run)
         return
     root = os.path.join(cfg.trainer.run_dir, "checkpoints")
     state = path = None
-    names = checkpoint.step_dirs(root)
-    foreign = dict(checkpoint.other_runs(root, names))  # never adopted (checkpoint.find_intact)
+    names = step_dirs(root)
+    foreign = dict(other_runs(root, names))  # never adopted (load.find_intact)
     for name in (n for n in names if n not in foreign):
         path = os.path.join(root, name)
-        state, problem = checkpoint.verified_trainer_json(path)
+        state, problem = verified_trainer_json(path)
         if state is not None:
             break
         if not cfg.trainer.resume_fallback:
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {path} is damaged: {problem}; set trainer.resume_fallback=true to "
                 "resume from the previous intact checkpoint, or delete it")
     if state is None:
@@ -115,15 +122,13 @@ def check_resume(cfg: Config, world_size: int) -> None:
     have = (state.get("world_size"), state.get("tp"), state.get("pp"))
     want = (world_size, cfg.parallel.tp, cfg.parallel.pp)
     if have != want:
-        raise checkpoint.CheckpointError(
+        raise CheckpointError(
             f"{path} was written with (world, tp, pp) = {have} but this run has {want}; resume "
             "with the same layout, or export the policy (checkpoint_tools export-hf) and start a "
             "new run_dir from it")
-    from megaprm.trainer.run_config import config_digest_fields
-
     if state.get("config") is not None and not cfg.trainer.allow_config_change:
-        changed = checkpoint.config_diff(state["config"], config_digest_fields(cfg))
+        changed = config_diff(state["config"], config_digest_fields(cfg))
         if changed:
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"{path} was trained with another config: {', '.join(changed[:6])}; use a new "
                 "trainer.run_dir, or trainer.allow_config_change=true to resume anyway")

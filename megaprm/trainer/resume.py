@@ -7,7 +7,10 @@ import os
 
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.host import agree
-from megaprm.trainer import checkpoint
+from megaprm.trainer.checkpoint.load import load
+from megaprm.trainer.checkpoint.save import SideFiles
+from megaprm.trainer.checkpoint.save import save as save_checkpoint
+from megaprm.trainer.checkpoint.store import CheckpointError
 from megaprm.trainer.run_config import LOCK_ENV
 
 
@@ -23,9 +26,9 @@ def ckpt_parts(tr):
 def save(tr, step: int, crash_after_models: bool = False) -> str:
     models, optims, sources = ckpt_parts(tr)
     dtype = tr.cfg.model.dtype
-    return checkpoint.save(
+    return save_checkpoint(
         tr.ckpt_root, step, tr.groups, models=models, optimizers=optims,
-        sources={k: checkpoint.ModelSource(src.hf_dir, dtype) for k, src in sources.items()},
+        sources={k: SideFiles(src.hf_dir, dtype) for k, src in sources.items()},
         trainer_state={"next_step": step + 1, "skipped_steps": tr.skipped_steps,
                        "next_block": tr.next_block, "run_id": tr.run_id,
                        **_requeue_state(tr)},
@@ -53,11 +56,11 @@ def maybe_resume(tr) -> int:
     if not tr.cfg.trainer.resume:
         return 0
     models, optims, _ = ckpt_parts(tr)
-    state = checkpoint.load(tr.ckpt_root, tr.groups, models=models, optimizers=optims,
-                            config=tr.digest_fields,
-                            fallback=tr.cfg.trainer.resume_fallback,
-                            allow_config_change=tr.cfg.trainer.allow_config_change,
-                            log=print if tr.groups.rank == 0 else (lambda _m: None))
+    state = load(tr.ckpt_root, tr.groups, models=models, optimizers=optims,
+                 config=tr.digest_fields,
+                 fallback=tr.cfg.trainer.resume_fallback,
+                 allow_config_change=tr.cfg.trainer.allow_config_change,
+                 log=print if tr.groups.rank == 0 else (lambda _m: None))
     if state is None:
         return 0
     tr.skipped_steps = state.get("skipped_steps", 0)
@@ -87,7 +90,7 @@ def lock_run_dir(run_dir: str, groups: Groups):
     if err is not None:
         if lock is not None:
             lock.release()
-        raise checkpoint.CheckpointError(err.split(": ", 1)[-1])
+        raise CheckpointError(err.split(": ", 1)[-1])
     return lock
 
 

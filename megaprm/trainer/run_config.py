@@ -1,9 +1,13 @@
-"""What a run is, for resuming and locking: the digested config a checkpoint must match, the
-run-directory lock's environment key, and the one temperature of the update's log-probs.
-Imported by the loop and by the launcher's preflight (no import of either)."""
+"""What a run is, for resuming and locking: the digested config a checkpoint must match (its
+fields, digest and the keys that differ), the run-directory lock's environment key, and the one
+temperature of the update's log-probs. Imported by the loop, the checkpoint loader and the
+launcher's preflight (no import of any of them)."""
 from __future__ import annotations
 
+import json
+
 from megaprm.config import Config, to_dict
+from megaprm.digest import json_digest
 
 LOCK_ENV = "MEGAPRM_RUN_DIR_LOCKED"  # set by the launcher that holds the run directory's lock
 
@@ -45,6 +49,29 @@ def config_digest_fields(cfg: Config) -> dict:
             flat.pop(k, None)
     return flat
 
+
+def config_digest(config: dict) -> str:
+    """The digest of `config_digest_fields` a checkpoint stores and a resume compares (compact
+    JSON, as every checkpoint so far stored it)."""
+    return json_digest(config, compact=True)
+
+
+def _flatten(d, prefix=""):
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def config_diff(old: dict, new: dict) -> list:
+    """['advantage.method: prof_grpo -> grpo', ...] for every dotted key that differs."""
+    a, b = _flatten(json.loads(json.dumps(old, default=str))), _flatten(
+        json.loads(json.dumps(new, default=str)))
+    missing = object()
+    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+            for k in sorted(set(a) | set(b)) if a.get(k, missing) != b.get(k, missing)]
 
 
 def logprob_temperature(cfg: Config) -> float:

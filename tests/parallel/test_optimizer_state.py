@@ -80,7 +80,8 @@ def _resume_work(rank, world, hf, root):
     import multiprocessing
 
     from megaprm.parallel.init import init_distributed
-    from megaprm.trainer import checkpoint
+    from megaprm.trainer.checkpoint.load import load
+    from megaprm.trainer.checkpoint.save import save
 
     multiprocessing.current_process()._config["daemon"] = False  # dist_checkpointing's writers
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
@@ -91,14 +92,14 @@ def _resume_work(rank, world, hf, root):
     ddp, opt = _build(hf, g)
     out["dist_opt"] = [type(o).__name__ for o in opt.impl.chained_optimizers]
     _train(ddp, opt, g, [0, 1])
-    checkpoint.save(root, 2, g, models={"actor": ddp}, optimizers={"actor": opt},
-                    trainer_state={"next_step": 2})
+    save(root, 2, g, models={"actor": ddp}, optimizers={"actor": opt},
+         trainer_state={"next_step": 2})
     saved = _shard_state(opt)
     out["norms_a"] = _train(ddp, opt, g, [2, 3])
     uninterrupted = _weights(ddp)
 
     ddp, opt = _build(hf, g)  # a fresh process's state: initial weights, no optimiser state
-    checkpoint.load(root, g, models={"actor": ddp}, optimizers={"actor": opt})
+    load(root, g, models={"actor": ddp}, optimizers={"actor": opt})
     loaded = _shard_state(opt)
     out["entries"] = len(saved)
     out["shard_restored"] = len(saved) == len(loaded) and all(

@@ -12,8 +12,11 @@ import sys
 import pytest
 import torch
 
-from megaprm.trainer import checkpoint
-from megaprm.trainer.checkpoint import CheckpointError, ModelSource
+from megaprm.trainer.checkpoint.load import load as load_checkpoint
+from megaprm.trainer.checkpoint.save import SideFiles
+from megaprm.trainer.checkpoint.save import save as save_checkpoint
+from megaprm.trainer.checkpoint.store import CheckpointError, verify
+from megaprm.trainer.run_config import config_digest
 from megaprm.trainer.run_lock import RunLock, RunLockError
 from tests.distributed_utils import run_distributed
 
@@ -66,14 +69,14 @@ def _weights(ddp) -> dict:
 
 
 def _save(root, step, g, ddp, opt, hf, **kw):
-    return checkpoint.save(str(root), step, g, models={"actor": ddp}, optimizers={"actor": opt},
-                           sources={"actor": ModelSource(hf)},
+    return save_checkpoint(str(root), step, g, models={"actor": ddp}, optimizers={"actor": opt},
+                           sources={"actor": SideFiles(hf)},
                            trainer_state={"next_step": step + 1, "skipped_steps": 0},
                            config=kw.pop("config", CONFIG), **kw)
 
 
 def _load(root, g, ddp, opt, **kw):
-    return checkpoint.load(str(root), g, models={"actor": ddp}, optimizers={"actor": opt},
+    return load_checkpoint(str(root), g, models={"actor": ddp}, optimizers={"actor": opt},
                            config=kw.pop("config", CONFIG), **kw)
 
 
@@ -125,7 +128,7 @@ def test_layout_roundtrip_and_checkpoint_tools_meta(tmp_path, hf_dir, groups):
     assert not _same(_weights(ddp), saved_w)
     state = _load(tmp_path, groups, ddp, opt)
     assert state["step"] == 3 and state["next_step"] == 4 and state["path"] == path
-    assert state["config_digest"] == checkpoint.config_digest(CONFIG)
+    assert state["config_digest"] == config_digest(CONFIG)
     assert _same(_weights(ddp), saved_w)
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved_opt["state"][0]["exp_avg"])
     assert torch.equal(torch.rand(3), expect_rand)  # RNG restored
@@ -184,7 +187,7 @@ def test_crash_between_rename_and_latest_is_adopted(tmp_path, hf_dir, groups):
     # Saving a step that already exists (re-reached after a fallback) replaces it.
     _train_step(ddp, opt)
     _save(tmp_path, 3, groups, ddp, opt, hf_dir)
-    assert checkpoint.verify(str(tmp_path / "step_000003"), groups) == []
+    assert verify(str(tmp_path / "step_000003"), groups) == []
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_000001", "step_000002", "step_000003"]
 
 
@@ -207,7 +210,7 @@ def test_enospc_one_line_previous_intact_no_leftovers(tmp_path, hf_dir, groups, 
     assert str(tmp_path / "step_000002") in msg and re.search(r"needs about [\d.]+ (MiB|GiB)", msg)
     assert "step_000001 is intact" in msg
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_000001"]
-    assert checkpoint.verify(str(tmp_path / "step_000001"), groups) == []
+    assert verify(str(tmp_path / "step_000001"), groups) == []
     monkeypatch.setattr(torch, "save", real_save)
     _save(tmp_path, 2, groups, ddp, opt, hf_dir)
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_000001", "step_000002"]
@@ -405,14 +408,14 @@ def test_trainer_checkpoint_exports_with_checkpoint_tools(tmp_path, hf_dir, grou
 
 
 def test_a_newer_checkpoint_of_another_run_is_never_adopted(tmp_path, hf_dir, groups):
-    """Issue 35.3: a reused run directory held an earlier run's step_3; the new run's resume
+    """A reused run directory held an earlier run's step_3; the new run's resume
     (latest -> its step_1) adopted step_3 as 'a save was interrupted'. A checkpoint newer than
     `latest` is adopted only when the same run wrote it (run id and config digest)."""
     ddp, opt = _build(hf_dir, groups)
     root = str(tmp_path / "ckpt")
 
     def save(step, run_id, config=CONFIG):
-        return checkpoint.save(root, step, groups, models={"actor": ddp},
+        return save_checkpoint(root, step, groups, models={"actor": ddp},
                                optimizers={"actor": opt},
                                trainer_state={"next_step": step + 1, "run_id": run_id},
                                config=config)

@@ -59,16 +59,16 @@ def _digest(ddp) -> str:
 
 
 def _save(root, step, g, ddp, opt, hf, **kw):
-    from megaprm.trainer import checkpoint
+    from megaprm.trainer.checkpoint.save import SideFiles, save
 
-    return checkpoint.save(root, step, g, models={"actor": ddp}, optimizers={"actor": opt},
-                           sources={"actor": checkpoint.ModelSource(hf)},
-                           trainer_state={"next_step": step + 1}, config=CONFIG, **kw)
+    return save(root, step, g, models={"actor": ddp}, optimizers={"actor": opt},
+                sources={"actor": SideFiles(hf)},
+                trainer_state={"next_step": step + 1}, config=CONFIG, **kw)
 
 
 def _victim(mode: str, root: str, hf: str, arg: str) -> None:
     from megaprm.parallel.init import init_distributed
-    from megaprm.trainer import checkpoint
+    from megaprm.trainer.checkpoint.store import CheckpointError, verify
 
     torch.manual_seed(0)
     g = init_distributed()
@@ -106,10 +106,10 @@ def _victim(mode: str, root: str, hf: str, arg: str) -> None:
         try:
             _save(root, 2, g, ddp, opt, hf)
             out["error"] = None
-        except checkpoint.CheckpointError as e:
+        except CheckpointError as e:
             out["error"] = str(e)
         out["after_error"] = sorted(os.listdir(root))
-        out["step1_problems"] = checkpoint.verify(os.path.join(root, "step_000001"), g)
+        out["step1_problems"] = verify(os.path.join(root, "step_000001"), g)
         subprocess.run(["mount", "-o", f"remount,size={size * 3}", root], check=True)
         _save(root, 2, g, ddp, opt, hf)
         out["after_next_save"] = sorted(os.listdir(root))
@@ -259,15 +259,15 @@ def hf_dir(tmp_path_factory):
 def resume(hf_dir):
     """load(ckpt_root) in this process -> (state, digest of the loaded weights, log lines)."""
     from megaprm.parallel.init import destroy, init_distributed
-    from megaprm.trainer import checkpoint
+    from megaprm.trainer.checkpoint.load import load
 
     g = init_distributed()
     ddp, opt = _build(hf_dir, g)
 
     def run(root):
         lines = []
-        state = checkpoint.load(root, g, models={"actor": ddp}, optimizers={"actor": opt},
-                                config=CONFIG, log=lines.append)
+        state = load(root, g, models={"actor": ddp}, optimizers={"actor": opt},
+                     config=CONFIG, log=lines.append)
         return state, _digest(ddp), lines
     yield run
     destroy()
@@ -342,7 +342,7 @@ def test_full_disk_real_tmpfs(tmp_path, hf_dir):
     assert res["after_next_save"] == ["latest", "step_000001", "step_000002"]
 
 
-# ------------------------------------------------- run directories, config, metrics, lock (issue 35)
+# ------------------------------------------------- run directories, config, metrics, lock
 # Single-process checks of what the launcher (preflight) and rank 0 do before and during a run.
 
 @pytest.fixture
@@ -365,10 +365,11 @@ def _cfg(run_dir, *more):
 
 
 def test_fresh_start_never_overwrites_a_run(tmp_path, g1):
-    """Issue 35.2: trainer.resume=false on a directory holding a run deleted its metrics and
+    """trainer.resume=false on a directory holding a run deleted its metrics and
     overwrote its checkpoints without a word. Refused in one line naming the flag; with
     trainer.replace_run=true the old run is moved aside whole, nothing deleted."""
-    from megaprm.trainer import checkpoint
+    from megaprm.trainer.checkpoint.run_dir import start_fresh
+    from megaprm.trainer.checkpoint.store import CheckpointError
     from megaprm.trainer.preflight import check_resume
 
     run = tmp_path / "run"
@@ -376,17 +377,17 @@ def test_fresh_start_never_overwrites_a_run(tmp_path, g1):
     (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
     (run / "config.yaml").write_text("x: 1\n")
     before = {p.relative_to(run): p.read_bytes() if p.is_file() else None for p in run.rglob("*")}
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with pytest.raises(CheckpointError) as e:
         check_resume(_cfg(run, "trainer.resume=false"), 1)
     msg = str(e.value)
     assert "\n" not in msg and "trainer.replace_run=true" in msg and "step_000003" in msg
-    with pytest.raises(checkpoint.CheckpointError, match="trainer.replace_run=true"):
-        checkpoint.start_fresh(str(run), g1, replace=False)
+    with pytest.raises(CheckpointError, match="trainer.replace_run=true"):
+        start_fresh(str(run), g1, replace=False)
     assert {p.relative_to(run): p.read_bytes() if p.is_file() else None
             for p in run.rglob("*")} == before
     check_resume(_cfg(run, "trainer.resume=false", "trainer.replace_run=true"), 1)
     lines = []
-    checkpoint.start_fresh(str(run), g1, replace=True, log=lines.append)
+    start_fresh(str(run), g1, replace=True, log=lines.append)
     (aside,) = [p for p in run.iterdir()]
     assert aside.name.startswith("replaced-") and str(aside) in lines[0]
     assert {p.relative_to(aside): p.read_bytes() if p.is_file() else None
@@ -402,7 +403,7 @@ def test_fresh_start_never_overwrites_a_run(tmp_path, g1):
     ("rollout.n=2.5", "rollout.n=2.5 must be an integer"),
 ])
 def test_config_numbers_are_checked_for_type_and_finiteness(override, says):
-    """Issue 35.4 / 35.8: a bool was taken as 1, NaN was accepted (then every step was skipped,
+    """a bool was taken as 1, NaN was accepted (then every step was skipped,
     exit 0), and an Optional field's type error did not name the field."""
     from megaprm.config import ConfigError, load_config
 
@@ -422,7 +423,7 @@ def test_config_numbers_still_widen_and_allow_null():
 
 
 def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path, capsys):
-    """Issue 35.5: a torn last line in metrics.jsonl (a full disk) made every restart fail."""
+    """a torn last line in metrics.jsonl (a full disk) made every restart fail."""
     from megaprm.trainer.metrics import MetricsLogger, read_metrics
 
     run = tmp_path / "run"
@@ -444,7 +445,7 @@ def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path, capsys):
 
 
 def test_unreadable_lock_of_no_live_process_is_taken_over(tmp_path, monkeypatch):
-    """Issue 35.6: a full disk at start left an empty lock file; every restart then said 'in
+    """a full disk at start left an empty lock file; every restart then said 'in
     use by an unknown process'. Now a start on a full disk leaves no lock, an unreadable lock
     no process holds is taken over, and one a live process holds is still refused."""
     import fcntl
@@ -479,7 +480,7 @@ def test_unreadable_lock_of_no_live_process_is_taken_over(tmp_path, monkeypatch)
 
 
 def test_unclear_inputs_are_one_line_naming_what_and_where(tmp_path, hf_dir):
-    """Issue 35.8: a data.path directory ('does not exist'), a .json array ('bad JSON'), a broken
+    """a data.path directory ('does not exist'), a .json array ('bad JSON'), a broken
     config.json (no file named), missing tokenizer files ('prompt 0 is empty')."""
     from megaprm.config import ConfigError
     from megaprm.models.hf_spec import spec_from_hf
@@ -512,7 +513,7 @@ def test_unclear_inputs_are_one_line_naming_what_and_where(tmp_path, hf_dir):
 
 
 def test_a_wrong_shaped_tensor_is_named_before_loading(tmp_path, hf_dir, g1):
-    """Issue 35.8: a tensor of the wrong shape in the trainer was a 91-line traceback."""
+    """a tensor of the wrong shape in the trainer was a 91-line traceback."""
     from safetensors.torch import load_file, save_file
 
     from megaprm.models.hf_spec import spec_from_hf
@@ -533,7 +534,7 @@ def test_a_wrong_shaped_tensor_is_named_before_loading(tmp_path, hf_dir, g1):
 
 
 def test_a_huge_row_is_refused_before_it_is_tokenised(tmp_path):
-    """Issue 35.9: a 60 MB prompt line took one rank to 21 GB (an OOM kill). A row over
+    """a 60 MB prompt line took one rank to 21 GB (an OOM kill). A row over
     MAX_ROW_BYTES is a bad row (skipped and reported, or named under on_bad_row=error) before
     it is decoded, parsed or tokenised."""
     from megaprm.tasks import datasets
@@ -608,7 +609,7 @@ def _children(pid: int) -> list:
 
 
 def test_the_rank_that_died_first_is_named_with_its_signal(tmp_path):
-    """Issue 35.10: with rank 1 killed, the launcher said 'rank 0 failed with exit code -15'."""
+    """with rank 1 killed, the launcher said 'rank 0 failed with exit code -15'."""
     proc = _torchrun(tmp_path, "kill1", launcher=False)
     _, err = _finish(proc, 60)
     last = err.strip().splitlines()[-1]
@@ -619,7 +620,7 @@ def test_the_rank_that_died_first_is_named_with_its_signal(tmp_path):
 
 @pytest.mark.parametrize("fault", ["kill_torchrun", "sigterm_launcher"])
 def test_launcher_stops_are_one_line(tmp_path, fault):
-    """Issue 35.10: torchrun killed -> exit 247 and no message; SIGTERM to the launcher -> a
+    """torchrun killed -> exit 247 and no message; SIGTERM to the launcher -> a
     traceback. Now one line each, exit 128 + signal, and no rank outlives it."""
     proc = _torchrun(tmp_path, "sleep", launcher=True)
     if fault == "kill_torchrun":
@@ -648,11 +649,11 @@ def _fake_step(root, step, state) -> str:
 
 
 def test_preflight_reads_only_verified_trainer_json_and_falls_back(tmp_path):
-    """Issue 35.7: a torn trainer.json in the newest checkpoint failed preflight with a bare JSON
+    """a torn trainer.json in the newest checkpoint failed preflight with a bare JSON
     error and the fallback to the previous intact checkpoint was never tried."""
-    from megaprm.trainer import checkpoint
-    from megaprm.trainer.loop import config_digest_fields
+    from megaprm.trainer.checkpoint.store import CheckpointError
     from megaprm.trainer.preflight import check_resume
+    from megaprm.trainer.run_config import config_digest_fields
 
     run = tmp_path / "run"
     cfg = _cfg(run)
@@ -664,15 +665,15 @@ def test_preflight_reads_only_verified_trainer_json_and_falls_back(tmp_path):
     check_resume(cfg, 1)  # intact newest: same layout, same config
     with open(os.path.join(newest, "trainer.json"), "r+") as f:
         f.truncate(10)  # torn
-    with pytest.raises(checkpoint.CheckpointError, match=r"step_000001 was written with "
+    with pytest.raises(CheckpointError, match=r"step_000001 was written with "
                        r"\(world, tp, pp\) = \(2, 1, 1\)"):
         check_resume(cfg, 1)
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with pytest.raises(CheckpointError) as e:
         check_resume(_cfg(run, "trainer.resume_fallback=false"), 1)
     assert "step_000002 is damaged" in str(e.value) and "trainer.resume_fallback" in str(e.value)
     with open(os.path.join(newest, "trainer.json"), "w") as f:  # edited, valid JSON
         json.dump({"step": 2, "world_size": 2, "tp": 1, "pp": 1}, f)
-    with pytest.raises(checkpoint.CheckpointError, match="step_000001"):
+    with pytest.raises(CheckpointError, match="step_000001"):
         check_resume(cfg, 1)
 
 
