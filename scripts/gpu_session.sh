@@ -6,7 +6,7 @@
 # Knobs (environment): T_PYTEST T_DEMO T_BENCH (timeouts, s), TESTS (pytest paths), DEMO=0 /
 # BENCH=0 (skip one), DEMO_STEPS DEMO_EVAL ITERS BENCH_ARGS, PYTEST_ADDOPTS (e.g. -k).
 # Used on one H200 and one H100 on 2026-11-26: scripts/results/gpu_h200/ and gpu_h100/,
-# BENCHMARKS.md "One H200" and "One H100".
+# BENCHMARKS.md "Actor throughput on one H200" and "... on one H100".
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T_PYTEST=${T_PYTEST:-300}; T_DEMO=${T_DEMO:-240}; T_BENCH=${T_BENCH:-200}
 TESTS=${TESTS:-"tests/gpu tests/parallel/test_device.py tests/rollout/test_vllm_engine.py"}
