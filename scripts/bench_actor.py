@@ -4,7 +4,7 @@ Everything runs in this process on one device with the same weights (one HF dir)
 transformers (its default SDPA attention) is the same-run baseline. One row per switch, so each
 gain is measured on its own:
 
-  megatron_local       Megatron's local spec as is, unchunked log-probs (megaprm before issue 15)
+  megatron_local       Megatron's local spec as is, unchunked log-probs (megaprm's first actor)
   sdpa                 + core attention on torch SDPA, norm weights in the params dtype
   sdpa_chunked         + chunked log-probs as the trainer calls them (`next_token_logprobs`,
                        chunk `default_chunk_tokens`: the default)
@@ -16,7 +16,7 @@ A step is forward + backward of the token log-prob loss (no optimiser); tokens/s
 the fastest of --iters steps (the median is reported too). On CUDA each row also
 reports MFU (6 * params * tokens + causal attention 6 * layers * d_attn * sum(len^2), against the
 bf16 dense peak of the device named) and peak memory. Default (no arguments): on CPU the
-default shape and hidden 1024 / 12 layers; on GPU the issue's 0.79 B and 1.5 B shapes, bf16.
+default shape and hidden 1024 / 12 layers; on GPU a 0.79 B shape and Qwen2.5-1.5B's, bf16.
 Writes JSON with the device, the load average and all rows (default runs/bench/; `megaprm bench --update-results`: scripts/results/).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 SHAPES = {
     "cpu-default": (256, 4, 4, 2, 768, 2048, 8, 256, True),
     "cpu-1024x12": (1024, 12, 16, 8, 3072, 2048, 2, 256, True),
-    # Qwen2 shape of the issue (0.79 B params with tied embeddings)
+    # a 0.79 B Qwen2 shape (tied embeddings)
     "gpu-0.79b": (2048, 16, 32, 16, 5504, 32768, 4, 2048, True),
     # Qwen2.5-1.5B
     "gpu-1.5b": (1536, 28, 12, 2, 8960, 151936, 4, 2048, True),

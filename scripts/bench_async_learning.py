@@ -1,4 +1,4 @@
-"""Does the demo task still learn with the rollout one step ahead? (issue 31's learning check)
+"""Does the demo task still learn with the rollout one step ahead? (the learning check of the separate placement)
 
     python scripts/bench_async_learning.py [--colocated-seeds 0 1 2] [--separate-seeds 0 1 2]
                                      [--k 1] [--steps 40] [--eval-problems 200]

@@ -176,7 +176,7 @@ def main() -> None:
         for _ in range(a.repeats):
             # Each phase deletes its own previous output just before it runs, so that every
             # row writes into memory the kernel has just freed (the same size each time). On
-            # this VM, page cache grown into memory that has been free for a while costs
+            # the 2-core development VM, page cache grown into memory that has been free for a while costs
             # ~2.5 s/GB (host faults) against ~0.25 s/GB for just-freed pages: a phase that ran
             # after another's delete and one that did not differed by up to 5x.
             shutil.rmtree(raw_out, ignore_errors=True)

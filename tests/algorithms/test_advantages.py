@@ -318,7 +318,7 @@ def released_pure_normalize(adv, mask, mask_separator):
 @pytest.mark.parametrize("sep", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_pure_whitening_is_released_by_default(sep, seed):
-    """Issue 13 item 4: without separator masking the released code whitens every valid token,
+    """Without separator masking the released code whitens every valid token,
     zero-advantage ones included; "exclude" keeps megaprm's earlier behaviour."""
     b = random_batch(seed, n_groups=5, t=8)
     args = (b.outcome, b.step_scores, b.step_mask, b.step_end_index, b.response_mask, b.group_ids)

@@ -411,7 +411,7 @@ def test_cli_import_then_verify_resharded(world, hf_dirs, tmp_path):
 
 def test_cli_exports_a_trainer_run_dir(hf_dirs, tmp_path):
     """export-hf accepts the trainer's layout (run dir -> checkpoints/latest -> step_N/actor/)
-    and `--model prm` on a run without a PRM is one line, exit 2 (issue 16)."""
+    and `--model prm` on a run without a PRM is one line, exit 2."""
     import shutil
 
     ck = str(tmp_path / "ck")

@@ -1,4 +1,4 @@
-"""checkpoint_tools.layout: which directory a user's --ckpt path designates (issue 16).
+"""checkpoint_tools.layout: which directory a user's --ckpt path designates.
 
 The trainer writes RUN/checkpoints/step_NNNNNN/{actor,prm}/ (each a checkpoint_tools checkpoint)
 and RUN/checkpoints/latest; the directories here are built by hand in that layout, and the

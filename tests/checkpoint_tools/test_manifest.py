@@ -65,7 +65,7 @@ def test_import_writes_a_manifest_of_every_file(made):
 
 
 def test_export_and_verify_refuse_a_damaged_checkpoint(made, tmp_path):
-    """Issue 35.1: a flipped byte in the weights made export-hf report passed: true."""
+    """A flipped byte in the weights is refused (export-hf once reported passed: true)."""
     hf, ck = made
     bad = _copy(ck, tmp_path)
     _flip(_distcp(bad))
@@ -77,7 +77,7 @@ def test_export_and_verify_refuse_a_damaged_checkpoint(made, tmp_path):
 
 
 def test_model_path_refuses_a_damaged_checkpoint(made, tmp_path):
-    """Issue 35.1: `model.path` = a damaged checkpoint trained from corrupted weights."""
+    """`model.path` = a damaged checkpoint is refused (it once trained from corrupted weights)."""
     from checkpoint_tools import model_source
 
     _, ck = made
@@ -106,8 +106,8 @@ def _one_line(r, *needles):
 
 
 def test_cli_truncated_distcp_and_safetensors_are_one_line(made, tmp_path):
-    """Issue 35.11: export of a truncated .distcp (71-line EOFError) and verify against a
-    truncated safetensors (a traceback without the file)."""
+    """Export of a truncated .distcp (once a 71-line EOFError) and verify against a truncated
+    safetensors (once a traceback without the file) are one line each."""
     hf, ck = made
     bad = _copy(ck, tmp_path)
     part = _distcp(bad)
@@ -124,7 +124,7 @@ def test_cli_truncated_distcp_and_safetensors_are_one_line(made, tmp_path):
 
 
 def test_no_space_is_one_line_naming_enospc(made, tmp_path, monkeypatch, capsys):
-    """Issue 35.11: a full disk during import-hf / export-hf was a traceback."""
+    """A full disk during import-hf / export-hf is one line (it was a traceback)."""
     from checkpoint_tools import __main__ as cli
     from checkpoint_tools import layout
 

@@ -73,7 +73,7 @@ def test_bench_cli_rejects_unknown_name():
 
 def test_committed_results_plot_with_their_own_plotter(tmp_path, capsys):
     """Every JSON under scripts/results is read by its plotter, never the generic fallback
-    (issue 16: `megaprm bench --only advantages` hit KeyError: 'ours_ms')."""
+    (`megaprm bench --only advantages` once hit KeyError: 'ours_ms')."""
     import shutil
 
     plot = _load("plot_benchmarks")

@@ -254,7 +254,7 @@ def test_fast_spec_holds_norm_weights_in_bf16(model_dirs):
 
 
 def test_logits_are_made_once_forward_and_back(tmp_path):
-    """Logits memory (issue 26 item 8): a training forward and backward through GPTModel and the
+    """Logits memory: a training forward and backward through GPTModel and the
     next-token log-probs allocate exactly two logits-sized tensors, the logits and their
     gradient (GPTModel's [s, b] -> [b, s] transpose used to add one copy each way, the sliced
     `logits[:, :-1]` a third gradient). The values: every test here compares with transformers

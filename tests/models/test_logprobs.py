@@ -120,7 +120,7 @@ def test_chunked_saves_no_vocab_sized_tensor_but_its_input():
 
 
 def test_next_token_logprobs_backward_holds_one_logits_sized_gradient():
-    """The logits' memory bound (issue 26 item 8): forward + backward of the next-token log-probs
+    """The logits' memory bound: forward + backward of the next-token log-probs
     from leaf logits [b, s, V] allocate one [b, s, V] gradient plus a few chunk-sized buffers.
     The sliced call (`logits[:, :-1]`, the old convention) needs a second full-size gradient in
     autograd's slice backward: the measure sees it. Values and grads equal the reference."""

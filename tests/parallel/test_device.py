@@ -223,7 +223,7 @@ def meta_prm_world(tmp_path_factory):
 
 
 def test_prm_scoring_returns_host_scores_with_the_prm_on_another_device(meta_prm_world):
-    """Failure 1 of issue 26: `run_prm`'s step logits stayed on the model's device and met the
+    """A failure seen on a GPU: `run_prm`'s step logits stayed on the model's device and met the
     host step mask in `head_step_scores`; `sequence_logprobs` returned device log-probs that
     meet host positions in `implicit_prm_rewards`."""
     assert meta_prm_world["run_prm"] == {"cpu"}, meta_prm_world["run_prm"]
@@ -246,7 +246,7 @@ def test_conversion_runs_on_the_host_where_an_accelerator_is_present(meta_prm_wo
 
 
 def test_prm_training_defaults_to_bf16_where_cuda_is_present(meta_prm_world):
-    """Issue 26 item 5: train-prm's PRM (trunk and head) is bf16 on CUDA; fp32 on request."""
+    """train-prm's PRM (trunk and head) is bf16 on CUDA; fp32 on request."""
     assert meta_prm_world["prm_training_dtype"] == (
         {"torch.bfloat16"}, "torch.bfloat16", {"torch.float32"}), meta_prm_world
 

@@ -317,7 +317,7 @@ def test_train_has_the_override_flag(capsys):
 
 
 def test_offload_switches_move_the_trainer_state_out_of_the_rollout_not_the_sync():
-    """Issue 30 item 1's lifecycle: wake weights -> sync -> offload -> wake KV -> generate."""
+    """The engine lifecycle: wake weights -> sync -> offload -> wake KV -> generate."""
     from megaprm.planner.memory import Params, rollout_terms, sync_terms
 
     spec = spec_from_hf(hf_config_for("Qwen2.5-Math-7B", "m").config)

@@ -228,7 +228,7 @@ class LLM:
                 raise NotImplementedError("the stand-in models tp > 1 only under "
                                           "external_launcher (megaprm's colocated layout)")
             # uniproc_executor.py:77-88: the device index of device_config, i.e. local rank 0,
-            # whatever the torchrun rank (issue 21: every rank lands on GPU 0)
+            # whatever the torchrun rank: every rank lands on GPU 0, as in vLLM
             self.local_rank = 0
             self.tp_group = [int(os.environ.get("RANK", "0"))]
         # envs.py:1444-1446: multiprocessing is on unless VLLM_ENABLE_V1_MULTIPROCESSING=0

@@ -43,7 +43,7 @@ def _recipe(name):
 
 
 def test_recipes_follow_the_released_scripts():
-    """Values the released scripts / their yaml defaults set (issue 13, item 7)."""
+    """Values the released scripts / their yaml defaults set."""
     for name in ("prime", "prof_grpo", "grpo", "blend", "drgrpo", "papo"):
         assert _recipe(name).actor.optim.weight_decay == 0.01, name  # verl / AdamW default
     prime = _recipe("prime")
@@ -62,7 +62,7 @@ def test_recipes_follow_the_released_scripts():
     papo = _recipe("papo")
     assert papo.model.path.endswith("Qwen2.5-7B") and papo.trainer.steps == 7 * (20000 // 128)
     assert (papo.actor.kl_coef, papo.actor.entropy_coef) == (0.0, 0.0)
-    # the smaller released quirks, each as released in its recipe (issue 27, item 6)
+    # the smaller released quirks, each as released in its recipe
     assert (prime.actor.shuffle_mini_batches, prime.advantage.prime.norm_scope) == (True, "shard")
     pure = _recipe("pure")
     assert (pure.actor.micro_batch_size, pure.actor.skip_ratio_scope) == (2, "sequence")

@@ -1,7 +1,7 @@
 """The launcher's preflight stays independent of the RL loop: no import in preflight.py, at
 module level or inside a function, names the loop or one of its phase modules (the config
 digest it needs lives in run_config.py, which both import), so the two cannot import each other
-(the cycle issue 31 removed: preflight.check_resume imported loop.config_digest_fields)."""
+(once a cycle: preflight.check_resume imported loop.config_digest_fields)."""
 import ast
 import os
 
