@@ -18,25 +18,14 @@ from __future__ import annotations
 
 import re
 
+from megaprm.tasks.latex import closing_brace
+
 
 class _RuleFailed(ValueError):
     """A normalisation rule met input it cannot handle (the release's assert/IndexError)."""
 
 
 # ----------------------------------------------------------------------------- boxed answers
-
-def closing_brace(text: str, start: int) -> int | None:
-    """Index of the brace closing the first "{" at or after `start` (None if unclosed)."""
-    depth = 0
-    for j in range(start, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return j
-    return None
-
 
 def pure_boxed_answer(response: str) -> str | None:
     """PURE's last-boxed rule: `\\boxed <x>` (a space form: up to the next "$") wins when present

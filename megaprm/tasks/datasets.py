@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from megaprm.tasks.latex import last_boxed
+
 BENCHMARKS = ("math500", "aime24", "amc23", "minerva_math", "olympiadbench")
 # eval/data/ sits next to the megaprm package (repo checkout or installed, see setup.py)
 EVAL_DATA_DIR = Path(__file__).resolve().parents[2] / "eval" / "data"
@@ -158,20 +160,6 @@ class _BadRow(ValueError):
     def __init__(self, why: str, kind: str = "bad field"):
         super().__init__(why)
         self.kind = kind
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces balanced."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
-    from megaprm.rewards.answer_rules import closing_brace
-
-    j = closing_brace(text, i)
-    return None if j is None else text[i + 1 : j]
 
 
 def _answer_text(value: Any, name: str) -> str:
