@@ -81,6 +81,7 @@ def two_rank_run(policy, tmp_path_factory):
     return run(train_cmd(policy, run_dir, *TWO_RANKS)), run_dir
 
 
+@pytest.mark.slow
 def test_train_two_ranks_export_verify_eval(two_rank_run, policy, tmp_path):
     """`megaprm train --nproc 2` -> `checkpoint_tools export-hf` of the trainer checkpoint ->
     transformers' logits equal Megatron's on it (verify) -> `megaprm eval --model <checkpoint>`."""
@@ -163,6 +164,7 @@ def test_resume_with_other_layout_and_config_is_refused_before_ranks(policy, tmp
     assert "grpo" in line and "rloo" in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["colocated", "separate"])
 def test_two_nodes_on_one_machine_train_together(policy, tmp_path, placement):
     """Two launchers, --nnodes 2 --node-rank 0|1 --nproc 1, one master: one world of 2 ranks.
@@ -192,6 +194,7 @@ def test_two_nodes_on_one_machine_train_together(policy, tmp_path, placement):
         assert state["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_train_prm_two_ranks(policy, tmp_path):
     p = run([*MEGAPRM, "train-prm", "--config", "configs/prm/tiny.yaml", "--nproc", "2",
              f"model_dir={policy}", f"output_dir={tmp_path / 'prm'}", "num_train=64",
@@ -322,6 +325,7 @@ def _pids_with(marker: str) -> list:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and prctl")
 def test_second_start_refused_and_kill_9_of_the_launcher_leaves_no_rank(policy, tmp_path):
     run_dir = str(tmp_path / "orphan-check")
@@ -388,6 +392,7 @@ def _assert_none_left(find, what: str = "processes outlived the Ray launcher") -
 ray_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
 
+@pytest.mark.slow
 @ray_only
 def test_ray_launcher_trains_like_torchrun_and_leaves_no_process(two_rank_run, policy,
                                                                  tmp_path):
@@ -433,6 +438,7 @@ def _rank_pids(tag: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 @ray_only
 def test_ray_killed_actor_ends_the_run_in_one_line(policy, tmp_path):
     """SIGKILL of rank 1's Ray actor while its rank runs: the launcher stops the other rank,

@@ -388,6 +388,7 @@ def _cli(*args):
                           check=False, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_import_then_verify_resharded(world, hf_dirs, tmp_path):
     """The CLI's ranks are forks of its process (`convert.RANK_START`): the checkpoint equals
     the one the 4-rank world wrote from fresh interpreters; then verified at another layout."""
@@ -409,6 +410,7 @@ def test_cli_import_then_verify_resharded(world, hf_dirs, tmp_path):
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_cli_exports_a_trainer_run_dir(hf_dirs, tmp_path):
     """export-hf accepts the trainer's layout (run dir -> checkpoints/latest -> step_N/actor/)
     and `--model prm` on a run without a PRM is one line, exit 2."""

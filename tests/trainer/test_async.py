@@ -110,6 +110,7 @@ def test_every_kind_of_method_runs_one_step_stale(models, tmp_path, method, extr
         assert all("prm/outcome_agreement" in m for m in hist)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_run_in_one_line_and_resume_continues(models, tmp_path):
     """`megaprm train --nproc 3 rollout.placement=separate rollout.ranks=1`: kill -9 of the
     rollout rank (drawing block 2), then of the trainer ranks (after step 2's log) each end the

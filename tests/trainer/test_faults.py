@@ -279,6 +279,7 @@ def _lines(out: str, tag: str) -> dict:
     return {int(p[1]): p[2] for p in map(str.split, whole) if len(p) >= 3 and p[0] == tag}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("crash_at", ["after_rename", "after_models"])
 def test_killed_inside_a_save_resumes(tmp_path, hf_dir, resume, crash_at):
     root = str(tmp_path / "ckpt")
@@ -296,6 +297,7 @@ def test_killed_inside_a_save_resumes(tmp_path, hf_dir, resume, crash_at):
     assert open(os.path.join(root, "latest")).read() == f"step_{state['step']:06d}"
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_always_resumes(tmp_path, hf_dir, resume):
     """10 seeded trials: SIGKILL lands anywhere in a save loop; the next start resumes from the
     newest checkpoint whose save returned (or the one whose rename had just happened)."""
@@ -322,6 +324,7 @@ def test_sigkill_at_random_moments_always_resumes(tmp_path, hf_dir, resume):
         assert proc.returncode == -signal.SIGKILL
 
 
+@pytest.mark.slow
 def test_full_disk_real_tmpfs(tmp_path, hf_dir):
     """ENOSPC from a real 1.6-checkpoint tmpfs (mounted in a private user+mount namespace)."""
     if shutil.which("unshare") is None or subprocess.run(
@@ -608,6 +611,7 @@ def _children(pid: int) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_the_rank_that_died_first_is_named_with_its_signal(tmp_path):
     """with rank 1 killed, the launcher said 'rank 0 failed with exit code -15'."""
     proc = _torchrun(tmp_path, "kill1", launcher=False)
@@ -618,6 +622,7 @@ def test_the_rank_that_died_first_is_named_with_its_signal(tmp_path):
     assert "the other 1 rank(s) were stopped" in last and "Traceback" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill_torchrun", "sigterm_launcher"])
 def test_launcher_stops_are_one_line(tmp_path, fault):
     """torchrun killed -> exit 247 and no message; SIGTERM to the launcher -> a
