@@ -23,6 +23,10 @@ $(STAMP): setup.py
 test: install
 	$(PY) -m pytest -q -x --timeout=900 --durations=25 tests
 
+# the same suite without the end-to-end runs marked `slow` (pytest.ini says which)
+test-fast: install
+	$(PY) -m pytest -q -x --timeout=900 --durations=25 -m "not slow" tests
+
 # `make demo DEMO_ARGS="--method prof_grpo"` picks another method, "--from-scratch" retrains the start
 demo: install
 	$(VENV)/bin/megaprm demo $(DEMO_ARGS)
