@@ -167,6 +167,7 @@ def _learn_rank(model_dir, out_dir):
             "first_loss": res.history[0]["loss"], "last_loss": res.history[-1]["loss"]}
 
 
+@pytest.mark.slow
 def test_tiny_prm_learns_arithmetic_step_labels(tmp_path):
     """Step-level AUROC >= 0.9 on held-out solutions of every corruption kind, within a CPU
     test budget (measured minutes and AUROC: docs/prm.md and the README)."""
@@ -239,6 +240,7 @@ def test_aux_lm_loss_equals_transformers_and_is_layout_invariant(tmp_path):
 
 # ------------------------------------------------------------------------ the CLI
 
+@pytest.mark.slow
 def test_train_prm_cli_runs_the_yaml_recipe_and_names_bad_keys(tmp_path):
     import subprocess
     import sys
