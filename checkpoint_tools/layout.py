@@ -24,14 +24,12 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 
+from megaprm.models.hf_files import WEIGHT_FILE
+
 MODEL_SUBDIR = "model"
 HF_SUBDIR = "hf"
 META_FILE = "megaprm_checkpoint.json"
 FORMAT = "megaprm-megatron-dist-ckpt"
-
-# Weight files of an HF directory; every other top-level file is a side file that travels.
-_WEIGHT_FILE = re.compile(
-    r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.*\.(safetensors|bin)\.index\.json$")
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 
@@ -192,15 +190,10 @@ def hf_dtype_name(cfg: dict) -> str:
     return _HF_DTYPE_NAMES.get(str(name).removeprefix("torch."), "fp32")
 
 
-def has_weights(hf_dir: str) -> bool:
-    """Whether an HF directory holds weight files (a checkpoint's hf/ holds only side files)."""
-    return any(_WEIGHT_FILE.match(f) for f in os.listdir(hf_dir))
-
-
 def side_files(hf_dir: str) -> list[str]:
     """Top-level non-weight files of an HF directory (config, tokenizer, generation config...)."""
     return sorted(f for f in os.listdir(hf_dir)
-                  if os.path.isfile(os.path.join(hf_dir, f)) and not _WEIGHT_FILE.match(f))
+                  if os.path.isfile(os.path.join(hf_dir, f)) and not WEIGHT_FILE.match(f))
 
 
 def copy_side_files(src: str, dst: str) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from megaprm.config import RolloutConfig
+from megaprm.models.hf_files import has_weights
 from megaprm.rollout.engine import RolloutEngine, preserved_rng_and_device
 
 
@@ -29,8 +30,6 @@ def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, worl
     if world_size < 1 or tp_size < 1 or world_size % tp_size:
         raise ValueError(f"build_engine: world_size={world_size} must be a positive multiple of "
                          f"tp_size={tp_size}")
-    from checkpoint_tools.layout import has_weights
-
     # a megaprm checkpoint's hf/ has the config but no weights, and a trainer's engine gets the
     # actor's weights with its first update_weights anyway (`load_weights=False`: the trainer
     # syncs before any generation): the engine then starts from random weights, reading no file

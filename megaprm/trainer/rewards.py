@@ -165,7 +165,7 @@ def build_grader(tr):
     transformers on CPU, vLLM on GPU), with its own tokenizer and chat template."""
     from transformers import AutoTokenizer
 
-    from checkpoint_tools.layout import has_weights
+    from megaprm.models.hf_files import has_weights
     from megaprm.config import RolloutConfig
     from megaprm.parallel.device import rank_device
     from megaprm.rollout.factory import build_engine
