@@ -92,6 +92,7 @@ def _run_until_killed(args, done_file, next_started, next_done, log, timeout=120
         raise AssertionError("a process of the killed run is still alive")
 
 
+@pytest.mark.slow
 def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     rd = tmp_path / "cmp"
     first = rd / "rl" / "grpo-learned-s0" / "result.json"

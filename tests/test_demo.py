@@ -91,6 +91,7 @@ def _assert_recounted(s: dict) -> None:
 
 # --------------------------------------------------------------------------- the demo, tiny
 
+@pytest.mark.slow
 def test_demo_tiny_budget_table_is_the_exact_checkers_count(tmp_path):
     """2 ranks, the shipped start, 1 RL step per method, 16 problems: every number of the
     printed table is the independent checker's count of the texts in demo.json, and both
@@ -119,6 +120,7 @@ def test_demo_tiny_budget_table_is_the_exact_checkers_count(tmp_path):
     assert s["spread"]["metrics"]["correct_with_wrong_step"].get("compare_diffs")  # checkout
 
 
+@pytest.mark.slow
 def test_from_scratch_rebuild_is_checked_against_the_shipped_start(tmp_path):
     """The build that made the shipped files, at a tiny budget: shipped into a directory, then
     `--from-scratch`'s path (demo_start.ensure) rebuilds it and finds every tensor identical;
