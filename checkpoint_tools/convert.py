@@ -923,7 +923,7 @@ def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: 
     file (`_export_streaming`) where the checkpoint allows it, else loads the stage (outside
     torchrun `export_hf` has tried the stream in its own process before starting ranks)."""
     from checkpoint_tools.shards import ShardWriter
-    from megaprm.parallel.weight_sync import iter_hf_weights
+    from megaprm.rollout.weight_sync import iter_hf_weights
 
     g = _init(tp, pp)
     with _shared_tmp(tmp_dir, out_dir) as tmp:

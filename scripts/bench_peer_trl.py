@@ -130,7 +130,7 @@ def megaprm_loss_and_grads(batch_path: str, model_dir: str, out_path: str) -> No
     from megaprm.parallel.init import destroy, init_distributed
     from megaprm.parallel.pipeline import TokenBatch, gpt_forward
     from megaprm.parallel.ports import free_port
-    from megaprm.parallel.weight_sync import iter_hf_weights
+    from megaprm.rollout.weight_sync import iter_hf_weights
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))

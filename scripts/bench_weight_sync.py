@@ -70,7 +70,7 @@ class PeakRSS:
 
 def _per_tensor_sync(model, groups, engine):
     """The unbucketed reference path (`iter_hf_weights`), timed like `sync_weights`."""
-    from megaprm.parallel.weight_sync import iter_hf_weights
+    from megaprm.rollout.weight_sync import iter_hf_weights
 
     nbytes = 0
 
@@ -100,7 +100,7 @@ def _raw_gather(nbytes: int, groups, *, sliced: bool):
     """A bare tp all-gather delivering `nbytes` to every rank (each rank sends nbytes / tp) into
     a preallocated [tp, n] buffer: in 4 MiB slices as the sync issues it on gloo
     (`weight_sync._gather`), or as one `all_gather_into_tensor` call. The sync's ceiling."""
-    from megaprm.parallel import weight_sync
+    from megaprm.rollout import weight_sync
 
     tp = groups.tp_size
     n = nbytes // 4 // tp
@@ -123,8 +123,9 @@ def _rank(tp: int, pp: int, before_rev: str | None = None, repeats: int = REPEAT
     import transformers as tf
 
     from megaprm.models.hf_spec import spec_from_hf
-    from megaprm.parallel import pipeline, weight_sync
+    from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
+    from megaprm.rollout import weight_sync
     from megaprm.rollout.hf_engine import HFEngine
 
     g = init_distributed(tp=tp, pp=pp)

@@ -2,7 +2,7 @@
 
 Every engine (transformers on CPU/GPU, vLLM colocated on GPU) speaks token ids in and token ids
 plus sampler log-probs out, and takes weights as a stream of (hf_name, tensor) pairs (the
-`parallel.weight_sync` stream; vLLM's `load_weights` contract). Rows are grouped: the n samples
+`rollout.weight_sync` stream; vLLM's `load_weights` contract). Rows are grouped: the n samples
 of prompt i are rows i*n .. i*n+n-1 of every [B, ...] tensor (B = len(prompts) * n).
 """
 from __future__ import annotations
@@ -253,7 +253,7 @@ class RolloutEngine(Protocol):
     loaded. With `wake_kv_cache=False` it stops before the last step: the trainer offloads its
     state in between and then calls `wake()` (verl's order, trainer/lifecycle.py).
 
-    `load_weights` is the awake-only primitive (what `parallel.weight_sync.sync_weights` calls):
+    `load_weights` is the awake-only primitive (what `rollout.weight_sync.sync_weights` calls):
     on a sleeping engine it raises `EngineAsleepError`, since vLLM would write into unmapped
     memory or have the write overwritten by the stale offloaded copy at wake-up. `wake()` wakes
     everything still asleep without loading (the KV cache after `update_weights(wake_kv_cache=

@@ -15,7 +15,7 @@ One torchrun world, split before Megatron starts (`split_world`):
   broadcasts of the weight buckets only.
 
 Weights (trainer/rollout_source.py: `RemoteSource.sync` -> `serve`): every trainer rank runs the HF-layout bucketed gather
-of parallel/weight_sync.py (tp and pp pieces joined on the trainer side); trainer rank 0 packs
+of rollout/weight_sync.py (tp and pp pieces joined on the trainer side); trainer rank 0 packs
 each bucket's tensors, as raw bytes, into one flat buffer and broadcasts it over the `weights`
 group (trainer rank 0 and every rollout rank: NCCL on GPU, gloo on the CPU), after a small
 "weights" order on the channel (the version, and the bucket plan - names, shapes, dtypes,

@@ -10,9 +10,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megaprm.parallel import weight_sync
 from megaprm.parallel.device import to_host
 from megaprm.parallel.groups import Groups
+from megaprm.rollout import weight_sync
 
 
 def save_hf(model, groups: Groups, out_dir: str, *, side_files_from: Optional[str] = None,

@@ -38,11 +38,12 @@ from megaprm.models.hf_spec import spec_from_hf
 from megaprm.models.logprobs import vocab_parallel_logprobs
 from megaprm.models.prm import (PRM_HEADS, as_prm_spec, build_prm, gather_positions,
                                 hf_prm_config, load_trunk_from_hf)
-from megaprm.parallel import cpu, pipeline, weight_sync
+from megaprm.parallel import cpu, pipeline
 from megaprm.parallel.device import DTYPE_CHOICES, DTYPES, resolve_dtype_name, to_host
 from megaprm.parallel.groups import Groups
 from megaprm.rewards import scoring
 from megaprm.rewards.steps import STEP_SEP, segment_steps, separator_token_ids
+from megaprm.rollout import weight_sync
 from megaprm.tasks import arithmetic
 
 

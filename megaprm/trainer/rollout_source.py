@@ -17,11 +17,10 @@ import torch.distributed as dist
 from checkpoint_tools import model_source
 from megaprm import faults
 from megaprm.config import ConfigError
-from megaprm.parallel import weight_sync
 from megaprm.parallel.device import rank_device
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.offload import Offload
-from megaprm.rollout import factory, remote
+from megaprm.rollout import factory, remote, weight_sync
 from megaprm.rollout.engine import RolloutBatch, SamplingParams
 from megaprm.trainer.data import Prompts, encode_prompts
 from megaprm.trainer.evaluate import evaluate_with

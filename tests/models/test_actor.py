@@ -83,8 +83,9 @@ def _rank_work(model_dir, tp, pp, packed=False):
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.logprobs import vocab_parallel_logprobs
     from megaprm.models.mapping import load_hf_weights
-    from megaprm.parallel import pipeline, weight_sync
+    from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
+    from megaprm.rollout import weight_sync
     from megaprm.trainer.sft import sft_step
 
     g = init_distributed(tp=tp, pp=pp)

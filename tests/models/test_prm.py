@@ -74,8 +74,9 @@ def _rank_work(dirs, tp, pp):
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.mapping import load_hf_weights
     from megaprm.models.prm import build_prm
-    from megaprm.parallel import pipeline, weight_sync
+    from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
+    from megaprm.rollout import weight_sync
     from megaprm.rewards.scoring import PRMInputFormat, implicit_prm_rewards, score_rollouts
 
     g = init_distributed(tp=tp, pp=pp)

@@ -2,7 +2,7 @@
 ranks: vLLM (the recording stand-in of tests/rollout/fake_vllm.py) and the transformers engine go
 through the same calls, the vLLM engine is placed with external_launcher and the trainer's tp, and
 after the last sync the engine holds exactly the actor's weights (reference: the HF export of the
-Megatron actor, `parallel.weight_sync.iter_hf_weights`)."""
+Megatron actor, `rollout.weight_sync.iter_hf_weights`)."""
 import os
 import re
 
@@ -79,8 +79,8 @@ def _train(run_root, policy, tp):
     from tests.rollout import fake_vllm
 
     from megaprm.config import load_config
-    from megaprm.parallel import weight_sync
     from megaprm.parallel.init import init_distributed
+    from megaprm.rollout import weight_sync
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer.loop import RLTrainer
 

@@ -327,8 +327,8 @@ def test_update_metrics_equal_a_single_batch_reference(models, tmp_path, world, 
 # ------------------------------------------------------------------ all or nothing
 
 def _rollback_work(run_dir, policy, prm):
-    from megaprm.parallel import weight_sync
     from megaprm.parallel.init import init_distributed
+    from megaprm.rollout import weight_sync
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer import loop
 

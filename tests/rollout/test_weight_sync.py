@@ -74,8 +74,9 @@ def _rank_work(model_dir, prm_dir, tp, pp):
 
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.mapping import load_hf_weights
-    from megaprm.parallel import pipeline, weight_sync
+    from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
+    from megaprm.rollout import weight_sync
     from megaprm.rollout.engine import SamplingParams
     from megaprm.rollout.hf_engine import HFEngine, HFEngineConfig
 
@@ -230,7 +231,7 @@ def test_sync_into_hf_engine(model_dirs, layout):
 
 def test_plan_buckets_respects_size_stage_and_dtype():
     from megaprm.models.mapping import Rule
-    from megaprm.parallel.weight_sync import plan_buckets
+    from megaprm.rollout.weight_sync import plan_buckets
 
     rep = Rule("decoder.final_layernorm.weight", "replicated", ("model.norm.weight",))
     row = Rule("decoder.layers.0.mlp.linear_fc2.weight", "row", ("x",))
@@ -243,7 +244,7 @@ def test_plan_buckets_respects_size_stage_and_dtype():
         (0, (0,), (1,), 288), (0, (2, 3), (), 256), (1, (), (0,), 400)]
     assert all(b.dtype == (bf16 if b.split == (2, 3) else f32) for b in buckets)
     with pytest.raises(ValueError, match="bucket_bytes"):
-        from megaprm.parallel.weight_sync import iter_hf_buckets
+        from megaprm.rollout.weight_sync import iter_hf_buckets
 
         next(iter_hf_buckets(None, None, 0))
     with pytest.raises(ValueError, match="transport='ipc': must be one of auto, collective, shm"):
@@ -253,8 +254,9 @@ def test_plan_buckets_respects_size_stage_and_dtype():
 def _single_rank(model_dir):
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.mapping import load_hf_weights
-    from megaprm.parallel import pipeline, weight_sync
+    from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
+    from megaprm.rollout import weight_sync
     from megaprm.rollout.hf_engine import HFEngine
 
     g = init_distributed(tp=1, pp=1)

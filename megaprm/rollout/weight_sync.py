@@ -28,6 +28,9 @@ next one is requested.
 Every dp replica runs its own gathers/broadcasts in its own tp/pp groups, so every rank, i.e.
 every colocated rollout engine, receives the whole model. Works for the actor and for a PRM whose
 last stage carries a `score.*` head (the mapping exports it as is).
+
+It sits in rollout/, above models/ and parallel/: it needs both the groups and the mapping. The
+HF export (trainer/export.py, checkpoint_tools) gathers through the same stream.
 """
 from __future__ import annotations
 
