@@ -18,7 +18,7 @@ from tests.test_megaprm_cli import MEGAPRM, ROOT, one_line_error, run
 
 TINY = ["--methods", "grpo,prof_grpo", "--seeds", "1", "--oracle", "grpo,prof_grpo",
         "--rl-steps", "2", "--hack-steps", "2", "--eval-problems", "16", "--sampled-n", "2",
-        "--warmup-steps", "100", "--prm-steps", "20", "--prm-examples", "256",
+        "--warmup-steps", "300", "--prm-steps", "20", "--prm-examples", "256",
         "--wandb", "disabled", "--nproc", "2", "trainer.progress=false"]
 
 
@@ -32,7 +32,7 @@ def _greedy_reference(model_dir, problems):
 
     tok = build_char_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    correct = clean = wrong = 0
+    correct, clean, wrong, first = [], [], [], []
     for p in problems:
         ids = torch.tensor([tok.encode(p.prompt, add_special_tokens=False)])
         with torch.no_grad():
@@ -44,12 +44,15 @@ def _greedy_reference(model_dir, problems):
             resp = resp[:resp.index(tok.eos_token_id) + 1]
         text = tok.decode(resp, skip_special_tokens=True)
         c = check_steps(p, text, ends_with_eos=stopped)
-        correct += c.final_correct
-        wrong += c.correct_with_wrong_step
-        clean += c.all_steps_correct and c.final_correct
+        correct.append(int(c.final_correct))
+        wrong.append(int(c.correct_with_wrong_step))
+        clean.append(int(c.all_steps_correct and c.final_correct))
+        first.append(int(bool(c.step_correct) and c.step_correct[0]))
     n = len(problems)
-    return {"accuracy": correct / n, "all_steps_correct": clean / n,
-            "correct_with_wrong_step": wrong / max(correct, 1)}
+    return {"accuracy": sum(correct) / n, "all_steps_correct": sum(clean) / n,
+            "correct_with_wrong_step": sum(wrong) / max(sum(correct), 1),
+            "first_step_correct": sum(first) / n,
+            "per_problem": {"correct": correct, "wrong_step": wrong, "clean": clean}}
 
 
 def _load(path):
@@ -93,6 +96,7 @@ def _run_until_killed(args, done_file, next_started, next_done, log, timeout=120
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     rd = tmp_path / "cmp"
     first = rd / "rl" / "grpo-learned-s0" / "result.json"
@@ -157,7 +161,12 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     base = rep["baseline"]["greedy"]
     for k in ("accuracy", "all_steps_correct", "correct_with_wrong_step"):
         assert base[k] == pytest.approx(ref[k]), (k, base, ref)
-    assert ref["accuracy"] > 0  # the warm-up learned something: the check is not vacuous
+    assert base["per_problem"] == ref["per_problem"]  # problem by problem, not only the sums
+    # The check is not vacuous: the warm-up solves some problems. A training outcome, so its
+    # budget (TINY's --warmup-steps) holds with a margin on every CPU kernel path and seed
+    # measured (docs/testing.md; at 100 steps it solved 0-3 of these 16 and failed on an
+    # AVX-512 CPU).
+    assert sum(ref["per_problem"]["correct"]) >= 1, ref
 
     # table, plots
     md = (rd / "compare.md").read_text()

@@ -168,6 +168,7 @@ def _learn_rank(model_dir, out_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 def test_tiny_prm_learns_arithmetic_step_labels(tmp_path):
     """Step-level AUROC >= 0.9 on held-out solutions of every corruption kind, within a CPU
     test budget (measured minutes and AUROC: docs/prm.md and the README)."""
