@@ -1,6 +1,6 @@
 """Build one rank's model stage for a spec (LM or PRM head) and run it on a fixed batch.
 
-Causal LMs are `parallel.pipeline.build_stage` (GPTModel); PRM heads ("token_cls", "prm_mlp")
+Causal LMs are `models.actor.build_stage` (GPTModel); PRM heads ("token_cls", "prm_mlp")
 are `models.prm.build_prm` (GPTModel trunk whose last stage ends in `score`, HF names `score.*`).
 """
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megaprm.models.actor import build_stage
 from megaprm.models.hf_spec import ModelSpec
 from megaprm.parallel import pipeline
 from megaprm.parallel.device import to_host
@@ -20,7 +21,7 @@ def build(spec: ModelSpec, groups: Groups, dtype: torch.dtype, *, init: bool = T
     for callers that overwrite every one of them (~1 s per 100 M parameters on CPU)."""
     kw = {} if init else {"perform_initialization": False}
     if spec.head == "lm":
-        return pipeline.build_stage(spec, groups, dtype=dtype, **kw)
+        return build_stage(spec, groups, dtype=dtype, **kw)
     from megaprm.models.prm import build_prm
 
     return build_prm(spec, tp=groups.tp_size, pp=groups.pp_size, pp_rank=groups.pp_rank,

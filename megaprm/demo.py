@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megaprm.digest import json_digest
+from megaprm.models.actor import build_stage
 from megaprm.parallel import pipeline
 from megaprm.parallel.groups import Groups
 from megaprm.tasks.arithmetic import ArithmeticConfig, generate_problems
@@ -152,7 +153,7 @@ def warmup(dcfg: DemoConfig, groups: Groups, tokenizer, init_dir: str, out_dir: 
     from megaprm.trainer.sft import sft_step
 
     spec = spec_from_hf(init_dir)
-    model = pipeline.build_stage(spec, groups)
+    model = build_stage(spec, groups)
     load_hf_weights(model, init_dir, spec, tp_rank=groups.tp_rank, tp_size=groups.tp_size,
                     pp=groups.pp_size, pp_rank=groups.pp_rank)
     ddp = pipeline.wrap_ddp(model, groups)

@@ -91,6 +91,7 @@ def bench_shape(name, shape, args, dev, dtype) -> dict:
     from megaprm.models.logprobs import next_token_logprobs, vocab_parallel_logprobs
     from megaprm.models.mapping import load_hf_weights
     from megaprm.models.tiny import save_tiny_model
+    from megaprm.models.actor import build_stage
     from megaprm.parallel import microbatch, pipeline
     from megaprm.parallel.init import init_distributed
 
@@ -155,7 +156,7 @@ def bench_shape(name, shape, args, dev, dtype) -> dict:
     hf = None  # free it before the megaprm models are built
 
     def megaprm_rows(impl, chunk, compile_, variants):
-        model = pipeline.build_stage(spec, g, dtype=dtype, impl=impl, compile=compile_)
+        model = build_stage(spec, g, dtype=dtype, impl=impl, compile=compile_)
         load_hf_weights(model, d, spec, tp_rank=0, tp_size=1, pp=1, pp_rank=0)
 
         def step(mbs):

@@ -123,14 +123,14 @@ def _rank(tp: int, pp: int, before_rev: str | None = None, repeats: int = REPEAT
     import transformers as tf
 
     from megaprm.models.hf_spec import spec_from_hf
-    from megaprm.parallel import pipeline
+    from megaprm.models.actor import build_stage
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import weight_sync
     from megaprm.rollout.hf_engine import HFEngine
 
     g = init_distributed(tp=tp, pp=pp)
     spec = spec_from_hf(HF_CONFIG)
-    model = pipeline.build_stage(spec, g)
+    model = build_stage(spec, g)
     engine = HFEngine.from_config(tf.Qwen2Config(**HF_CONFIG), seed=g.rank)
     n_split = sum(1 for r, _ in weight_sync._own_params(model, spec, g) if r.tp_dim is not None)
 

@@ -462,14 +462,5 @@ def _torch_optimizers(impl) -> list:
     return [inner] if isinstance(inner, torch.optim.Optimizer) else []
 
 
-def build_stage(spec, groups: Groups, *, dtype=None, **kw):
-    """Build this rank's GPTModel stage for `spec` under `groups` (dtype None: bf16 on CUDA,
-    fp32 on the CPU)."""
-    from megaprm.models.actor import build_gpt
-
-    return build_gpt(spec, tp=groups.tp_size, pp=groups.pp_size, pp_rank=groups.pp_rank,
-                     dtype=dtype, **kw)
-
-
 def optional_group(group) -> Optional[Any]:
     return group if group is not None and dist.get_world_size(group) > 1 else None

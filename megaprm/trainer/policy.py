@@ -9,6 +9,7 @@ from typing import List, Optional
 import torch
 
 from checkpoint_tools import model_source
+from megaprm.models.actor import build_stage
 from megaprm.models.logprobs import next_token_logprobs
 from megaprm.parallel import microbatch, pipeline
 from megaprm.parallel.device import to_host
@@ -63,7 +64,7 @@ class Policy:
                  build: Optional[dict] = None):
         self.spec, self.groups, self.src, self.temperature = spec, groups, src, temperature
         self.batching = batching or Batching(16, None, groups.pp_size)
-        model = pipeline.build_stage(spec, groups, dtype=dtype, **(build or {}))
+        model = build_stage(spec, groups, dtype=dtype, **(build or {}))
         model_source.load_weights(model, src, spec, groups)
         if trainable:
             self.model = pipeline.wrap_ddp(model, groups)

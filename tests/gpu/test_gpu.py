@@ -85,6 +85,7 @@ def _one_adam_step(policy):
     import megatron.core.distributed as mcore_distributed
 
     from megaprm.models.hf_spec import spec_from_hf
+    from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
     from megaprm.trainer.sft import sft_step
@@ -94,7 +95,7 @@ def _one_adam_step(policy):
     _full_fp32()
     src = model_source.resolve(policy)
     spec = spec_from_hf(src.hf_dir)
-    model = pipeline.build_stage(spec, g, dtype=torch.float32)  # compared with the CPU's fp32
+    model = build_stage(spec, g, dtype=torch.float32)  # compared with the CPU's fp32
     model_source.load_weights(model, src, spec, g)
     ddp = pipeline.wrap_ddp(model, g)
     cfg = pipeline.OptimConfig(lr=1e-3, clip_grad=1.0)

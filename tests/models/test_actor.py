@@ -83,6 +83,7 @@ def _rank_work(model_dir, tp, pp, packed=False):
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.logprobs import vocab_parallel_logprobs
     from megaprm.models.mapping import load_hf_weights
+    from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import weight_sync
@@ -90,7 +91,7 @@ def _rank_work(model_dir, tp, pp, packed=False):
 
     g = init_distributed(tp=tp, pp=pp)
     spec = spec_from_hf(model_dir)
-    model = pipeline.build_stage(spec, g)
+    model = build_stage(spec, g)
     load_hf_weights(model, model_dir, spec, tp_rank=g.tp_rank, tp_size=tp, pp=pp,
                     pp_rank=g.pp_rank)
     ids, mask = _batch(spec.vocab_size)
@@ -186,12 +187,12 @@ def test_actor_matches_transformers(model_dirs, family, layout, packed):
 def _in_process_model(model_dir, **build):
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.mapping import load_hf_weights
-    from megaprm.parallel import pipeline
+    from megaprm.models.actor import build_stage
     from megaprm.parallel.init import init_distributed
 
     g = init_distributed()
     spec = spec_from_hf(model_dir)
-    model = pipeline.build_stage(spec, g, **build)
+    model = build_stage(spec, g, **build)
     load_hf_weights(model, model_dir, spec, tp_rank=0, tp_size=1, pp=1, pp_rank=0)
     return model, spec
 

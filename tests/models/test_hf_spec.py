@@ -64,7 +64,7 @@ def test_world_size_must_divide():
 def test_missing_weight_and_missing_config(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from megaprm.parallel import pipeline
+    from megaprm.models.actor import build_stage
     from megaprm.parallel.init import destroy, init_distributed
 
     d = save_tiny_model("qwen2", str(tmp_path / "m"))
@@ -74,7 +74,7 @@ def test_missing_weight_and_missing_config(tmp_path):
     spec = spec_from_hf(d)
     g = init_distributed()
     try:
-        model = pipeline.build_stage(spec, g)
+        model = build_stage(spec, g)
         with pytest.raises(ValueError, match=r"missing 1 tensor.*model.layers.1.mlp.up_proj"):
             load_hf_weights(model, d, spec, tp_rank=0, tp_size=1, pp=1, pp_rank=0)
     finally:

@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from megaprm.models.actor import build_stage
 from megaprm.models.hf_spec import UnsupportedModelError, spec_from_hf
 from megaprm.models.mapping import HFWeights, expected_hf_names, load_hf_weights
 from megaprm.models.tiny import build_hf_model, save_tiny_model, tiny_config
@@ -34,10 +35,9 @@ def test_tiny_models_randomise_every_tensor(family):
 
 
 def _session():
-    from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
 
-    return pipeline, init_distributed()
+    return init_distributed()
 
 
 def test_unexpected_tensor_is_fatal_unless_ignored(tmp_path):
@@ -48,9 +48,9 @@ def test_unexpected_tensor_is_fatal_unless_ignored(tmp_path):
     sd["model.layers.0.self_attn.o_proj.bias"] = torch.randn(64)
     save_file(sd, f"{d}/model.safetensors", metadata={"format": "pt"})
     spec = spec_from_hf(d)
-    pipeline, g = _session()
+    g = _session()
     try:
-        model = pipeline.build_stage(spec, g)
+        model = build_stage(spec, g)
         with pytest.raises(ValueError, match=r"holds 1 tensor\(s\) the model would not use: "
                                              r"\['model.layers.0.self_attn.o_proj.bias'\]"):
             load_hf_weights(model, d, spec, tp_rank=0, tp_size=1, pp=1, pp_rank=0)
@@ -112,9 +112,9 @@ def test_nonfinite_hf_tensor_is_named(tmp_path):
     sd["model.layers.1.self_attn.k_proj.weight"][3, 5] = float("nan")
     save_file(sd, f"{d}/model.safetensors", metadata={"format": "pt"})
     spec = spec_from_hf(d)
-    pipeline, g = _session()
+    g = _session()
     try:
-        model = pipeline.build_stage(spec, g)
+        model = build_stage(spec, g)
         with pytest.raises(ValueError, match=r"HF tensor model.layers.1.self_attn.k_proj.weight "
                                              r"holds NaN/inf"):
             load_hf_weights(model, d, spec, tp_rank=0, tp_size=1, pp=1, pp_rank=0)

@@ -74,7 +74,7 @@ def _rank_work(dirs, tp, pp):
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.mapping import load_hf_weights
     from megaprm.models.prm import build_prm
-    from megaprm.parallel import pipeline
+    from megaprm.models.actor import build_stage
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import weight_sync
     from megaprm.rewards.scoring import PRMInputFormat, implicit_prm_rewards, score_rollouts
@@ -104,7 +104,7 @@ def _rank_work(dirs, tp, pp):
     lms = []
     for name in ("lm_prm", "lm_ref"):
         spec = spec_from_hf(dirs[name])
-        m = pipeline.build_stage(spec, g)
+        m = build_stage(spec, g)
         load_hf_weights(m, dirs[name], spec, tp_rank=g.tp_rank, tp_size=tp, pp=pp,
                         pp_rank=g.pp_rank)
         lms.append(m)

@@ -26,6 +26,7 @@ def test_to_device_moves_every_tensor_of_a_batch():
 
 def _meta_phases(rank, world_size, hf_dir):
     from megaprm.models.hf_spec import spec_from_hf
+    from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
     from megaprm.trainer import loop
@@ -38,7 +39,7 @@ def _meta_phases(rank, world_size, hf_dir):
     # current_device() land on the stand-in accelerator, as they land on the GPU there
     meta = torch.device("meta")
     cpu._CPU, torch.cuda.current_device = meta, lambda: meta
-    model = pipeline.build_stage(spec, g).to(meta)
+    model = build_stage(spec, g).to(meta)
     ids = torch.randint(0, spec.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(4, 12)
     payload = {"adv": torch.randn(4, 11), "m": torch.ones(4, 11)}  # built on the host
@@ -138,7 +139,7 @@ def _meta_prm_and_conversion(rank, world_size, lm_dir, out_dir):
     from checkpoint_tools import convert
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.prm import as_prm_spec, build_prm
-    from megaprm.parallel import pipeline
+    from megaprm.models.actor import build_stage
     from megaprm.parallel.init import init_distributed
     from megaprm.rewards import scoring
     from megaprm.trainer import prm_training as pt
@@ -152,7 +153,7 @@ def _meta_prm_and_conversion(rank, world_size, lm_dir, out_dir):
                                 pt.load_tokenizer(lm_dir), scoring.PRMInputFormat())
     seen = {}
     prm = build_prm(prm_spec, tp=1, pp=1, pp_rank=0).to(meta)
-    lm = pipeline.build_stage(spec, g).to(meta)
+    lm = build_stage(spec, g).to(meta)
 
     def run_prm():  # failure 1: the head's step logits met the host step mask
         s = scoring.run_prm(prm, g, enc.batch, head="token_cls", micro_batch_size=2,

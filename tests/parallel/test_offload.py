@@ -48,6 +48,7 @@ def _device_bytes(ddp, opt) -> int:
 def _offload_work(rank, world, hf):
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.mapping import load_hf_weights
+    from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
     from megaprm.parallel.offload import Offload
@@ -57,7 +58,7 @@ def _offload_work(rank, world, hf):
     _cuda_type_names()  # Megatron's optimizer checks the type names of CUDA tensors
 
     def build(megatron):
-        model = pipeline.build_stage(spec, g)
+        model = build_stage(spec, g)
         load_hf_weights(model, hf, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, pp=1, pp_rank=0)
         ddp = pipeline.wrap_ddp(model, g, distributed_optimizer=megatron)
         return ddp, pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-2, weight_decay=0.1), g,

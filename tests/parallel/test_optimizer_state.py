@@ -30,10 +30,11 @@ def _cuda_type_names() -> None:
 def _build(hf, g, params=None):
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.mapping import load_hf_weights
+    from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
 
     spec = spec_from_hf(hf)
-    model = pipeline.build_stage(spec, g)
+    model = build_stage(spec, g)
     load_hf_weights(model, hf, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, pp=g.pp_size,
                     pp_rank=g.pp_rank)
     ddp = pipeline.wrap_ddp(model, g, distributed_optimizer=True)
@@ -150,13 +151,14 @@ def test_all_or_nothing_restores_lazily_on_the_device(tmp_path, monkeypatch):
     and the state the steps created is gone; no copy is taken when no step applies."""
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.tiny import save_tiny_model
+    from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import destroy, init_distributed
 
     hf = save_tiny_model("qwen2", str(tmp_path / "policy"), **TINY)
     g = init_distributed()
     try:
-        ddp = pipeline.wrap_ddp(pipeline.build_stage(spec_from_hf(hf), g), g)
+        ddp = pipeline.wrap_ddp(build_stage(spec_from_hf(hf), g), g)
         opt = pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-2), g)
         _train(ddp, opt, g, [0])  # AdamW state exists before the transaction
         before = _weights(ddp)

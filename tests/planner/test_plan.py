@@ -76,8 +76,9 @@ def two_ranks():
 
 def _real_stages(tp, pp):
     """Parameters, fp32 grad-buffer bytes and Adam state bytes of the stages the trainer
-    builds (pipeline.build_stage / build_prm, wrap_ddp, Optimizer) at one layout."""
+    builds (models.actor.build_stage / build_prm, wrap_ddp, Optimizer) at one layout."""
     from megaprm.models.prm import build_prm
+    from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
 
@@ -87,7 +88,7 @@ def _real_stages(tp, pp):
         if name.startswith("prm"):
             model = build_prm(spec, tp=tp, pp=pp, pp_rank=g.pp_rank, dtype=torch.float32)
         else:
-            model = pipeline.build_stage(spec, g, dtype=torch.float32)
+            model = build_stage(spec, g, dtype=torch.float32)
         n = sum(p.numel() for p in model.parameters())
         ddp = pipeline.wrap_ddp(model, g)
         grads = sum(p.main_grad.numel() * p.main_grad.element_size()
@@ -139,13 +140,14 @@ def _measured_peaks(shapes):
     of a real fp32 stage (tests/memory_utils.LiveBytes: weights and grad buffers existed
     before, so they are not counted)."""
     from megaprm.models.logprobs import next_token_logprobs
+    from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
 
     g = init_distributed(1, 1)
     spec = spec_from_hf(tiny_config("qwen2", vocab_size=512, hidden_size=128,
                                     intermediate_size=384, num_layers=2))
-    ddp = pipeline.wrap_ddp(pipeline.build_stage(spec, g, dtype=torch.float32, impl="sdpa"), g)
+    ddp = pipeline.wrap_ddp(build_stage(spec, g, dtype=torch.float32, impl="sdpa"), g)
     peaks = []
     for b, s in shapes:
         ids = torch.randint(0, spec.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))

@@ -74,7 +74,7 @@ def _rank_work(model_dir, prm_dir, tp, pp):
 
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.mapping import load_hf_weights
-    from megaprm.parallel import pipeline
+    from megaprm.models.actor import build_stage
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import weight_sync
     from megaprm.rollout.engine import SamplingParams
@@ -82,7 +82,7 @@ def _rank_work(model_dir, prm_dir, tp, pp):
 
     g = init_distributed(tp=tp, pp=pp)
     spec = spec_from_hf(model_dir)
-    model = pipeline.build_stage(spec, g)
+    model = build_stage(spec, g)
     load_hf_weights(model, model_dir, spec, tp_rank=g.tp_rank, tp_size=tp, pp=pp,
                     pp_rank=g.pp_rank)
     res = {}
@@ -152,7 +152,7 @@ def _rank_work(model_dir, prm_dir, tp, pp):
     # 5. an online-updated PRM (score head on the last stage) streams through the same path
     if prm_dir is not None:
         pspec = spec_from_hf(prm_dir)
-        prm = pipeline.build_stage(pspec, g)
+        prm = build_stage(pspec, g)
         if g.is_last_stage:
             prm.score = torch.nn.Linear(pspec.hidden_size, pspec.num_labels)
         load_hf_weights(prm, prm_dir, pspec, tp_rank=g.tp_rank, tp_size=tp, pp=pp,
@@ -254,14 +254,14 @@ def test_plan_buckets_respects_size_stage_and_dtype():
 def _single_rank(model_dir):
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.mapping import load_hf_weights
-    from megaprm.parallel import pipeline
+    from megaprm.models.actor import build_stage
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import weight_sync
     from megaprm.rollout.hf_engine import HFEngine
 
     g = init_distributed(tp=1, pp=1)
     spec = spec_from_hf(model_dir)
-    model = pipeline.build_stage(spec, g)
+    model = build_stage(spec, g)
     load_hf_weights(model, model_dir, spec, tp_rank=0, tp_size=1, pp=1, pp_rank=0)
     ref = list(weight_sync.iter_hf_weights(model, g))
     flat = [(n, t.clone()) for b in weight_sync.iter_hf_buckets(model, g, 50_000) for n, t in b]

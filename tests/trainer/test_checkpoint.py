@@ -44,10 +44,11 @@ def _build(hf, g):
     """A tiny actor (Megatron DDP) with an AdamW state from one random-gradient step."""
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.mapping import load_hf_weights
+    from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
 
     spec = spec_from_hf(hf)
-    model = pipeline.build_stage(spec, g)
+    model = build_stage(spec, g)
     load_hf_weights(model, hf, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, pp=g.pp_size,
                     pp_rank=g.pp_rank)
     ddp = pipeline.wrap_ddp(model, g)
@@ -381,7 +382,7 @@ def test_trainer_checkpoint_exports_with_checkpoint_tools(tmp_path, hf_dir, grou
     from checkpoint_tools import export_hf
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.mapping import load_hf_weights
-    from megaprm.parallel import pipeline
+    from megaprm.models.actor import build_stage
 
     ddp, opt = _build(hf_dir, groups)
     _train_step(ddp, opt)
@@ -392,7 +393,7 @@ def test_trainer_checkpoint_exports_with_checkpoint_tools(tmp_path, hf_dir, grou
 
     groups = init_distributed()
     assert os.path.isfile(os.path.join(out, "config.json"))
-    fresh = pipeline.build_stage(spec_from_hf(out), groups)
+    fresh = build_stage(spec_from_hf(out), groups)
     load_hf_weights(fresh, out, spec_from_hf(out), tp_rank=0, tp_size=1, pp=1, pp_rank=0)
     vocab = spec_from_hf(out).vocab_size  # rows past it are Megatron's padding, not exported
     got = {k: v for k, v in fresh.state_dict().items() if not k.endswith("_extra_state")}

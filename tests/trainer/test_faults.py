@@ -33,10 +33,11 @@ CONFIG = {"advantage": {"method": "grpo"}}
 def _build(hf, g):
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.mapping import load_hf_weights
+    from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
 
     spec = spec_from_hf(hf)
-    model = pipeline.build_stage(spec, g)
+    model = build_stage(spec, g)
     load_hf_weights(model, hf, spec, tp_rank=0, tp_size=1, pp=1, pp_rank=0)
     ddp = pipeline.wrap_ddp(model, g)
     return ddp, pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-2), g)
@@ -520,7 +521,7 @@ def test_a_wrong_shaped_tensor_is_named_before_loading(tmp_path, hf_dir, g1):
     from safetensors.torch import load_file, save_file
 
     from megaprm.models.hf_spec import spec_from_hf
-    from megaprm.parallel import pipeline
+    from megaprm.models.actor import build_stage
     from checkpoint_tools import model_source
 
     bad = str(tmp_path / "bad")
@@ -530,7 +531,7 @@ def test_a_wrong_shaped_tensor_is_named_before_loading(tmp_path, hf_dir, g1):
     sd[name] = sd[name][:, :-1].contiguous()
     save_file(sd, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
     spec = spec_from_hf(bad)
-    model = pipeline.build_stage(spec, g1)
+    model = build_stage(spec, g1)
     with pytest.raises(ValueError) as e:
         model_source.load_weights(model, model_source.resolve(bad), spec, g1)
     assert "\n" not in str(e.value) and f"shape mismatch for {name}" in str(e.value)

@@ -142,6 +142,7 @@ class _Engine:
 def _stand_in_lifecycle(rank, world, hf):
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.prm import as_prm_spec, build_prm
+    from megaprm.models.actor import build_stage
     from megaprm.parallel import offload, pipeline
     from megaprm.parallel.init import init_distributed
     from megaprm.trainer import loop
@@ -154,12 +155,12 @@ def _stand_in_lifecycle(rank, world, hf):
     # zeros (there are no values on `meta`; offload.py's values are tested on the CPU)
     offload._host_copy = lambda view, host: torch.zeros(view.numel(), dtype=torch.uint8)
     spec = spec_from_hf(hf)
-    actor = pipeline.wrap_ddp(pipeline.build_stage(spec, g).to(meta), g)
+    actor = pipeline.wrap_ddp(build_stage(spec, g).to(meta), g)
     opt = pipeline.Optimizer(actor, pipeline.OptimConfig(lr=1e-3), g)
     for p in actor.module.parameters():  # Adam moments on the device: one step's worth
         p.grad = torch.randn_like(p)
     opt.impl.step()
-    ref = pipeline.build_stage(spec, g).to(meta).eval()
+    ref = build_stage(spec, g).to(meta).eval()
     prm = build_prm(as_prm_spec(spec, "token_cls"), tp=1, pp=1, pp_rank=0).to(meta).eval()
     sizes = [p.untyped_storage().nbytes() for m in (actor, ref, prm) for p in m.parameters()]
     ids = torch.randint(0, spec.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
