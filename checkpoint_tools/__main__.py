@@ -117,7 +117,7 @@ def _os_error(e: OSError) -> str:
 
 
 def main(argv=None, fork_ranks: bool = False) -> int:
-    """The CLI. `fork_ranks`: start local ranks as forks of this process (`convert.RANK_START`);
+    """The CLI. `fork_ranks`: start local ranks as forks of this process (`ranks.RANK_START`);
     only `python -m checkpoint_tools` says so, where this process has done no torch work yet
     (a caller's process may hold an OpenMP pool or threads, which a fork does not survive)."""
     from megaprm.parallel import launch  # standard library imports only
@@ -127,11 +127,11 @@ def main(argv=None, fork_ranks: bool = False) -> int:
         # an export without verification streams file to file in this process and needs
         # neither megatron-core nor a model (`streaming`); its fallback imports them as needed
         lean_imports()
-    from checkpoint_tools import convert
+    from checkpoint_tools import convert, ranks
     from checkpoint_tools.layout import ConversionError
 
     if fork_ranks:
-        convert.RANK_START = "fork"
+        ranks.RANK_START = "fork"
 
     leader = int(os.environ.get("RANK", "0")) == 0
     try:

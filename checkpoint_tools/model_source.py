@@ -71,7 +71,7 @@ def load_weights(model, src: ModelSource, spec, groups) -> None:
     checkpoint resharded to this run's tp/pp, as checkpoint_tools loads it)."""
     if not src.is_megatron:
         # deferred: megatron (convert and the mapping import it), which resolving a path needs not
-        from checkpoint_tools.convert import check_hf_weights
+        from checkpoint_tools.weight_io import check_hf_weights
         from megaprm.models.mapping import load_hf_weights
 
         # every tensor's name and shape against config.json first (collective; one line naming
@@ -81,6 +81,6 @@ def load_weights(model, src: ModelSource, spec, groups) -> None:
         load_hf_weights(model, src.hf_dir, spec, tp_rank=groups.tp_rank, tp_size=groups.tp_size,
                         pp=groups.pp_size, pp_rank=groups.pp_rank)
         return
-    from checkpoint_tools.convert import load_checkpoint  # deferred: megatron
+    from checkpoint_tools.megatron_io import load_checkpoint  # deferred: megatron
 
     load_checkpoint(model.module if hasattr(model, "module") else model, src.megatron_dir)

@@ -242,7 +242,7 @@ def test_read_columns_equals_the_column_slice(tmp_path):
     """FileReads.read_columns (a row-parallel weight's tp shard read in place) against torch's
     slicing of the tensor: fp32 rows that fill several runs of the 4 MiB buffer, bf16, and
     rows longer than the buffer."""
-    from checkpoint_tools.convert import FileReads
+    from checkpoint_tools.weight_io import FileReads
 
     g = torch.Generator().manual_seed(0)
     tensors = {"a": torch.randn(3000, 1024, generator=g),  # 4 KiB rows: 1,024 a run
@@ -268,7 +268,7 @@ def test_file_copies_split_covers_each_byte_once():
     """FileCopies.split against a byte-by-byte reference over random registered pieces."""
     import random
 
-    from checkpoint_tools.convert import FileCopies
+    from checkpoint_tools.weight_io import FileCopies
 
     rng = random.Random(0)
     for _ in range(200):
@@ -301,7 +301,7 @@ def test_file_copies_fill_column_pieces_from_any_byte(tmp_path):
     save's stream in odd-sized parts that start and end mid-row, between bytes from memory:
     the file holds those bytes and the HF tensor's column slice, against torch's slicing.
     Rows of 1.2 MB: several runs of the 4 MiB buffers per piece."""
-    from checkpoint_tools.convert import FileCopies
+    from checkpoint_tools.weight_io import FileCopies
 
     g = torch.Generator().manual_seed(1)
     hf = torch.randn(10, 300_000, generator=g)  # the HF tensor, at byte 24 of its file
@@ -390,7 +390,7 @@ def _cli(*args):
 
 @pytest.mark.slow
 def test_cli_import_then_verify_resharded(world, hf_dirs, tmp_path):
-    """The CLI's ranks are forks of its process (`convert.RANK_START`): the checkpoint equals
+    """The CLI's ranks are forks of its process (`ranks.RANK_START`): the checkpoint equals
     the one the 4-rank world wrote from fresh interpreters; then verified at another layout."""
     ck = str(tmp_path / "ck")
     r = _cli("import-hf", "--hf", hf_dirs["qwen2_tied"], "--out", ck, "--tp", "2", "--pp", "2")
@@ -447,7 +447,7 @@ def test_file_reads_match_safetensors(tmp_path):
     """import-hf's plain-read tensor source returns exactly what safetensors' own loader
     returns (every dtype it maps, 0-d and empty tensors, a sharded dir with an index), and a
     file cut short is one clear error."""
-    from checkpoint_tools.convert import FileReads
+    from checkpoint_tools.weight_io import FileReads
 
     g = torch.Generator().manual_seed(0)
     shard1 = {"a": torch.randn(3, 5, generator=g), "b": torch.randn(7, generator=g).bfloat16(),
@@ -611,7 +611,7 @@ def test_lean_imports_leave_torch_compile_and_wandb_as_they_were():
 
 def test_file_copies_refuse_a_tensor_outside_the_parameters():
     """A writer that saved a copy of a parameter would write never-written memory: refused."""
-    from checkpoint_tools.convert import FileCopies
+    from checkpoint_tools.weight_io import FileCopies
 
     params = [torch.zeros(4, 8), torch.zeros(16)]
     copies = FileCopies([], params)
@@ -626,7 +626,7 @@ def test_file_copies_refuse_a_tensor_outside_the_parameters():
 def test_writer_threads_share_the_cores_among_local_ranks(monkeypatch, cores, local_ranks,
                                                          threads):
     """Writer threads per rank = the cores this machine's ranks share, 1 to WRITER_THREADS."""
-    from checkpoint_tools import convert
+    from checkpoint_tools import megatron_io
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    assert convert.writer_threads(local_ranks) == threads
+    assert megatron_io.writer_threads(local_ranks) == threads

@@ -141,6 +141,6 @@ def test_no_space_is_one_line_naming_enospc(made, tmp_path, monkeypatch, capsys)
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "no space left on device" in err[0] and "somefile" in err[0]
     assert not any(n.startswith(("i.tmp", "e.tmp")) for n in os.listdir(tmp_path))
-    from checkpoint_tools import convert  # main called in a process that did torch work:
+    from checkpoint_tools import ranks  # main called in a process that did torch work:
 
-    assert convert.RANK_START != "fork"  # its ranks are never forks of it
+    assert ranks.RANK_START != "fork"  # its ranks are never forks of it

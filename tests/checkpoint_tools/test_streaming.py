@@ -62,9 +62,9 @@ def test_streamed_export_equals_the_loading_export(tmp_path, monkeypatch, family
 
 def _stage(spec, dtype=torch.float32):
     """The whole model as one stage (tp = pp = 1), built by megatron-core as export-hf used to."""
-    from checkpoint_tools import convert, stages
+    from checkpoint_tools import ranks, stages
 
-    g = convert._init(1, 1)
+    g = ranks.init_ranks(1, 1)
     return g, stages.build(spec, g, dtype, init=False)
 
 
@@ -111,7 +111,7 @@ def _plan_key(plan: list) -> list:
 def _check_plan_against_stage(ckpt: str) -> None:
     """The plan from `.metadata` and the config alone equals the plan through a built stage's
     sharded state dict, and `.metadata` read without DCP equals DCP's own reading."""
-    from checkpoint_tools import convert, streaming
+    from checkpoint_tools import ranks, streaming
     from megaprm.models.hf_spec import spec_from_hf
 
     model_dir = os.path.join(ckpt, "model")
@@ -122,7 +122,7 @@ def _check_plan_against_stage(ckpt: str) -> None:
         ref = streaming.plan_export(model_dir, spec, torch.float32,
                                     pieces_of=lambda items: _stage_pieces(model, items))
     finally:
-        convert._in_process(lambda: None)  # tear the world of one down
+        ranks.in_process(lambda: None)  # tear the world of one down
     assert _plan_key(streaming.plan_export(model_dir, spec, torch.float32)) == _plan_key(ref)
 
 
@@ -133,7 +133,7 @@ def test_stage_params_are_a_built_stages(tmp_path, family, kw):
     """`stage_params` (from the config) and `checkpoint_keys` against megatron-core: the
     stage's named_parameters (names, shapes, order) and its sharded state dict's keys,
     global offsets and sizes (fc1's two swiglu halves together make the whole parameter)."""
-    from checkpoint_tools import convert, stages, streaming
+    from checkpoint_tools import ranks, stages, streaming
     from megaprm.models.hf_spec import spec_from_hf
 
     if family == "prm_mlp":
@@ -162,7 +162,7 @@ def test_stage_params_are_a_built_stages(tmp_path, family, kw):
                 (st.key, tuple(st.global_offset), (1,) * st.prepend_axis_num
                  + tuple(st.local_shape)))
     finally:
-        convert._in_process(lambda: None)
+        ranks.in_process(lambda: None)
     assert sorted(seen) == sorted(streaming.stage_params(spec))
     for (name, shape), shards in seen.items():
         key, offsets, sizes = streaming.checkpoint_keys(name, shape)

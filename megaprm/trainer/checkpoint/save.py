@@ -205,7 +205,7 @@ def writers_die_with_this_process():
     and its result queue is an in-process one (megatron_io.in_process_write_queue) instead of a
     spawned Manager server, which outlived a rank killed by SIGKILL/os._exit. So a rank killed
     mid-save leaves no orphan (and a save costs no extra interpreter)."""
-    from checkpoint_tools.convert import in_process_write_queue
+    from checkpoint_tools.megatron_io import in_process_write_queue
 
     global _saving_pid
     _saving_pid = os.getpid()
