@@ -176,7 +176,7 @@ def cmd_train(args) -> int:
             check_plan(cfg, world)
         if args.node_rank != 0:  # node 0's launcher holds the (shared) run directory
             return None
-        from megaprm.trainer.loop import LOCK_ENV
+        from megaprm.trainer.run_config import LOCK_ENV
         from megaprm.trainer.run_lock import RunLock
 
         lock = RunLock(cfg.trainer.run_dir).acquire()

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import (
     NamedTuple,
+    Optional,
     Protocol,
     runtime_checkable,
 )
@@ -111,6 +112,8 @@ class RolloutBatch:
         (temperature 1), since the point mass would carry no information. 0 on padding.
     finish_reason: B strings, "stop" (a stop/EOS token was generated) or "length" (max_tokens).
     group_index [B] long: the prompt index of each row (r // n).
+    row_versions [B] long: the weight version (number of weight syncs) each row was drawn with,
+        set by the trainer's rollout source; None from an engine used on its own.
     """
 
     prompt_ids: torch.Tensor
@@ -121,6 +124,7 @@ class RolloutBatch:
     finish_reason: list[str]
     group_index: torch.Tensor
     pad_token_id: int = 0
+    row_versions: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         b = self.prompt_ids.shape[0]

@@ -1,14 +1,9 @@
 """Phase: the actor update (PPO-clip through Megatron's schedule, `actor.mini_batches` optimiser
-steps, all or nothing), and whether it needs the old-log-prob forward before it.
+steps, all or nothing), and the order of its rows (`actor.shuffle_mini_batches`).
 
-The old log-probs pi_old(a_t) are the policy that sampled the batch, as the trainer computes
-them. When the batch gets exactly one optimiser step (one mini-batch, one epoch) on-policy (the
-engine holds the actor's current weights), pi_old is the policy the update's own forward
-evaluates, so the ratio is 1 by construction: the update takes `detach()` of its new log-probs
-as the old ones (TRL's GRPOTrainer does the same in its loss when num_iterations is 1 and one
-generation feeds one optimiser step, grpo_trainer.py `_compute_loss`) and the forward before it
-is skipped. The sampler-vs-trainer monitor then reads the update forward's log-probs (before its
-step: the same policy)."""
+pi_old comes from `logprob_phase`; when that phase skipped its forward (one mini-batch
+on-policy, `logprob_phase.reuses_new_logprobs`) the update takes the detach of its own new
+log-probs as pi_old and returns them for the monitor."""
 from __future__ import annotations
 
 import math
@@ -21,18 +16,10 @@ from megaprm.models.logprobs import next_token_logprobs
 from megaprm.parallel import microbatch, pipeline
 from megaprm.parallel.device import to_host
 from megaprm.parallel.host import dp_reduce
+from megaprm.config import ActorConfig
 from megaprm.rollout.engine import RightPadded
-from megaprm.trainer.batch import StepSkipped
-
-
-def reuses_new_logprobs(cfg, temperature: float, on_policy: bool = True) -> bool:
-    """True when the old-log-prob forward equals the update's own (its detach is used instead):
-    one mini-batch, on-policy, no estimator reads logp_old before the update (PURE's KL reward
-    does) and the update's temperature is the sampler's (the monitor compares at the latter)."""
-    a = cfg.advantage
-    return (cfg.actor.mini_batches == 1 and on_policy
-            and not (a.method == "pure" and a.pure.kl_coef)
-            and temperature == float(cfg.rollout.temperature))
+from megaprm.trainer.batch import StepSkipped, UpdateResult
+from megaprm.trainer.policy import Policy
 
 
 # Per micro-batch sums the update reports; the step's value of each is sum / count over every
@@ -41,17 +28,18 @@ _TOKEN_MEANS = ("actor/clip_frac", "actor/dual_clip_frac", "actor/approx_kl", "a
                 "actor/entropy_token_mean")
 _MINIBATCH_MEANS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/loss")
 
-def update_actor(tr, rp: RightPadded, adv_t, logp_old_t, logp_ref_t, keep) -> dict:
-    """Phase: PPO-clip through Megatron's schedule, `actor.mini_batches` optimiser steps.
-    Normalisers are global (all dp ranks, all micro-batches) so any layout takes the same
-    step. All or nothing: a non-finite loss or grad norm in any mini-batch restores the
-    parameters and optimiser state of before the first one and raises StepSkipped.
-    `logp_old_t` None (`reuses_new_logprobs`, one mini-batch only): the old log-probs are the
-    detached new ones, and `tr.update_logprobs_t` [B, L-1] holds them after the update (None
-    when no mini-batch had a valid token)."""
-    cfg = tr.cfg.actor
+def update_actor(actor: Policy, cfg: ActorConfig, norm_len: int, rp: RightPadded, adv_t,
+                 logp_old_t, logp_ref_t, keep) -> UpdateResult:
+    """Phase: PPO-clip through Megatron's schedule, `cfg.mini_batches` optimiser steps.
+    rp: the batch right-padded; adv_t, logp_old_t, logp_ref_t [B, L-1] target-aligned; keep [B]
+    bool (False: no gradient from the row); norm_len: rollout.max_tokens (the seq-mean-token-sum
+    normaliser). Normalisers are global (all dp ranks, all micro-batches) so any layout takes
+    the same step. All or nothing: a non-finite loss or grad norm in any mini-batch restores
+    the parameters and optimiser state of before the first one and raises StepSkipped.
+    `logp_old_t` None (one mini-batch only): the old log-probs are the detached new ones, and
+    the result's `logprobs_t` [B, L-1] holds them (None when no mini-batch had a valid token)."""
     assert logp_old_t is not None or cfg.mini_batches == 1, "old log-probs needed"
-    tr.update_logprobs_t = None
+    new_logprobs_t = None
     mask_t = rp.loss_mask[:, :-1] * keep[:, None].float()
     lengths = rp.attention_mask.long().sum(1)
     B = rp.input_ids.shape[0]
@@ -60,17 +48,17 @@ def update_actor(tr, rp: RightPadded, adv_t, logp_old_t, logp_ref_t, keep) -> di
     maxes = {"actor/ratio_max": 0.0, "actor/grad_norm_max": 0.0}
     updates = 0
     try:  # one mini-batch needs no rollback: its step is skipped before anything moves
-        with tr.actor.opt.all_or_nothing(enabled=cfg.mini_batches > 1):
+        with actor.opt.all_or_nothing(enabled=cfg.mini_batches > 1):
             for k in range(cfg.mini_batches):
                 rows = slice(k * rows_per, (k + 1) * rows_per)
-                mb_metrics = tr._update_minibatch(
-                    rp.input_ids[rows], mask_t[rows], adv_t[rows],
+                mb_metrics = update_minibatch(
+                    actor, cfg, norm_len, rp.input_ids[rows], mask_t[rows], adv_t[rows],
                     None if logp_old_t is None else logp_old_t[rows],
                     None if logp_ref_t is None else logp_ref_t[rows],
                     lengths=lengths[rows])
                 if mb_metrics is None:  # no valid token in this mini-batch on any rank
                     continue
-                tr.update_logprobs_t = mb_metrics.pop("logprobs", None)
+                new_logprobs_t = mb_metrics.pop("logprobs", None)
                 updates += 1
                 if updates == 1:  # live guard: 1 when the trainer sees the sampler's policy
                     first = mb_metrics["actor/ratio_mean"] / mb_metrics["tokens"]
@@ -80,7 +68,7 @@ def update_actor(tr, rp: RightPadded, adv_t, logp_old_t, logp_ref_t, keep) -> di
                     else:
                         sums[key] = sums.get(key, 0.0) + v
     except StepSkipped:
-        tr.actor.opt.zero_grad()
+        actor.opt.zero_grad()
         raise
     out = {"actor/updates": float(updates), **maxes}
     tokens = max(sums.get("tokens", 0.0), 1.0)
@@ -93,17 +81,19 @@ def update_actor(tr, rp: RightPadded, adv_t, logp_old_t, logp_ref_t, keep) -> di
     if updates:
         out["actor/ratio_first_minibatch"] = first
     out["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) / max(updates, 1)
-    out["actor/lr"] = tr.cfg.actor.optim.lr
-    if tr.cfg.actor.skip_ratio_above is not None:
+    out["actor/lr"] = cfg.optim.lr
+    if cfg.skip_ratio_above is not None:
         out["actor/ratio_skipped_microbatches"] = sums.get(
             "actor/ratio_skipped_microbatches", 0.0)
-    return out
+    return UpdateResult(out, new_logprobs_t)
 
-def _update_minibatch(tr, ids, m, adv, old, ref, lengths=None) -> Optional[dict]:
+
+def update_minibatch(actor: Policy, cfg: ActorConfig, norm_len: int, ids, m, adv, old, ref,
+                     lengths=None) -> Optional[dict]:
     """One optimiser step on one mini-batch; returns dp-reduced sums (token-weighted means
     as sums x tokens) or None when the mini-batch has no valid token anywhere. `old` None: the
     detached new log-probs are the old ones, and the result's "logprobs" [n, L-1] are they."""
-    cfg, g = tr.cfg.actor, tr.groups
+    g = actor.groups
     counts = dp_reduce({"tokens": float(m.sum()), "seqs": float((m.sum(1) > 0).sum())}, g)
     tokens, seqs = counts["tokens"], counts["seqs"]
     if tokens == 0:
@@ -113,14 +103,14 @@ def _update_minibatch(tr, ids, m, adv, old, ref, lengths=None) -> Optional[dict]
         payload["old"] = old
     if ref is not None:
         payload["ref"] = ref
-    mbs = tr.batching.split(ids, m, payload, lengths)
-    temperature = tr.temperature
+    mbs = actor.batching.split(ids, m, payload, lengths)
+    temperature = actor.temperature
     old_given = old is not None
 
     def post(mb, logits):
         lp, ent = next_token_logprobs(
             logits, mb.input_ids, tp_group=g.tp, tp_rank=g.tp_rank,
-            vocab_size=tr.spec.vocab_size, with_entropy=True, temperature=temperature)
+            vocab_size=actor.spec.vocab_size, with_entropy=True, temperature=temperature)
         lp, ent = microbatch.unpack(mb, lp), microbatch.unpack(mb, ent)  # rows of payload
         p = mb.payload
         old = p["old"] if old_given else lp.detach()  # ratio 1 by construction (module doc)
@@ -129,8 +119,8 @@ def _update_minibatch(tr, ids, m, adv, old, ref, lengths=None) -> Optional[dict]
                                agg=cfg.loss_agg, entropy=ent, entropy_coef=cfg.entropy_coef,
                                logp_ref=p.get("ref"), kl_coef=cfg.kl_coef,
                                kl_kind=cfg.kl_kind, global_tokens=tokens, global_seqs=seqs,
-                               norm_len=tr.cfg.rollout.max_tokens, host=False)
-        # Metrics stay on the device: `_update_minibatch` reads the whole mini-batch's at once
+                               norm_len=norm_len, host=False)
+        # Metrics stay on the device: `update_minibatch` reads the whole mini-batch's at once
         n = p["m"].sum()
         skipped = torch.zeros((), dtype=loss.dtype, device=loss.device)
         if cfg.skip_ratio_above is not None:  # PURE: this micro-batch moves nothing
@@ -152,8 +142,8 @@ def _update_minibatch(tr, ids, m, adv, old, ref, lengths=None) -> Optional[dict]
             out["lp"] = lp.detach()
         return loss, out
 
-    tr.actor.opt.zero_grad()
-    parts = pipeline.run(tr.actor.model, mbs, groups=g, post=post, forward_only=False)
+    actor.opt.zero_grad()
+    parts = pipeline.run(actor.model, mbs, groups=g, post=post, forward_only=False)
     local, ratio_max = {}, 0.0
     if parts:  # the one host read of the mini-batch's metrics (last stage)
         keys = parts[0]["keys"]
@@ -174,7 +164,7 @@ def _update_minibatch(tr, ids, m, adv, old, ref, lengths=None) -> Optional[dict]
     loss = summed.get("actor/loss", 0.0)
     if not math.isfinite(loss):
         raise StepSkipped(f"actor loss is {loss}")
-    grad_norm, applied = tr.actor.opt.step()
+    grad_norm, applied = actor.opt.step()
     if not applied:
         raise StepSkipped(f"actor grad norm is {grad_norm}")
     out = {**summed, "tokens": tokens, "actor/grad_norm": grad_norm,
@@ -200,3 +190,10 @@ def permute_rows(update: tuple, order: torch.Tensor) -> tuple:
             *(None if x is None else x[order] for x in rest))
 
 
+
+
+def update_inputs(rp: RightPadded, adv_t, old_t, ref_t, keep, order=None) -> tuple:
+    """update_actor's row-aligned arguments (rp, adv_t, old_t, ref_t, keep) with rows in
+    `order` (`mini_batch_order`; None: as they are)."""
+    update = (rp, adv_t, old_t, ref_t, keep)
+    return update if order is None else permute_rows(update, order)

@@ -1,7 +1,11 @@
-"""The data one RL step passes between its phases, and the exception that skips a step."""
+"""The data one RL step passes between its phases, and the exception that skips a step.
+
+rollout (RolloutBatch) -> rewards (ScoredBatch) -> log-probs (logprob_phase.LogProbs) ->
+advantages (AdvantageOutputs, algorithms/registry.py) -> update (UpdateResult). Each phase
+returns one of these; none reads another phase's output from the trainer."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -34,4 +38,18 @@ class ScoredBatch:
     problems: Optional[list] = None    # B problem statements (a generative judge reads them)
     references: Optional[list] = None  # B reference solutions or None (ditto)
     passed: Optional[torch.Tensor] = None  # [B] bool: passed rollout.refill's filter (None: off)
+    # B exact step checks (tasks.arithmetic.StepCheck) of the arithmetic task: the oracle
+    # process reward's labels; None for tasks without a step checker
+    checks: Optional[list] = None
+    # the reward phases' own step metrics (the LLM fallback's shares, the judge's counts)
+    metrics: dict = field(default_factory=dict)
 
+
+@dataclass
+class UpdateResult:
+    """The actor update's metrics and, when it took its own detached log-probs as pi_old, those
+    log-probs [B, L-1] in the order its rows came in (None: pi_old was given, or no mini-batch had
+    a valid token anywhere)."""
+
+    metrics: dict
+    logprobs_t: Optional[torch.Tensor] = None

@@ -25,9 +25,40 @@ every valid token).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from megaprm.algorithms.registry import AdvantageOutputs
+from megaprm.rollout.engine import RolloutBatch
+
 MAX_LOG_RATIO = 20.0  # as the PPO ratio's clamp (algorithms/losses.py)
+
+
+def off_policy(rollout_cfg) -> bool:
+    """Whether a batch may be stale (`rollout.max_staleness` > 0): then pi_old is recomputed
+    before the update and the update is corrected (module doc)."""
+    return rollout_cfg.max_staleness > 0
+
+
+def row_lag(batch: RolloutBatch, version: int) -> torch.Tensor:
+    """[B] long: the trainer's weight version - the version each row was drawn with (zeros
+    when the batch carries no `row_versions`)."""
+    if batch.row_versions is None:
+        return torch.zeros(batch.batch_size, dtype=torch.long)
+    return version - batch.row_versions
+
+
+def correct(adv: AdvantageOutputs, trainer_lp: torch.Tensor, batch: RolloutBatch,
+            rollout_cfg) -> tuple:
+    """The update's advantages corrected for the sampler's distance (`rollout.correction`, only
+    off-policy): (AdvantageOutputs with w * advantages, the weights' metrics); `adv` itself and
+    {} when nothing is corrected. trainer_lp [B, R]: pi_old at the sampling temperature."""
+    if not off_policy(rollout_cfg) or rollout_cfg.correction == "none":
+        return adv, {}
+    w, metrics = tis_weights(trainer_lp, batch.sampler_logprobs, batch.response_mask.float(),
+                             rollout_cfg.tis_cap, rollout_cfg.correction)
+    return dataclasses.replace(adv, advantages=adv.advantages * w), metrics
 
 
 def lag_metrics(lag: torch.Tensor, trainer_lp: torch.Tensor, sampler_lp: torch.Tensor,

@@ -83,13 +83,6 @@ def evaluate_math(engine, tokenizer, groups: Groups, prompts: list, answers: lis
             "problems": int(counts["total"])}
 
 
-def evaluate_trainer(tr) -> dict:
-    """Phase (every `trainer.eval_every` steps): held-out greedy accuracy of the trainer's
-    policy through its rollout source's engine (arithmetic: plus the exact flawed-step
-    shares)."""
-    return {f"eval/{k}": float(v) for k, v in tr.source.evaluate().items()}
-
-
 def evaluate_with(cfg, engine, tok, groups) -> dict:
     """The held-out evaluation of `trainer.eval_problems` problems through `engine` (dp-sharded
     over `groups`; a separate placement's rollout rank evaluates them all)."""

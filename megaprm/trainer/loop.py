@@ -1,10 +1,17 @@
-"""The RL step as named phases (ARCHITECTURE.md "One RL step"), each in its own module:
+"""The RL step as named phases (ARCHITECTURE.md "One RL step"), each a function in its own
+module from typed inputs to a typed output:
 
-    rollout (rollout_source, refill) -> outcome and process reward (rewards) -> [agree]
-    -> old/ref log-probs (skipped for the actor when it equals the update's, actor_update)
-    -> implicit-PRM update + scores (implicit_prm, PRIME) -> advantages (+ filter)
-    -> PPO update, all or nothing (actor_update) -> weight sync (rollout_source)
-    -> metrics (step_metrics), evaluation (evaluate), checkpoints (resume)
+    rollout (rollout_source, refill) -> RolloutBatch -> outcome and process reward
+    (reward_phase) -> ScoredBatch -> [agree] -> old/ref log-probs (logprob_phase) -> LogProbs
+    -> implicit-PRM update + scores (implicit_prm, PRIME) -> advantages (advantage_phase)
+    -> off-policy correction (correction) -> PPO update, all or nothing (actor_update)
+    -> UpdateResult -> weight sync (rollout_source) -> metrics (step_metrics), evaluation
+    (evaluate), checkpoints (resume)
+
+`RLTrainer` owns the models, the rollout source and the data position; its phase methods
+(`rollout`, `outcome_reward`, `process_reward`, `prime_prm`, `advantages`, `update_actor`) hand
+a phase function what it reads and return what it produced, so a test or a recipe can replace
+one phase on one trainer. `step` is the list of phases.
 
 Memory (trainer/lifecycle.py, verl's order): train -> wake the engine's weights -> sync (the end
 of a step) -> offload the trainer's state (`*.offload`) -> wake the KV cache -> generate -> sleep
@@ -19,100 +26,49 @@ Rules the phases keep:
 * Device (parallel/device.py): models and their micro-batches on the rank's device, everything
   else (rollout batches, rewards, advantages, metrics) on the CPU; `pipeline.run` is the one
   crossing into the model, `Policy.logprobs` returns host tensors.
-* Sampling distribution: the actor's old/new log-probs, entropy and KL and the reference's
-  log-probs are taken at one temperature (`RLTrainer.temperature`, the one place that decides
-  it, from `actor.logprob_temperature`): the rollout's by default, as verl's actor does, or
-  PURE's released T = 1 while sampling at 0.5. Old and new share it, so the PPO ratio of the
-  first mini-batch is exactly 1 either way; the sampler-vs-trainer guard always compares at the
-  sampling temperature.
+* Sampling distribution: one log-prob temperature (`RLTrainer.temperature`, the one place that
+  decides it, from `actor.logprob_temperature`) for the actor's and the reference's log-probs;
+  the sampler-vs-trainer guard always compares at the sampling temperature (logprob_phase).
 * Faults: a non-finite reward on any rank is agreed on by every rank (`agree`) before the next
   collective, so all skip the step; a non-finite loss or grad norm in any mini-batch rolls the
   whole update back (`Optimizer.all_or_nothing`), so a step is applied wholly or not at all
   and the rollout engine always holds the actor's weights.
-
-The phase functions take the trainer as their first argument and are bound here as methods
-(`RLTrainer.outcome_reward = rewards.outcome_reward`), so a test or a recipe can replace one
-phase on one trainer.
 """
 from __future__ import annotations
 
 import os
-import signal
 import time
 import uuid
 from typing import List
 
-import torch
-
 from checkpoint_tools import model_source
+from megaprm import faults
 from megaprm.config import Config, save_config, to_dict
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.parallel.device import resolve_dtype
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.host import agree, dp_metrics
+from megaprm.rewards.steps import separator_token_ids
 from megaprm.trainer import (
     actor_update,
-    advantages,
+    advantage_phase,
     correction,
-    evaluate,
     implicit_prm,
+    logprob_phase,
     refill,
     resume,
-    rewards,
+    reward_phase,
     rollout_source,
     step_metrics,
 )
-from megaprm.trainer.batch import ScoredBatch, StepSkipped
-from megaprm.trainer.data import (
-    HELD_OUT_SEED,
-    Prompts,
-    encode_prompts,
-    make_data,
-    prompt_formatter,
-)
+from megaprm.trainer.batch import ScoredBatch, StepSkipped, UpdateResult
+from megaprm.trainer.checkpoint.run_dir import start_fresh
+from megaprm.trainer.data import make_data
+from megaprm.trainer.export import save_hf
 from megaprm.trainer.metrics import MetricsLogger, PhaseTimer
-from megaprm.trainer.policy import (
-    Batching,
-    Policy,
-    _split,
-    logprob_post,
-    response_to_targets,
-    targets_to_response,
-)
-from megaprm.trainer.run_config import (
-    LOCK_ENV,
-    config_digest_fields,
-    logprob_temperature,
-)
-
-# names other modules and tests import from here (one place to find the trainer's vocabulary)
-__all__ = [
-    "HELD_OUT_SEED",
-    "LOCK_ENV",
-    "Batching",
-    "Policy",
-    "Prompts",
-    "RLTrainer",
-    "ScoredBatch",
-    "StepSkipped",
-    "_make_data",
-    "_pick_groups",
-    "_split",
-    "config_digest_fields",
-    "encode_prompts",
-    "logprob_post",
-    "logprob_temperature",
-    "make_data",
-    "mini_batch_order",
-    "oracle_step_scores",
-    "permute_rows",
-    "prompt_formatter",
-    "response_to_targets",
-    "targets_to_response",
-]
-_make_data = make_data
-mini_batch_order, permute_rows = actor_update.mini_batch_order, actor_update.permute_rows
-oracle_step_scores, _pick_groups = rewards.oracle_step_scores, refill._pick_groups
+from megaprm.trainer.policy import Batching, Policy, response_to_targets
+from megaprm.trainer.preflight import check_batch
+from megaprm.trainer.run_config import config_digest_fields, logprob_temperature
 
 
 class RLTrainer:
@@ -120,15 +76,10 @@ class RLTrainer:
     directory or a megaprm checkpoint); `cfg.prm.path`: the discriminative PRM."""
 
     def __init__(self, cfg: Config, groups: Groups, tokenizer):
-        from megaprm.rewards.steps import separator_token_ids
-        from megaprm.trainer.preflight import check_batch
-
         self.cfg, self.groups, self.tok = cfg, groups, tokenizer
         check_batch(cfg, groups.dp_size)
         self.lock = resume.lock_run_dir(cfg.trainer.run_dir, groups)
         if not cfg.trainer.resume:  # an earlier run there: refused, or moved aside (replace_run)
-            from megaprm.trainer.checkpoint.run_dir import start_fresh
-
             start_fresh(cfg.trainer.run_dir, groups, replace=cfg.trainer.replace_run,
                         log=print if groups.rank == 0 else (lambda _m: None))
         self.run_id = uuid.uuid4().hex[:12]  # a resume takes the checkpoint's
@@ -154,9 +105,10 @@ class RLTrainer:
                      or (cfg.advantage.method == "pure" and cfg.advantage.pure.kl_coef))
         self.ref = (Policy(self.spec, groups, self.src, trainable=False,
                            temperature=self.temperature, **kw) if needs_ref else None)
-        self.prm = self.implicit = None
+        self.prm = self.implicit = self.disc_prm = None
         if cfg.prm.kind == "discriminative":
-            rewards.build_discriminative_prm(self)
+            self.disc_prm = reward_phase.build_discriminative_prm(cfg, groups)
+            self.prm = self.disc_prm.model  # what prm.offload moves
         elif cfg.prm.kind == "implicit":
             # PRIME: the implicit PRM starts from the policy and, with its reference, scores at
             # T = 1 (q = log pi_prm - log pi_ref of the sampled tokens; PRIME samples at T = 1)
@@ -167,7 +119,8 @@ class RLTrainer:
                                  Policy(self.spec, groups, self.src, trainable=False, **kw))
         self.grader = self.grader_tok = None
         if cfg.prm.kind == "judge":
-            rewards.build_grader(self)
+            grader = reward_phase.build_grader(cfg, groups)
+            self.grader, self.grader_tok = grader.engine, grader.tok
         # data position: block b = the b-th batch of prompts_per_step prompts. Without refill a
         # step uses block `step`; with refill a step uses one block per generation round and the
         # next unused block is trainer state (saved in checkpoints, so resume draws the same).
@@ -186,8 +139,8 @@ class RLTrainer:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
         self.skipped_steps = 0
         self.start_step = 0
-        self.last_sync: dict = {}
-        self.update_logprobs_t = None
+        self._step = 0  # the step being run (seeds the judge, places the NaN hook)
+        self.last_sync: dict = {}  # the latest weight sync's metrics (rollout_source)
         self.lifecycle, self.source = rollout_source.make_source(self)
         self.sync_weights()
 
@@ -197,111 +150,123 @@ class RLTrainer:
         return model_source.resolve(model_path, "model.path").hf_dir
 
     # ------------------------------------------------------------------ the phases
-    sync_weights = rollout_source.sync_weights
-    _stream_weights = rollout_source.stream_weights
-    rollout = rollout_source.rollout
-    refill_rollout = refill.refill_rollout
-    outcome_reward = rewards.outcome_reward
-    process_reward = rewards.process_reward
-    prime_prm = implicit_prm.prime_prm
-    _prm_minibatch = implicit_prm._prm_minibatch
-    advantages = advantages.advantages
-    update_actor = actor_update.update_actor
-    _update_minibatch = actor_update._update_minibatch
-    evaluate = evaluate.evaluate_trainer
-    save = resume.save
-    maybe_resume = resume.maybe_resume
+    def sync_weights(self) -> None:
+        """Phase: new actor weights -> the rollout engine (HF names, one collective per bucket;
+        the engine wakes its weights, loads and resets its prefix cache; its KV cache wakes when
+        it next generates, after the trainer's state is offloaded)."""
+        self.source.sync()
 
-    # ------------------------------------------------------------------ one step
-    def step(self, step: int) -> dict:
-        cfg, g = self.cfg, self.groups
-        self._step = step
-        t = PhaseTimer()
-        t0 = time.perf_counter()
-        fault = None
-        refill_metrics: dict = {}
-        self._judge_metrics = {}
-        self._fallback_metrics = {}
+    def _stream_weights(self) -> None:
+        rollout_source.stream_weights(self)
+
+    def rollout(self, block: int, requeued: tuple = ()):
+        return rollout_source.rollout(self.source, self.data, self.tok, self.cfg, self.groups,
+                                      self.eos, block, requeued)
+
+    def _reward_context(self) -> reward_phase.RewardContext:
+        grader = (reward_phase.Grader(self.grader, self.grader_tok) if self.grader is not None
+                  else None)
+        return reward_phase.RewardContext(self.cfg, self.groups, self.tok, self.sep_ids,
+                                          self.pad, self._step, self.disc_prm, grader)
+
+    def outcome_reward(self, batch, prompts, group_ids) -> ScoredBatch:
+        return reward_phase.outcome_reward(self._reward_context(), batch, prompts, group_ids)
+
+    def process_reward(self, sb: ScoredBatch) -> ScoredBatch:
+        return reward_phase.process_reward(self._reward_context(), sb)
+
+    def prime_prm(self, sb: ScoredBatch, lp: logprob_phase.LogProbs) -> tuple:
+        """PRIME's implicit PRM (its reference at T = 1: the actor's reference when that is
+        at T = 1 too, else its own forward)."""
+        ref_t = (lp.ref_t if self.implicit_ref is self.ref
+                 else self.implicit_ref.logprobs(lp.rp.input_ids, lp.lengths))
+        return implicit_prm.prime_prm(self.implicit, self.cfg.prm, self.cfg.advantage.prime, sb,
+                                      lp.rp, lp.lengths, ref_t)
+
+    def advantages(self, sb: ScoredBatch, logp_old, logp_ref):
+        return advantage_phase.advantages(self.cfg.advantage, self.cfg.trainer.seed,
+                                          self.groups.host_dp, sb, logp_old, logp_ref)
+
+    def update_actor(self, rp, adv_t, logp_old_t, logp_ref_t, keep) -> UpdateResult:
+        return actor_update.update_actor(self.actor, self.cfg.actor, self.cfg.rollout.max_tokens,
+                                         rp, adv_t, logp_old_t, logp_ref_t, keep)
+
+    def evaluate(self) -> dict:
+        """Held-out greedy accuracy of the policy through the rollout source's engine."""
+        return {f"eval/{k}": float(v) for k, v in self.source.evaluate().items()}
+
+    def save(self, step: int, crash_after_models: bool = False) -> str:
+        return resume.save(self, step, crash_after_models=crash_after_models)
+
+    def maybe_resume(self) -> int:
+        return resume.maybe_resume(self)
+
+    def _scored_rollout(self, step: int, t: PhaseTimer) -> tuple:
+        """Phases rollout, outcome and process reward: (ScoredBatch, refill's metrics). A
+        non-finite reward on any rank skips the step on every rank (StepSkipped)."""
+        fault, sb, metrics = None, None, {}
         try:
-            if cfg.rollout.refill == "none":
+            if self.cfg.rollout.refill == "none":
                 self.next_block = step + 1
                 with t("rollout"):
                     batch, prompts, group_ids = self.rollout(step)
                 with t("outcome_reward"):
                     sb = self.outcome_reward(batch, prompts, group_ids)
             else:
-                sb, refill_metrics = self.refill_rollout(t)
-                batch = sb.rollout
+                r = refill.refill_rollout(self.cfg, self.groups, self.sep_ids, t,
+                                          self.next_block, self.requeue, self.rollout,
+                                          self.outcome_reward)
+                sb, metrics, self.next_block, self.requeue = (r.batch, r.metrics, r.next_block,
+                                                              r.requeue)
             with t("process_reward"):
-                self.process_reward(sb)
+                sb = self.process_reward(sb)
         except FloatingPointError as e:
             fault = str(e)
-        fault = agree(fault, g)  # every rank skips, or none does
+        fault = agree(fault, self.groups)  # every rank skips, or none does
         if fault is not None:
             raise StepSkipped(fault)
-        rp = batch.to_right_padded(self.pad)
-        lengths = rp.attention_mask.long().sum(1)
-        R = batch.response_ids.shape[1]
-        # one update on-policy: the old log-probs are the update's own (actor_update's doc)
-        stale = cfg.rollout.max_staleness > 0  # off-policy: pi_old recomputed, corrected
-        reuse = actor_update.reuses_new_logprobs(cfg, self.temperature, on_policy=not stale)
-        logp_old_t = logp_sampler_t = None
+        return sb, metrics
+
+    # ------------------------------------------------------------------ one step
+    def step(self, step: int) -> dict:
+        cfg, g, t, t0 = self.cfg, self.groups, PhaseTimer(), time.perf_counter()
+        self._step = step
+        sb, refill_metrics = self._scored_rollout(step, t)
+        batch = sb.rollout
+        lag = correction.row_lag(batch, self.source.version)  # versions behind the trainer's
+        reuse = logprob_phase.reuses_new_logprobs(
+            cfg, self.temperature, on_policy=not correction.off_policy(cfg.rollout))
         with t("old_logprobs"):
-            # the monitor compares with the sampler at its own temperature (PURE: T=0.5 while
-            # the update's log-probs are at T=1), from the same forward
-            sampler_t = cfg.rollout.temperature
-            if reuse:
-                pass
-            elif self.temperature == sampler_t:
-                logp_old_t = logp_sampler_t = self.actor.logprobs(rp.input_ids, lengths)
-            else:
-                logp_old_t, logp_sampler_t = self.actor.logprobs(rp.input_ids, lengths,
-                                                                 also_at=sampler_t)
-            logp_ref_t = (self.ref.logprobs(rp.input_ids, lengths) if self.ref is not None
-                          else None)
-        logp_old = None if reuse else targets_to_response(logp_old_t, rp, R)
-        logp_ref = targets_to_response(logp_ref_t, rp, R) if logp_ref_t is not None else None
-        prm_metrics = {}
+            lp = logprob_phase.before_update(self.actor, self.ref,
+                                             batch.to_right_padded(self.pad),
+                                             batch.response_ids.shape[1],
+                                             sampler_temperature=cfg.rollout.temperature,
+                                             reuse=reuse)
+        prm_metrics: dict = {}
         if self.implicit is not None:  # PRIME: train the PRM (filtered, mini-batched), score
             with t("prm_update"):
-                imp_ref_t = (logp_ref_t if self.implicit_ref is self.ref
-                             else self.implicit_ref.logprobs(rp.input_ids, lengths))
-                prm_metrics = self.prime_prm(sb, rp, lengths, imp_ref_t)
+                sb, prm_metrics = self.prime_prm(sb, lp)
         with t("advantages"):
-            adv = self.advantages(sb, logp_old, logp_ref)
-        drawn = getattr(batch, "row_versions", None)  # the weight version of each row
-        lag = (self.source.version - drawn if drawn is not None
-               else torch.zeros(rp.input_ids.shape[0], dtype=torch.long))
-        off_metrics = {}
-        if stale and cfg.rollout.correction != "none":  # correction.py: weights on advantages
-            w, off_metrics = correction.tis_weights(
-                targets_to_response(logp_sampler_t, rp, R), batch.sampler_logprobs,
-                batch.response_mask.float(), cfg.rollout.tis_cap, cfg.rollout.correction)
-            adv.advantages = adv.advantages * w
-        adv_t = response_to_targets(adv.advantages, rp)
+            adv = self.advantages(sb, lp.response(lp.old_t), lp.response(lp.ref_t))
+        adv, off_metrics = correction.correct(adv, lp.response(lp.sampler_t), batch,
+                                              cfg.rollout)
         # refill's top-up groups (the cap was hit) did not pass: no gradient from them
         keep = adv.keep if sb.passed is None else adv.keep & sb.passed
-        update = (rp, adv_t, logp_old_t, logp_ref_t if cfg.actor.kl_coef else None, keep)
-        order = None
-        if cfg.actor.shuffle_mini_batches:
-            order = mini_batch_order(rp.input_ids.shape[0], cfg.trainer.seed, step, g.dp_rank)
-            update = permute_rows(update, order)
+        order = (actor_update.mini_batch_order(lp.rp.input_ids.shape[0], cfg.trainer.seed, step,
+                                               g.dp_rank)
+                 if cfg.actor.shuffle_mini_batches else None)
         with t("update"):
-            update_metrics = self.update_actor(*update)
-        if reuse:  # the monitor reads the update forward's log-probs (before its one step)
-            logp_sampler_t = self.update_logprobs_t
-            if logp_sampler_t is None:  # no valid token anywhere: nothing moved, forward now
-                logp_sampler_t = self.actor.logprobs(rp.input_ids, lengths)
-            elif order is not None:
-                logp_sampler_t = logp_sampler_t[order.argsort()]
-            logp_old = targets_to_response(logp_sampler_t, rp, R)
-        logp_sampler = targets_to_response(logp_sampler_t, rp, R)
+            update = self.update_actor(*actor_update.update_inputs(
+                lp.rp, response_to_targets(adv.advantages, lp.rp), lp.old_t,
+                lp.ref_t if cfg.actor.kl_coef else None, keep, order))
+        lp = logprob_phase.after_update(lp, update, self.actor, order)
+        logp_old, logp_sampler = lp.response(lp.old_t), lp.response(lp.sampler_t)
         off_metrics.update(correction.lag_metrics(lag, logp_sampler, batch.sampler_logprobs,
                                                   batch.response_mask.float()))
-        metrics = {**step_metrics.rollout_metrics(self, sb, adv, logp_old, logp_sampler),
-                   **off_metrics,
-                   **prm_metrics, **refill_metrics, **self._judge_metrics,
-                   **self._fallback_metrics, **update_metrics}
+        metrics = {**step_metrics.rollout_metrics(cfg, self.temperature, sb, adv, logp_old,
+                                                  logp_sampler),
+                   **off_metrics, **prm_metrics, **refill_metrics, **sb.metrics,
+                   **update.metrics}
         with t("weight_sync"):
             self.sync_weights()
         metrics.update(self.last_sync)
@@ -312,7 +277,8 @@ class RLTrainer:
         # the sum over dp of each rank's tokens / s once step_or_skip takes the dp mean (no
         # collective of its own)
         metrics["throughput/tokens_per_s"] = tokens * g.dp_size / max(elapsed, 1e-9)
-        step_metrics.log_samples(self, step, sb)
+        step_metrics.log_samples(self.run_dir, cfg.trainer.log_samples, g.rank, self.tok, step,
+                                 sb)
         return metrics
 
     def step_or_skip(self, step: int) -> dict:
@@ -342,8 +308,6 @@ class RLTrainer:
         start = self.maybe_resume()
         if start == 0:  # a fresh start (or a kill before the first checkpoint): no old rows
             self.logger.truncate_after(-1)
-        crash_at = int(os.environ.get("MEGAPRM_CRASH_DURING_SAVE_AT", "-1"))  # tests only
-        kill_at = os.environ.get("MEGAPRM_KILL_AT", "")  # tests only: "step:after_log|after_save"
         history = []
         bar = tqdm(range(start, cfg.steps), desc=f"RL {self.cfg.advantage.method}",
                    disable=not (cfg.progress and g.rank == 0), initial=start, total=cfg.steps)
@@ -351,22 +315,18 @@ class RLTrainer:
             metrics = self.step_or_skip(step)
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
                 metrics.update(self.evaluate())
-            step_metrics.warn_on_drift(self, step, metrics)
+            step_metrics.warn_on_drift(g.rank, step, metrics)
             self.logger.log(step, metrics)
-            if kill_at == f"{step}:after_log":
-                os.kill(os.getpid(), signal.SIGKILL)
+            faults.kill_at(step, "after_log")
             history.append(metrics)
             bar.set_postfix(reward=f"{metrics.get('reward/outcome_mean', float('nan')):.3f}")
             if on_step is not None:
                 on_step(step, metrics)
             last = step == cfg.steps - 1
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
-                self.save(step, crash_after_models=step == crash_at)
-                if kill_at == f"{step}:after_save":
-                    os.kill(os.getpid(), signal.SIGKILL)
+                self.save(step, crash_after_models=faults.crash_during_save(step))
+                faults.kill_at(step, "after_save")
         if cfg.export_hf:
-            from megaprm.trainer.export import save_hf
-
             out = save_hf(self.actor.model, g, os.path.join(self.run_dir, "hf"),
                           side_files_from=self.src.hf_dir)
             if g.rank == 0:

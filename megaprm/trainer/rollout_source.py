@@ -110,13 +110,6 @@ def offloads(tr) -> List[Offload]:
     return out
 
 
-def sync_weights(tr) -> None:
-    """Phase: new actor weights -> the rollout engine (HF names, one collective per bucket; the
-    engine wakes its weights, loads and resets its prefix cache; its KV cache wakes when it
-    next generates, after the trainer's state is offloaded)."""
-    tr.source.sync()
-
-
 def stream_weights(tr) -> None:
     """The lifecycle's weight stream: the actor's HF-layout buckets into the colocated engine."""
     load = functools.partial(tr.engine.update_weights, wake_kv_cache=False)
@@ -141,14 +134,14 @@ def local_prompts(data, block: int, dp_rank: int, dp_size: int, requeued: tuple 
     return local, ids_of_groups
 
 
-def rollout(tr, block: int, requeued: tuple = ()):
+def rollout(source, data, tok, cfg, groups, eos: int, block: int, requeued: tuple = ()):
     """Phase: this rank's share of prompt block `block` (= the step without refill) -> n
-    samples each; `requeued` prompts first. Returns (batch, this rank's `Prompts`, global
-    group ids [B])."""
-    g = tr.groups
-    local, ids_of_groups = local_prompts(tr.data, block, g.dp_rank, g.dp_size, requeued)
-    params = sampling_params(tr.cfg, block, g.dp_rank, tr.eos)
-    batch = tr.source.generate(block, encode_prompts(tr.tok, local.texts), params)
+    samples each from `source` (ColocatedSource or RemoteSource); `requeued` prompts first.
+    `data`: block -> Prompts. Returns (batch, this rank's `Prompts`, global group ids [B])."""
+    g = groups
+    local, ids_of_groups = local_prompts(data, block, g.dp_rank, g.dp_size, requeued)
+    params = sampling_params(cfg, block, g.dp_rank, eos)
+    batch = source.generate(block, encode_prompts(tok, local.texts), params)
     return batch, local, ids_of_groups[batch.group_index].long()
 
 

@@ -9,6 +9,7 @@ import os
 import torch
 
 from megaprm.algorithms.registry import AdvantageOutputs
+from megaprm.config import Config
 from megaprm.trainer.batch import ScoredBatch
 
 # on the mean |sampler - trainer| over response tokens: fp32 engines agree to ~1e-6; in bf16 the
@@ -17,9 +18,10 @@ from megaprm.trainer.batch import ScoredBatch
 LOGPROB_DIFF_WARN = 1e-2
 
 
-def rollout_metrics(tr, sb: ScoredBatch, adv: AdvantageOutputs, logp_old,
-                     logp_sampler) -> dict:
+def rollout_metrics(cfg: Config, temperature: float, sb: ScoredBatch, adv: AdvantageOutputs,
+                    logp_old, logp_sampler) -> dict:
     """Rank-local means (averaged over dp by `fit`) and the sampler-vs-trainer guard.
+    temperature: the update's log-prob temperature (`run_config.logprob_temperature`).
     logp_old [B, R]: the actor's at the log-prob temperature (what the update uses);
     logp_sampler [B, R]: the actor's at the sampling temperature (what the guard compares
     with the engine's; the same tensor when the two temperatures agree)."""
@@ -41,8 +43,8 @@ def rollout_metrics(tr, sb: ScoredBatch, adv: AdvantageOutputs, logp_old,
          "rollout/trainer_logprob_mean": float((logp_sampler * mask).sum()
                                                / mask.sum().clamp(min=1)),
          # the two temperatures: sampling (engine, guard) and log-probs (the update)
-         "rollout/sampling_temperature": float(tr.cfg.rollout.temperature),
-         "rollout/logprob_temperature": float(tr.temperature),
+         "rollout/sampling_temperature": float(cfg.rollout.temperature),
+         "rollout/logprob_temperature": float(temperature),
          "rollout/update_logprob_mean": float((logp_old * mask).sum()
                                               / mask.sum().clamp(min=1)),
          # verl's training/rollout_probs_diff: the engine and the trainer must agree
@@ -56,7 +58,7 @@ def rollout_metrics(tr, sb: ScoredBatch, adv: AdvantageOutputs, logp_old,
     if sb.step_scores is not None:
         s, smask = sb.step_scores, sb.step_mask
         min_score = torch.where(smask, s, torch.ones_like(s)).min(1).values
-        prm_ok = min_score >= tr.cfg.prm.low_score
+        prm_ok = min_score >= cfg.prm.low_score
         correct = sb.outcome > 0.5
         m["prm/score_mean"] = float(s[smask].mean()) if smask.any() else 0.0
         m["prm/outcome_agreement"] = float((prm_ok == correct).float().mean())
@@ -67,15 +69,15 @@ def rollout_metrics(tr, sb: ScoredBatch, adv: AdvantageOutputs, logp_old,
     m.update(adv.metrics)
     return m
 
-def log_samples(tr, step: int, sb: ScoredBatch) -> None:
-    """A few generations per step to samples.jsonl (rank 0's first rollouts)."""
-    n = tr.cfg.trainer.log_samples
-    if tr.groups.rank != 0 or n <= 0:
+
+def log_samples(run_dir: str, n: int, rank: int, tok, step: int, sb: ScoredBatch) -> None:
+    """The first `n` generations of the step to run_dir/samples.jsonl (rank 0's rollouts)."""
+    if rank != 0 or n <= 0:
         return
     b = sb.rollout
-    texts = b.decode_responses(tr.tok)
-    prompts = b.decode_prompts(tr.tok, skip_special_tokens=True)
-    with open(os.path.join(tr.run_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
+    texts = b.decode_responses(tok)
+    prompts = b.decode_prompts(tok, skip_special_tokens=True)
+    with open(os.path.join(run_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
         for i in range(min(n, b.batch_size)):
             row = {"step": step, "prompt": prompts[i], "response": texts[i],
                    "outcome": float(sb.outcome[i]), "finish_reason": b.finish_reason[i]}
@@ -84,13 +86,14 @@ def log_samples(tr, step: int, sb: ScoredBatch) -> None:
                 row["step_scores"] = [round(float(x), 4) for x in sb.step_scores[i, :k]]
             f.write(json.dumps(row) + "\n")
 
-def warn_on_drift(tr, step: int, metrics: dict) -> None:
+
+def warn_on_drift(rank: int, step: int, metrics: dict) -> None:
     """The engine and the trainer disagree on the sampled tokens' log-probs: a wrong
     temperature, stale engine weights, or a numerics problem (docs/rollout.md)."""
     d = metrics.get("rollout/logprob_diff_mean")
     if metrics.get("rollout/staleness_max", 0.0) > 0:  # stale samples differ by design
         return
-    if d is not None and d > LOGPROB_DIFF_WARN and tr.groups.rank == 0:
+    if d is not None and d > LOGPROB_DIFF_WARN and rank == 0:
         print(f"[megaprm] warning: step {step}: sampler vs trainer log-prob mean |diff| "
               f"{d:.3g} > {LOGPROB_DIFF_WARN} (max {metrics.get('rollout/logprob_diff_max', 0):.3g};"
               " see docs/rollout.md)", flush=True)

@@ -50,14 +50,14 @@ def _actor_vs_transformers(policy, dtype_name):
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.parallel.init import init_distributed
     from checkpoint_tools import model_source
-    from megaprm.trainer import loop
+    from megaprm.trainer.policy import Policy
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     g = init_distributed()
     _full_fp32()
     src = model_source.resolve(policy)
     spec = spec_from_hf(src.hf_dir)
-    pol = loop.Policy(spec, g, src, trainable=False, dtype=dtype)
+    pol = Policy(spec, g, src, trainable=False, dtype=dtype)
     ids = torch.randint(0, spec.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
     ours = pol.logprobs(ids)
     hf = AutoModelForCausalLM.from_pretrained(policy, dtype=dtype).cuda().eval()
@@ -87,6 +87,7 @@ def _one_adam_step(policy):
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
+    from megaprm.parallel.optimizer import OptimConfig, Optimizer
     from megaprm.parallel.init import init_distributed
     from megaprm.trainer.sft import sft_step
     from checkpoint_tools import model_source
@@ -98,8 +99,8 @@ def _one_adam_step(policy):
     model = build_stage(spec, g, dtype=torch.float32)  # compared with the CPU's fp32
     model_source.load_weights(model, src, spec, g)
     ddp = pipeline.wrap_ddp(model, g)
-    cfg = pipeline.OptimConfig(lr=1e-3, clip_grad=1.0)
-    opt = pipeline.Optimizer(ddp, cfg, g)
+    cfg = OptimConfig(lr=1e-3, clip_grad=1.0)
+    opt = Optimizer(ddp, cfg, g)
     named = list(ddp.module.named_parameters())
     before = {n: p.detach().double().cpu() for n, p in named}
     grads, finalize = {}, mcore_distributed.finalize_model_grads
@@ -186,6 +187,7 @@ def _sync_logits(policy):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer import loop
+    from megaprm.trainer.policy import _split
 
     g = init_distributed()
     _full_fp32()
@@ -197,7 +199,7 @@ def _sync_logits(policy):
     tr.sync_weights()
     ids = torch.randint(0, tr.spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ours = pipeline.run(tr.actor.model, loop._split(ids, torch.ones(2, 16), None, 2, 1),
+        ours = pipeline.run(tr.actor.model, _split(ids, torch.ones(2, 16), None, 2, 1),
                             groups=g, post=lambda mb, lg: (None, lg.float().cpu()),
                             forward_only=True)[0]
         theirs = tr.engine.model(ids.to(tr.engine.device)).logits.float().cpu()

@@ -26,7 +26,7 @@ from megaprm.rewards.scoring import (
 )
 from megaprm.rewards.steps import separator_token_ids
 from megaprm.tasks.datasets import load_prompts
-from megaprm.trainer.loop import encode_prompts, prompt_formatter
+from megaprm.trainer.data import encode_prompts, prompt_formatter
 from tests.qwen25 import qwen25_tokenizer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

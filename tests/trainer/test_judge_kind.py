@@ -55,7 +55,7 @@ def _work(run_dir, policy, prm, grader, canned):
     import megaprm.rewards.judge as J
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import advantages as phase
+    from megaprm.trainer import advantage_phase as phase
     from megaprm.trainer import loop
 
     g = init_distributed()
@@ -185,7 +185,7 @@ def test_prompt_files_carry_the_reference_solution(tmp_path):
     import json
 
     from megaprm.config import load_config
-    from megaprm.trainer.loop import _make_data
+    from megaprm.trainer.data import make_data
 
     rows = [{"prompt": "p0", "answer": "1",
              "extra_info": {"reference_solution": "r0", "question": "q0"}},
@@ -194,7 +194,7 @@ def test_prompt_files_carry_the_reference_solution(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = load_config(None, ["data.task=math", f"data.path={path}", "data.prompts_per_step=3"])
-    block = _make_data(cfg)(0)
+    block = make_data(cfg)(0)
     assert block.texts == ["p0", "p1", "p2"] and block.truths == ["1", "2", "3"]
     assert block.problems == ["q0", "p1", "p2"]
     assert block.references == ["r0", "so \\boxed{2}", None]

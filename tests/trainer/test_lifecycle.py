@@ -144,8 +144,9 @@ def _stand_in_lifecycle(rank, world, hf):
     from megaprm.models.prm import as_prm_spec, build_prm
     from megaprm.models.actor import build_stage
     from megaprm.parallel import offload, pipeline
+    from megaprm.parallel.optimizer import OptimConfig, Optimizer
     from megaprm.parallel.init import init_distributed
-    from megaprm.trainer import loop
+    from megaprm.trainer.policy import _split, logprob_post
     from megaprm.trainer.lifecycle import Lifecycle
     from tests.parallel.test_device import _stand_in
 
@@ -156,7 +157,7 @@ def _stand_in_lifecycle(rank, world, hf):
     offload._host_copy = lambda view, host: torch.zeros(view.numel(), dtype=torch.uint8)
     spec = spec_from_hf(hf)
     actor = pipeline.wrap_ddp(build_stage(spec, g).to(meta), g)
-    opt = pipeline.Optimizer(actor, pipeline.OptimConfig(lr=1e-3), g)
+    opt = Optimizer(actor, OptimConfig(lr=1e-3), g)
     for p in actor.module.parameters():  # Adam moments on the device: one step's worth
         p.grad = torch.randn_like(p)
     opt.impl.step()
@@ -166,17 +167,17 @@ def _stand_in_lifecycle(rank, world, hf):
     ids = torch.randint(0, spec.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
 
     def post(mb, logits):
-        lp = loop.logprob_post(spec, g, 1.0)(mb, logits)[1]
+        lp = logprob_post(spec, g, 1.0)(mb, logits)[1]
         return -lp.sum(), None
 
     def train():  # a forward and backward of the actor on the device, as the update's
         opt.zero_grad()
-        pipeline.run(actor, loop._split(ids, torch.ones(2, 8), None, 2, 1), groups=g, post=post,
+        pipeline.run(actor, _split(ids, torch.ones(2, 8), None, 2, 1), groups=g, post=post,
                      forward_only=False)
     train()  # what the step before left behind (caches of the forward included)
     with torch.no_grad():
-        pipeline.run(ref, loop._split(ids, torch.ones(2, 8), None, 2, 1), groups=g,
-                     post=loop.logprob_post(spec, g, 1.0), forward_only=True)
+        pipeline.run(ref, _split(ids, torch.ones(2, 8), None, 2, 1), groups=g,
+                     post=logprob_post(spec, g, 1.0), forward_only=True)
     out = {}
     for name, switches in (("off", []), ("on", [offload.Offload("actor", actor, opt),
                                                 offload.Offload("ref", ref),
@@ -210,7 +211,7 @@ def test_offload_switches_are_booleans_outside_the_config_digest(tmp_path):
     """The three keys the planner reads; a non-boolean names the field; switching them changes
     no digested field (a run resumes with them changed)."""
     from megaprm.config import ConfigError, load_config
-    from megaprm.trainer.loop import config_digest_fields
+    from megaprm.trainer.run_config import config_digest_fields
 
     cfg = load_config(None, list(ON))
     assert (cfg.actor.offload, cfg.ref.offload, cfg.prm.offload) == (True, True, True)

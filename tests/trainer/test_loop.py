@@ -156,6 +156,7 @@ def _temperature_work(run_dir, policy, prm, temperature):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer import loop
+    from megaprm.trainer.policy import targets_to_response
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=1",
@@ -164,11 +165,11 @@ def _temperature_work(run_dir, policy, prm, temperature):
     tr._step = 0
     batch, _, _ = tr.rollout(0)
     rp = batch.to_right_padded(tr.pad)
-    old = loop.targets_to_response(tr.actor.logprobs(rp.input_ids), rp,
+    old = targets_to_response(tr.actor.logprobs(rp.input_ids), rp,
                                    batch.response_ids.shape[1])
     m = batch.response_mask.bool()
     diff = float((old - batch.sampler_logprobs)[m].abs().max())
-    at_t1 = float((loop.targets_to_response(
+    at_t1 = float((targets_to_response(
         _with_temperature(tr.actor, 1.0).logprobs(rp.input_ids), rp,
         batch.response_ids.shape[1]) - batch.sampler_logprobs)[m].abs().max())
     tr.engine.wake()
@@ -205,6 +206,7 @@ def _logprob_temperature_work(run_dir, policy, prm):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer import loop
+    from megaprm.trainer.policy import _split, logprob_post, response_to_targets
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=1", "rollout.temperature=0.5",
@@ -219,11 +221,11 @@ def _logprob_temperature_work(run_dir, policy, prm):
     refs = {}
     for t in (1.0, 0.5):
         with torch.no_grad():
-            refs[t] = pipeline.run(tr.actor.model, loop._split(rp.input_ids, mask.float(), None,
+            refs[t] = pipeline.run(tr.actor.model, _split(rp.input_ids, mask.float(), None,
                                                                10_000, 1),
-                                   groups=g, post=loop.logprob_post(tr.spec, g, t, True),
+                                   groups=g, post=logprob_post(tr.spec, g, t, True),
                                    forward_only=True)[0]
-    sampler = loop.response_to_targets(batch.sampler_logprobs, rp)
+    sampler = response_to_targets(batch.sampler_logprobs, rp)
     lp1, lp_half = tr.actor.logprobs(rp.input_ids, also_at=0.5)
     out = {"old_vs_t1": float((lp1 - refs[1.0][0])[mask].abs().max()),
            "half_vs_sampler": float((lp_half - sampler)[mask].abs().max()),
@@ -271,6 +273,7 @@ def _metrics_work(run_dir, policy, prm, micro_batch_size, packed=False):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer import loop
+    from megaprm.trainer.policy import _split, logprob_post
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=1", "actor.entropy_coef=0.01",
@@ -286,12 +289,12 @@ def _metrics_work(run_dir, policy, prm, micro_batch_size, packed=False):
     mask = rp.loss_mask[:, :-1]
     adv = torch.randn(mask.shape, generator=gen)
     # the reference: this rank's full-batch log-probs and entropy in one forward at T
-    post = loop.logprob_post(tr.spec, g, tr.temperature, with_entropy=True)
+    post = logprob_post(tr.spec, g, tr.temperature, with_entropy=True)
     with torch.no_grad():
-        lp, ent = pipeline.run(tr.actor.model, loop._split(rp.input_ids, mask, None, 10_000, 1),
+        lp, ent = pipeline.run(tr.actor.model, _split(rp.input_ids, mask, None, 10_000, 1),
                                groups=g, post=post, forward_only=True)[0]
     old = lp + 0.3 * torch.randn(lp.shape, generator=gen)  # a stale policy: ratios != 1
-    metrics = tr.update_actor(rp, adv, old, None, torch.ones(rp.input_ids.shape[0]))
+    metrics = tr.update_actor(rp, adv, old, None, torch.ones(rp.input_ids.shape[0])).metrics
     sel = mask.bool()
     mine = torch.stack([lp[sel], old[sel], adv[sel], ent[sel]])
     parts = [None] * g.world_size
@@ -330,22 +333,23 @@ def _rollback_work(run_dir, policy, prm):
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import weight_sync
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import loop
+    from megaprm.trainer import actor_update, loop
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=2", "actor.mini_batches=2"])
     tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
-    real = tr._update_minibatch
+    real = actor_update.update_minibatch
     calls = {"n": 0}
 
-    def poisoned(ids, m, adv, old, ref, **kw):  # the second mini-batch of the first step goes NaN
+    def poisoned(actor, acfg, norm_len, ids, m, adv, old, ref, **kw):
+        # the second mini-batch of the first step goes NaN
         calls["n"] += 1
         if calls["n"] == 1:  # a real update (a random policy earns no reward of its own)
             adv = torch.randn(adv.shape, generator=torch.Generator().manual_seed(0))
         if calls["n"] == 2:  # as from NaN logits: the ratio, the loss and the grads go NaN
             old = torch.full_like(old, float("nan"))
-        return real(ids, m, adv, old, ref, **kw)
-    tr._update_minibatch = poisoned
+        return real(actor, acfg, norm_len, ids, m, adv, old, ref, **kw)
+    actor_update.update_minibatch = poisoned  # this spawned rank's module only
     before = [p.detach().clone() for p in tr.actor.model.parameters()]
     opt_before = len(tr.actor.opt.impl.state)
     first = tr.step_or_skip(0)
@@ -411,7 +415,7 @@ def _ratio_guard_work(run_dir, policy, prm):
     old = tr.actor.logprobs(rp.input_ids)
     adv = torch.randn(old.shape, generator=torch.Generator().manual_seed(0))
     before = [p.detach().clone() for p in tr.actor.model.parameters()]
-    m = tr.update_actor(rp, adv, old, None, torch.ones(rp.input_ids.shape[0]))
+    m = tr.update_actor(rp, adv, old, None, torch.ones(rp.input_ids.shape[0])).metrics
     unchanged = all(torch.equal(a, p) for a, p in zip(before, tr.actor.model.parameters()))
     return m["actor/ratio_skipped_microbatches"], unchanged
 
@@ -428,7 +432,7 @@ def test_shuffled_mini_batches_permute_every_update_input_alike():
     """actor.shuffle_mini_batches (PRIME's dataloader shuffle): one permutation per (seed, step,
     dp rank), applied to every row-aligned input of the update."""
     from megaprm.rollout.engine import RightPadded
-    from megaprm.trainer.loop import mini_batch_order, permute_rows
+    from megaprm.trainer.actor_update import mini_batch_order, permute_rows
 
     order = mini_batch_order(12, 1234, 3, 0)
     assert sorted(order.tolist()) == list(range(12))
@@ -450,7 +454,7 @@ def test_shuffled_mini_batches_permute_every_update_input_alike():
 def _prime_work(run_dir, policy, prm):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import loop
+    from megaprm.trainer import implicit_prm, loop
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "prime", ["trainer.steps=1", "prm.mini_batches=2",
@@ -466,13 +470,13 @@ def _prime_work(run_dir, policy, prm):
         return sb
     tr.outcome_reward = mixed
     seen = {"params_at_call": [], "rows": []}
-    real_mb = tr._prm_minibatch
+    real_mb = implicit_prm.prm_minibatch
 
-    def recording(rp, idx, *a):
+    def recording(implicit, beta, rp, idx, *a):
         seen["params_at_call"].append([p.detach().clone() for p in tr.implicit.model.parameters()])
         seen["rows"].append(idx.tolist())
-        return real_mb(rp, idx, *a)
-    tr._prm_minibatch = recording
+        return real_mb(implicit, beta, rp, idx, *a)
+    implicit_prm.prm_minibatch = recording  # this spawned rank's module only
     captured = {}
     real_adv = tr.advantages
 
@@ -550,7 +554,7 @@ def test_oracle_step_scores_are_the_exact_checkers_labels():
     from megaprm.tasks.arithmetic import (ArithmeticConfig, check_steps, corrupt_solution,
                                           generate_problems, reference_solution)
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import oracle_step_scores
+    from megaprm.trainer.reward_phase import oracle_step_scores
 
     tok = build_char_tokenizer()
     probs = generate_problems(ArithmeticConfig(), 24, seed=5)
@@ -597,10 +601,10 @@ def _reuse_work(run_dir, policy, prm):
     actor forwards outside the update, the step's metrics and the grads it applied."""
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import actor_update, loop
+    from megaprm.trainer import logprob_phase, loop
 
     g = init_distributed()
-    real = actor_update.reuses_new_logprobs
+    real = logprob_phase.reuses_new_logprobs
     out = {}
     for name, extra, forced in (("skip", ["actor.mini_batches=1"], None),
                                 ("forward", ["actor.mini_batches=1"], False),
@@ -619,11 +623,12 @@ def _reuse_work(run_dir, policy, prm):
         tr.actor.opt.step = step
         real_lp = tr.actor.logprobs
         tr.actor.logprobs = lambda *a, **k: (calls.append(1), real_lp(*a, **k))[1]
-        actor_update.reuses_new_logprobs = real if forced is None else (lambda *a, **k: forced)
+        logprob_phase.reuses_new_logprobs = (real if forced is None
+                                              else (lambda *a, **k: forced))
         try:
             metrics = tr.step(0)
         finally:
-            actor_update.reuses_new_logprobs = real
+            logprob_phase.reuses_new_logprobs = real
         out[name] = (len(calls), metrics, grads[0])
     return out
 
@@ -634,7 +639,7 @@ def test_old_logprob_forward_is_skipped_exactly_when_it_equals_the_update_forwar
     and applied grads equal those of the path with the forward (the ratio is 1 by
     construction, TRL's detach); with two mini-batches the forward runs."""
     from megaprm.config import load_config
-    from megaprm.trainer.actor_update import reuses_new_logprobs
+    from megaprm.trainer.logprob_phase import reuses_new_logprobs
 
     policy, prm = models
     out = launch.spawn(_reuse_work, 1, str(tmp_path), policy, prm)[0]

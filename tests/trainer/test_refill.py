@@ -258,7 +258,7 @@ def test_refill_config_and_recipes():
 
 
 def test_pick_groups_fills_with_passing_then_tops_up():
-    from megaprm.trainer.loop import _pick_groups
+    from megaprm.trainer.refill import _pick_groups
 
     ok = [torch.tensor([False, True]), torch.tensor([True, True])]
     assert _pick_groups(ok, 2) == [[1], [0]]
