@@ -19,7 +19,7 @@ import yaml
 
 from megaprm.algorithms.registry import AdvantageConfig
 from megaprm.parallel.device import DTYPE_CHOICES, resolve_dtype_name
-from megaprm.parallel.pipeline import OptimConfig
+from megaprm.parallel.optimizer import OptimConfig
 from megaprm.rewards.judge import JudgeConfig
 from megaprm.tasks.arithmetic import ArithmeticConfig
 

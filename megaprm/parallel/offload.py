@@ -67,10 +67,10 @@ def _model_tensors(model) -> Iterator[tuple[torch.Tensor, str]]:
 def _optimizer_tensors(optimizer) -> Iterator[tuple[torch.Tensor, str]]:
     """Every tensor of a megaprm `Optimizer` (or a torch / Megatron one): the inner torch
     optimisers' parameters (Megatron: the fp32 masters), their grads and their state."""
-    from megaprm.parallel.pipeline import _torch_optimizers
+    from megaprm.parallel.optimizer import torch_optimizers
 
     impl = getattr(optimizer, "impl", optimizer)
-    for opt in _torch_optimizers(impl):
+    for opt in torch_optimizers(impl):
         for group in opt.param_groups:
             for p in group["params"]:
                 yield p, KEEP

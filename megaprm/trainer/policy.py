@@ -12,6 +12,7 @@ from checkpoint_tools import model_source
 from megaprm.models.actor import build_stage
 from megaprm.models.logprobs import next_token_logprobs
 from megaprm.parallel import microbatch, pipeline
+from megaprm.parallel.optimizer import Optimizer
 from megaprm.parallel.device import to_host
 from megaprm.parallel.groups import Groups
 from megaprm.rollout.engine import RightPadded
@@ -68,7 +69,7 @@ class Policy:
         model_source.load_weights(model, src, spec, groups)
         if trainable:
             self.model = pipeline.wrap_ddp(model, groups)
-            self.opt = pipeline.Optimizer(self.model, optim, groups)
+            self.opt = Optimizer(self.model, optim, groups)
         else:
             self.model, self.opt = model.eval(), None
             for p in model.parameters():

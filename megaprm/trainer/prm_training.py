@@ -39,6 +39,7 @@ from megaprm.models.logprobs import vocab_parallel_logprobs
 from megaprm.models.prm import (PRM_HEADS, as_prm_spec, build_prm, gather_positions,
                                 hf_prm_config, load_trunk_from_hf)
 from megaprm.parallel import cpu, pipeline
+from megaprm.parallel.optimizer import OptimConfig, Optimizer
 from megaprm.parallel.device import DTYPE_CHOICES, DTYPES, resolve_dtype_name, to_host
 from megaprm.parallel.groups import Groups
 from megaprm.rewards import scoring
@@ -557,7 +558,7 @@ def train_prm(cfg: PRMTrainConfig, groups: Groups,
                                      (2, cfg.stage2_steps, cfg.stage2_lr, None)):
         if steps == 0:
             continue
-        opt = pipeline.Optimizer(ddp, pipeline.OptimConfig(
+        opt = Optimizer(ddp, OptimConfig(
             lr=lr, weight_decay=cfg.weight_decay, betas=cfg.betas, clip_grad=cfg.clip_grad),
             groups, params=params)
         for step in range(steps):

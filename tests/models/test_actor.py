@@ -85,6 +85,7 @@ def _rank_work(model_dir, tp, pp, packed=False):
     from megaprm.models.mapping import load_hf_weights
     from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
+    from megaprm.parallel.optimizer import OptimConfig, Optimizer
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import weight_sync
     from megaprm.trainer.sft import sft_step
@@ -100,7 +101,7 @@ def _rank_work(model_dir, tp, pp, packed=False):
     if packed:
         lp = _packed_logprobs(model, g, ids, lengths, spec.vocab_size)
         ddp = pipeline.wrap_ddp(model, g)
-        opt = pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=LR, clip_grad=0.0, eps=EPS), g)
+        opt = Optimizer(ddp, OptimConfig(lr=LR, clip_grad=0.0, eps=EPS), g)
         loss = _packed_sft_step(ddp, opt, g, ids, mask, lengths, spec.vocab_size)
         weights = dict(weight_sync.iter_hf_weights(ddp, g))
         return {"rows": (rows.start, rows.stop), "logprobs": lp, "loss": loss,
@@ -115,7 +116,7 @@ def _rank_work(model_dir, tp, pp, packed=False):
                           forward_only=True)
     lp = pipeline.broadcast_from_last_stage(lp, g)[0]
     ddp = pipeline.wrap_ddp(model, g)
-    opt = pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=LR, clip_grad=0.0, eps=EPS), g)
+    opt = Optimizer(ddp, OptimConfig(lr=LR, clip_grad=0.0, eps=EPS), g)
     res = sft_step(ddp, opt, g, ids, mask, micro_batch_size=1, vocab_size=spec.vocab_size)
     weights = dict(weight_sync.iter_hf_weights(ddp, g))
     return {"rows": (rows.start, rows.stop), "logprobs": lp, "loss": res.loss,

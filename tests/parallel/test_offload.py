@@ -13,14 +13,14 @@ from tests.parallel.test_optimizer_state import TINY, _cuda_type_names, _train
 def _everything(ddp, opt) -> dict:
     """Every value the offload must restore, as clones: the module's state, DDP's flat buffers,
     each inner torch optimiser's parameters (Megatron: fp32 masters) and state tensors."""
-    from megaprm.parallel.pipeline import _torch_optimizers
+    from megaprm.parallel.optimizer import torch_optimizers
 
     out = {f"model/{k}": v.detach().clone() for k, v in ddp.module.state_dict().items()
            if isinstance(v, torch.Tensor)}
     for i, buf in enumerate(ddp.buffers):
         if buf.param_data is not None:
             out[f"param_data/{i}"] = buf.param_data.clone()
-    for i, o in enumerate(_torch_optimizers(opt.impl)):
+    for i, o in enumerate(torch_optimizers(opt.impl)):
         for j, group in enumerate(o.param_groups):
             for k, p in enumerate(group["params"]):
                 out[f"opt{i}/param/{j}/{k}"] = p.detach().clone()
@@ -33,12 +33,12 @@ def _everything(ddp, opt) -> dict:
 def _device_bytes(ddp, opt) -> int:
     """Bytes still held by the tensors the model and optimiser reach (found here without
     offload.py's walk)."""
-    from megaprm.parallel.pipeline import _torch_optimizers
+    from megaprm.parallel.optimizer import torch_optimizers
 
     ts = [*ddp.module.parameters(), *ddp.module.buffers()]
     ts += [p.main_grad for p in ddp.module.parameters() if hasattr(p, "main_grad")]
     ts += [t for b in ddp.buffers for t in (b.param_data, b.grad_data) if t is not None]
-    for o in _torch_optimizers(opt.impl):
+    for o in torch_optimizers(opt.impl):
         ts += [p for g in o.param_groups for p in g["params"]]
         ts += [v for st in o.state.values() for v in st.values()
                if isinstance(v, torch.Tensor) and v.dim() > 0]  # AdamW's 0-d step is host state
@@ -50,6 +50,7 @@ def _offload_work(rank, world, hf):
     from megaprm.models.mapping import load_hf_weights
     from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
+    from megaprm.parallel.optimizer import OptimConfig, Optimizer
     from megaprm.parallel.init import init_distributed
     from megaprm.parallel.offload import Offload
 
@@ -61,7 +62,7 @@ def _offload_work(rank, world, hf):
         model = build_stage(spec, g)
         load_hf_weights(model, hf, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, pp=1, pp_rank=0)
         ddp = pipeline.wrap_ddp(model, g, distributed_optimizer=megatron)
-        return ddp, pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-2, weight_decay=0.1), g,
+        return ddp, Optimizer(ddp, OptimConfig(lr=1e-2, weight_decay=0.1), g,
                                        megatron=megatron)
     out = {}
     for kind, megatron in (("adamw", False), ("distributed", True)):

@@ -32,6 +32,7 @@ def _build(hf, g, params=None):
     from megaprm.models.mapping import load_hf_weights
     from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
+    from megaprm.parallel.optimizer import OptimConfig, Optimizer
 
     spec = spec_from_hf(hf)
     model = build_stage(spec, g)
@@ -40,7 +41,7 @@ def _build(hf, g, params=None):
     ddp = pipeline.wrap_ddp(model, g, distributed_optimizer=True)
     chosen = None if params is None else [p for n, p in ddp.module.named_parameters()
                                           if params(n)]
-    opt = pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-2, weight_decay=0.1), g,
+    opt = Optimizer(ddp, OptimConfig(lr=1e-2, weight_decay=0.1), g,
                              params=chosen, megatron=True)
     return ddp, opt
 
@@ -153,13 +154,14 @@ def test_all_or_nothing_restores_lazily_on_the_device(tmp_path, monkeypatch):
     from megaprm.models.tiny import save_tiny_model
     from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
+    from megaprm.parallel.optimizer import OptimConfig, Optimizer
     from megaprm.parallel.init import destroy, init_distributed
 
     hf = save_tiny_model("qwen2", str(tmp_path / "policy"), **TINY)
     g = init_distributed()
     try:
         ddp = pipeline.wrap_ddp(build_stage(spec_from_hf(hf), g), g)
-        opt = pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-2), g)
+        opt = Optimizer(ddp, OptimConfig(lr=1e-2), g)
         _train(ddp, opt, g, [0])  # AdamW state exists before the transaction
         before = _weights(ddp)
         state = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.impl.state.items()}
@@ -174,7 +176,7 @@ def test_all_or_nothing_restores_lazily_on_the_device(tmp_path, monkeypatch):
         for p, st in opt.impl.state.items():
             assert all(torch.equal(v, state[id(p)][k]) for k, v in st.items())
 
-        fresh = pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-2), g)
+        fresh = Optimizer(ddp, OptimConfig(lr=1e-2), g)
         real_fresh = fresh._snapshot
         monkeypatch.setattr(fresh, "_snapshot", lambda: copies.append(2) or real_fresh())
         try:
@@ -196,13 +198,13 @@ def test_multi_tensor_l2norm_matches_megatrons_local_norm_without_host_reads():
     from megatron.core.optimizer import clip_grads
     from megatron.core.utils import local_multi_tensor_l2_norm
 
-    from megaprm.parallel import pipeline
+    from megaprm.parallel.optimizer import multi_tensor_l2norm, use_multi_tensor_l2norm
 
     gen = torch.Generator().manual_seed(0)
     shapes = [((7,), 1.0), ((3, 5), 1e-3), ((64,), 30.0), ((0,), 1.0)]
     grads = [torch.randn(n, generator=gen) * s for n, s in shapes]
     ref, _ = local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
-    got, per = pipeline.multi_tensor_l2norm(2048 * 32, None, [grads], True)
+    got, per = multi_tensor_l2norm(2048 * 32, None, [grads], True)
     exact = torch.cat([g.double().flatten() for g in grads]).norm()
     assert got.shape == (1,) and got.dtype == torch.float32
     assert torch.allclose(got, ref, rtol=1e-6) and abs(float(got) - float(exact)) < 1e-4
@@ -210,7 +212,7 @@ def test_multi_tensor_l2norm_matches_megatrons_local_norm_without_host_reads():
     real = clip_grads.l2_norm_impl
     try:
         clip_grads.l2_norm_impl = local_multi_tensor_l2_norm
-        pipeline.use_multi_tensor_l2norm()
-        assert clip_grads.l2_norm_impl is pipeline.multi_tensor_l2norm
+        use_multi_tensor_l2norm()
+        assert clip_grads.l2_norm_impl is multi_tensor_l2norm
     finally:
         clip_grads.l2_norm_impl = real

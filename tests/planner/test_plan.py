@@ -80,6 +80,7 @@ def _real_stages(tp, pp):
     from megaprm.models.prm import build_prm
     from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
+    from megaprm.parallel.optimizer import OptimConfig, Optimizer
     from megaprm.parallel.init import init_distributed
 
     out = []
@@ -93,7 +94,7 @@ def _real_stages(tp, pp):
         ddp = pipeline.wrap_ddp(model, g)
         grads = sum(p.main_grad.numel() * p.main_grad.element_size()
                     for p in ddp.parameters())
-        opt = pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-3), g)
+        opt = Optimizer(ddp, OptimConfig(lr=1e-3), g)
         for p in ddp.parameters():
             p.main_grad.zero_()
         opt.step()

@@ -46,13 +46,14 @@ def _build(hf, g):
     from megaprm.models.mapping import load_hf_weights
     from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
+    from megaprm.parallel.optimizer import OptimConfig, Optimizer
 
     spec = spec_from_hf(hf)
     model = build_stage(spec, g)
     load_hf_weights(model, hf, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, pp=g.pp_size,
                     pp_rank=g.pp_rank)
     ddp = pipeline.wrap_ddp(model, g)
-    opt = pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-2), g)
+    opt = Optimizer(ddp, OptimConfig(lr=1e-2), g)
     _train_step(ddp, opt)
     return ddp, opt
 

@@ -35,12 +35,13 @@ def _build(hf, g):
     from megaprm.models.mapping import load_hf_weights
     from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
+    from megaprm.parallel.optimizer import OptimConfig, Optimizer
 
     spec = spec_from_hf(hf)
     model = build_stage(spec, g)
     load_hf_weights(model, hf, spec, tp_rank=0, tp_size=1, pp=1, pp_rank=0)
     ddp = pipeline.wrap_ddp(model, g)
-    return ddp, pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=1e-2), g)
+    return ddp, Optimizer(ddp, OptimConfig(lr=1e-2), g)
 
 
 def _train_step(ddp, opt):
