@@ -7,7 +7,7 @@ import sys
 
 
 def cmd_eval(args) -> int:
-    from eval.run import EvalConfig, evaluate, format_table
+    from eval.run import EvalConfig, evaluate_benchmarks, format_table
 
     benches = tuple(b.strip() for b in args.benchmarks.split(",") if b.strip())
     cfg = EvalConfig(model=args.model, benchmarks=benches, k=args.k,
@@ -15,7 +15,7 @@ def cmd_eval(args) -> int:
                      engine=args.engine, limit=args.limit, seed=args.seed,
                      batch_prompts=args.batch_prompts, verify_timeout_s=args.verify_timeout_s,
                      progress=not args.no_progress)
-    report = evaluate(cfg)
+    report = evaluate_benchmarks(cfg)
     print(format_table(report))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

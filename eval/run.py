@@ -208,7 +208,7 @@ def _eval_benchmark(name: str, cfg: EvalConfig, loaded, engine, tokenizer, verif
     return result
 
 
-def evaluate(cfg: EvalConfig) -> dict:
+def evaluate_benchmarks(cfg: EvalConfig) -> dict:
     """Run the whole evaluation and return the report (see `format_table` for the summary)."""
     from tqdm import tqdm
     from transformers import AutoTokenizer

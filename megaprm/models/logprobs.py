@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 
-def _split(group) -> bool:
+def _vocab_split(group) -> bool:
     """Whether the vocabulary is split over ranks of `group` (None or size 1: held whole)."""
     return group is not None and dist.get_world_size(group) > 1
 
@@ -49,7 +49,7 @@ def default_chunk_tokens(local_vocab: int, device: torch.device) -> int:
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
-    if _split(group):
+    if _vocab_split(group):
         dist.all_reduce(t, op=op, group=group)
     return t
 
@@ -262,7 +262,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, *, tp_gr
         local_v = logits.shape[-1]
         vocab_start = tp_rank * local_v
         n_valid = local_v if vocab_size is None else max(0, min(local_v, vocab_size - vocab_start))
-        if not _split(tp_group):
+        if not _vocab_split(tp_group):
             logp, ent = _ChunkedLogSoftmax.apply(logits, target, n_valid, with_entropy,
                                                  float(temperature), int(chunk_tokens))
         else:

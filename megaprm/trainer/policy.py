@@ -114,7 +114,7 @@ class Batching:
                                              pp_size=self.pp_size)
 
 
-def _split(ids, mask, payload, size, pp) -> List[pipeline.TokenBatch]:
+def fixed_micro_batches(ids, mask, payload, size, pp) -> List[pipeline.TokenBatch]:
     """Micro-batches of `size` padded rows (mask [B, L-1]); with pp > 1 all the same shape."""
     return Batching(size, None, pp).split(ids, mask, payload)
 

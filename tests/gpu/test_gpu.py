@@ -187,7 +187,7 @@ def _sync_logits(policy):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer import loop
-    from megaprm.trainer.policy import _split
+    from megaprm.trainer.policy import fixed_micro_batches
 
     g = init_distributed()
     _full_fp32()
@@ -199,7 +199,7 @@ def _sync_logits(policy):
     tr.sync_weights()
     ids = torch.randint(0, tr.spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ours = pipeline.run(tr.actor.model, _split(ids, torch.ones(2, 16), None, 2, 1),
+        ours = pipeline.run(tr.actor.model, fixed_micro_batches(ids, torch.ones(2, 16), None, 2, 1),
                             groups=g, post=lambda mb, lg: (None, lg.float().cpu()),
                             forward_only=True)[0]
         theirs = tr.engine.model(ids.to(tr.engine.device)).logits.float().cpu()

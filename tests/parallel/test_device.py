@@ -29,7 +29,7 @@ def _meta_phases(rank, world_size, hf_dir):
     from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
-    from megaprm.trainer.policy import _split, logprob_post
+    from megaprm.trainer.policy import fixed_micro_batches, logprob_post
 
     from megaprm.parallel import cpu
 
@@ -45,7 +45,7 @@ def _meta_phases(rank, world_size, hf_dir):
     payload = {"adv": torch.randn(4, 11), "m": torch.ones(4, 11)}  # built on the host
     seen = {"model": model_device(model).type}
     # forward only (old / reference log-probs): host batches in, device log-probs out
-    fwd = pipeline.run(model, _split(ids, mask, None, 2, 1), groups=g,
+    fwd = pipeline.run(model, fixed_micro_batches(ids, mask, None, 2, 1), groups=g,
                        post=logprob_post(spec, g, 0.7, with_entropy=True),
                        forward_only=True)
     seen["forward"] = {t.device.type for part in fwd for t in part}
@@ -56,7 +56,7 @@ def _meta_phases(rank, world_size, hf_dir):
         seen.setdefault("payload", mb.payload["adv"].device.type)  # the crossed run's
         return -(lp * mb.payload["adv"] * mb.payload["m"]).sum() - 0.01 * ent.sum(), None
 
-    pipeline.run(model, _split(ids, mask, payload, 2, 1), groups=g, post=post,
+    pipeline.run(model, fixed_micro_batches(ids, mask, payload, 2, 1), groups=g, post=post,
                  forward_only=False)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     seen["grads"] = {gr.device.type for gr in grads}
@@ -66,7 +66,7 @@ def _meta_phases(rank, world_size, hf_dir):
     crossing = pipeline.to_device
     pipeline.to_device = lambda obj, device: obj
     try:
-        pipeline.run(model, _split(ids, mask, payload, 2, 1), groups=g, post=post,
+        pipeline.run(model, fixed_micro_batches(ids, mask, payload, 2, 1), groups=g, post=post,
                      forward_only=False)
         seen["mix_raises"] = False
     except RuntimeError as e:

@@ -146,7 +146,7 @@ def _stand_in_lifecycle(rank, world, hf):
     from megaprm.parallel import offload, pipeline
     from megaprm.parallel.optimizer import OptimConfig, Optimizer
     from megaprm.parallel.init import init_distributed
-    from megaprm.trainer.policy import _split, logprob_post
+    from megaprm.trainer.policy import fixed_micro_batches, logprob_post
     from megaprm.trainer.lifecycle import Lifecycle
     from tests.parallel.test_device import _stand_in
 
@@ -172,11 +172,11 @@ def _stand_in_lifecycle(rank, world, hf):
 
     def train():  # a forward and backward of the actor on the device, as the update's
         opt.zero_grad()
-        pipeline.run(actor, _split(ids, torch.ones(2, 8), None, 2, 1), groups=g, post=post,
-                     forward_only=False)
+        pipeline.run(actor, fixed_micro_batches(ids, torch.ones(2, 8), None, 2, 1), groups=g,
+                     post=post, forward_only=False)
     train()  # what the step before left behind (caches of the forward included)
     with torch.no_grad():
-        pipeline.run(ref, _split(ids, torch.ones(2, 8), None, 2, 1), groups=g,
+        pipeline.run(ref, fixed_micro_batches(ids, torch.ones(2, 8), None, 2, 1), groups=g,
                      post=logprob_post(spec, g, 1.0), forward_only=True)
     out = {}
     for name, switches in (("off", []), ("on", [offload.Offload("actor", actor, opt),

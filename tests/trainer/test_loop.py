@@ -206,7 +206,7 @@ def _logprob_temperature_work(run_dir, policy, prm):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer import loop
-    from megaprm.trainer.policy import _split, logprob_post, response_to_targets
+    from megaprm.trainer.policy import fixed_micro_batches, logprob_post, response_to_targets
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=1", "rollout.temperature=0.5",
@@ -221,8 +221,8 @@ def _logprob_temperature_work(run_dir, policy, prm):
     refs = {}
     for t in (1.0, 0.5):
         with torch.no_grad():
-            refs[t] = pipeline.run(tr.actor.model, _split(rp.input_ids, mask.float(), None,
-                                                               10_000, 1),
+            mbs = fixed_micro_batches(rp.input_ids, mask.float(), None, 10_000, 1)
+            refs[t] = pipeline.run(tr.actor.model, mbs,
                                    groups=g, post=logprob_post(tr.spec, g, t, True),
                                    forward_only=True)[0]
     sampler = response_to_targets(batch.sampler_logprobs, rp)
@@ -273,7 +273,7 @@ def _metrics_work(run_dir, policy, prm, micro_batch_size, packed=False):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
     from megaprm.trainer import loop
-    from megaprm.trainer.policy import _split, logprob_post
+    from megaprm.trainer.policy import fixed_micro_batches, logprob_post
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=1", "actor.entropy_coef=0.01",
@@ -291,8 +291,8 @@ def _metrics_work(run_dir, policy, prm, micro_batch_size, packed=False):
     # the reference: this rank's full-batch log-probs and entropy in one forward at T
     post = logprob_post(tr.spec, g, tr.temperature, with_entropy=True)
     with torch.no_grad():
-        lp, ent = pipeline.run(tr.actor.model, _split(rp.input_ids, mask, None, 10_000, 1),
-                               groups=g, post=post, forward_only=True)[0]
+        mbs = fixed_micro_batches(rp.input_ids, mask, None, 10_000, 1)
+        lp, ent = pipeline.run(tr.actor.model, mbs, groups=g, post=post, forward_only=True)[0]
     old = lp + 0.3 * torch.randn(lp.shape, generator=gen)  # a stale policy: ratios != 1
     metrics = tr.update_actor(rp, adv, old, None, torch.ones(rp.input_ids.shape[0])).metrics
     sel = mask.bool()
