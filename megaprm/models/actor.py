@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from megaprm.models.hf_spec import ModelSpec, decoder_spec, llama3_inv_freq, transformer_config
+from megaprm.parallel.groups import Groups
 
 
 def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
@@ -64,6 +65,13 @@ def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
             layer.compile(**({"backend": compile} if isinstance(compile, str) else {}))
     model.megaprm_spec = spec  # read by mapping / weight sync; never changes after build
     return model
+
+
+def build_stage(spec: ModelSpec, groups: Groups, *, dtype=None, **kw):
+    """Build this rank's GPTModel stage for `spec` under `groups` (dtype None: bf16 on CUDA,
+    fp32 on the CPU)."""
+    return build_gpt(spec, tp=groups.tp_size, pp=groups.pp_size, pp_rank=groups.pp_rank,
+                     dtype=dtype, **kw)
 
 
 def _batch_major_logits(output_layer) -> None:
