@@ -13,7 +13,7 @@ setup(
     packages=find_namespace_packages(include=["megaprm", "megaprm.*", "checkpoint_tools",
                                               "checkpoint_tools.*", "eval", "eval.*"]),
     package_data={"megaprm": ["configs/*.yaml", "planner/hf_configs/*.json",
-                              # the demo's shipped warm-up policy and PRM (~4 MB, demo_start)
+                              # the demo's shipped warm-up policy and PRM (~4 MB, experiments/arithmetic/start.py)
                               "assets/demo/manifest.json", "assets/demo/*/*"],
                   "eval": ["data/**/*", "data/*"]},
     include_package_data=True,

@@ -55,7 +55,7 @@ def _on_ranks(args, argv, preflight, body) -> int:
 # ------------------------------------------------------------------------------ subcommands
 
 def cmd_demo(args) -> int:
-    from megaprm import demo
+    from megaprm.experiments.arithmetic import demo
 
     overrides = {"rl_steps": args.rl_steps, "warmup_steps": args.warmup_steps,
                  "eval_problems": args.eval_problems, "prm_steps": args.prm_steps,
@@ -65,8 +65,8 @@ def cmd_demo(args) -> int:
                            **{k: v for k, v in overrides.items() if v})
 
     def preflight():
+        from megaprm.experiments.readme import read_block
         from megaprm.parallel.launch import world_size_of
-        from megaprm.readme import read_block
 
         world_size_of(args)  # --nproc vs GPUs, node rank
         if args.write_readme:  # the markers are there before minutes of work
@@ -90,7 +90,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from megaprm import compare
+    from megaprm.experiments.arithmetic import report as tables
+    from megaprm.experiments.arithmetic.runs import RL_YAML, CompareConfig
 
     def csv(text):
         return tuple(x for x in (text or "").split(",") if x)
@@ -114,13 +115,13 @@ def cmd_compare(args) -> int:
         with open(args.from_json, encoding="utf-8") as f:
             report = json.load(f)
         if args.write_readme:
-            for path in compare.write_docs(report, readme=args.readme, doc=args.doc):
+            for path in tables.write_docs(report, readme=args.readme, doc=args.doc):
                 print(f"[compare] regenerated the compare block of {path}")
         else:
-            print(compare.markdown(report), end="")
+            print(tables.markdown(report), end="")
         return 0
 
-    ccfg = compare.CompareConfig(
+    ccfg = CompareConfig(
         run_dir=args.run_dir, methods=csv(args.methods), seeds=args.seeds,
         method_seeds=method_seeds(args.method_seeds),
         oracle=csv(args.oracle), rl_steps=args.rl_steps, hack_steps=args.hack_steps,
@@ -128,14 +129,13 @@ def cmd_compare(args) -> int:
         warmup_steps=args.warmup_steps, prm_steps=args.prm_steps,
         prm_examples=args.prm_examples, wandb=args.wandb, extra=list(args.overrides))
     if args.write_readme:  # the markers must be there before an hour of runs
-        from megaprm.readme import read_block
+        from megaprm.experiments.readme import read_block
 
         for path in (args.readme, args.doc):
             read_block(path, "compare")
 
     def preflight():
         from megaprm.config import load_config
-        from megaprm.demo import RL_YAML
         from megaprm.parallel.launch import world_size_of
         from megaprm.trainer.preflight import check_batch
 
@@ -144,14 +144,15 @@ def cmd_compare(args) -> int:
         check_batch(cfg, world)
 
     def body():
+        from megaprm.experiments.arithmetic import compare
         from megaprm.parallel.init import destroy, init_distributed
 
         groups = init_distributed(tp=1, pp=1, seed=0)
         report = compare.run(ccfg, groups, only_finished=args.only_finished)
         if groups.rank == 0:
-            print("\n" + compare.markdown(report))
+            print("\n" + tables.markdown(report))
             if args.write_readme:
-                for path in compare.write_docs(report, readme=args.readme, doc=args.doc):
+                for path in tables.write_docs(report, readme=args.readme, doc=args.doc):
                     print(f"[compare] regenerated the compare block of {path}")
             print(f"[compare] wrote {ccfg.run_dir}/compare.json, compare.md and "
                   + ", ".join(report["plots"]))
@@ -369,7 +370,7 @@ def _parser() -> argparse.ArgumentParser:
 
     from dataclasses import fields
 
-    from megaprm.compare import ALL_METHODS, CompareConfig
+    from megaprm.experiments.arithmetic.runs import ALL_METHODS, CompareConfig
 
     defaults = argparse.Namespace(**{f.name: f.default for f in fields(CompareConfig)})
     cp = sub.add_parser("compare", help="every method side by side on the exact-label task: "

@@ -5,7 +5,7 @@
                                      [--out runs/bench/bench_async_learning.json]
 
 Every run is the demo's GRPO run (`megaprm demo`'s baseline: configs/demo.yaml with
-`compare.run_overrides` for that seed, from the shipped warm-up policy in megaprm/assets/demo),
+`runs.run_overrides` for that seed, from the shipped warm-up policy in megaprm/assets/demo),
 launched with `megaprm train`:
 
 * colocated: 2 ranks (dp 2), the engine on each trainer rank: the reference, one run per seed,
@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megaprm import compare  # noqa: E402
+from megaprm.experiments.arithmetic import runs  # noqa: E402
 from megaprm.bench import default_out, load_average, write_result  # noqa: E402
 from megaprm.trainer.metrics import read_metrics  # noqa: E402
 
@@ -63,11 +63,11 @@ def _shown(path: Path) -> str:
 
 def run_one(placement: str, seed: int, k: int, steps: int, eval_problems: int,
             work: Path) -> dict:
-    ccfg = compare.CompareConfig(rl_steps=steps, eval_problems=eval_problems, wandb="disabled")
-    spec = compare.RunSpec("grpo", "learned", seed)
+    ccfg = runs.CompareConfig(rl_steps=steps, eval_problems=eval_problems, wandb="disabled")
+    spec = runs.RunSpec("grpo", "learned", seed)
     run_dir = work / f"{placement}-k{k}-s{seed}" if placement == "separate" else \
         work / f"colocated-s{seed}"
-    ov = compare.run_overrides(spec, ccfg, str(ASSETS / "sft"), str(ASSETS / "prm"))
+    ov = runs.run_overrides(spec, ccfg, str(ASSETS / "sft"), str(ASSETS / "prm"))
     ov += [f"trainer.run_dir={run_dir}", f"trainer.eval_every={steps}",
            f"trainer.eval_problems={eval_problems}"]
     nproc = 2

@@ -4,18 +4,18 @@ package (megaprm/assets/demo/). Run on 2 ranks, as `megaprm demo` does:
     OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 2 scripts/build_demo_start.py runs/demo_start
     .venv/bin/python scripts/build_demo_start.py --ship runs/demo_start
 
-`megaprm demo --from-scratch` runs the same build (megaprm.demo_start.build) and reports whether
+`megaprm demo --from-scratch` runs the same build (megaprm.experiments.arithmetic.start.build) and reports whether
 its tensors equal the shipped ones.
 """
 import sys
 
 
 def main() -> int:
-    from megaprm import demo_start
+    from megaprm.experiments.arithmetic import start
 
     if sys.argv[1:2] == ["--ship"]:
-        man = demo_start.ship(sys.argv[2])
-        print(f"shipped {sys.argv[2]} -> {demo_start.SHIPPED_DIR} (recipe {man['digest']}, "
+        man = start.ship(sys.argv[2])
+        print(f"shipped {sys.argv[2]} -> {start.SHIPPED_DIR} (recipe {man['digest']}, "
               f"AUROC {man['prm_eval']['auroc']:.3f})")
         return 0
     from megaprm.parallel.init import destroy, init_distributed
@@ -24,9 +24,9 @@ def main() -> int:
     out = sys.argv[1]
     budget = [int(x) for x in sys.argv[2:5]]  # optional: warmup_steps prm_steps prm_examples
     groups = init_distributed(tp=1, pp=1, seed=0)
-    rec = demo_start.recipe(*budget)
+    rec = start.recipe(*budget)
     say = print if groups.rank == 0 else (lambda *a, **k: None)
-    man = demo_start.build(out, rec, groups, build_char_tokenizer(), say)
+    man = start.build(out, rec, groups, build_char_tokenizer(), say)
     say(f"built {out}: AUROC {man['prm_eval']['auroc']:.3f}, times {man['build']}")
     destroy()
     return 0

@@ -22,7 +22,7 @@ PATHS = {
 # holds with the margin docs/testing.md lists on every path above; they carry the `learning`
 # marker and tests/test_kernel_paths.py reruns them under another path.
 LEARNING_TESTS = [
-    "tests/test_compare.py::test_compare_tiny_end_to_end_killed_and_resumed",
+    "tests/experiments/arithmetic/test_compare.py::test_compare_tiny_end_to_end_killed_and_resumed",
     "tests/trainer/test_prm_training.py::test_tiny_prm_learns_arithmetic_step_labels",
 ]
 

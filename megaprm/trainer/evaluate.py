@@ -25,7 +25,7 @@ def evaluate_arithmetic(engine, tokenizer, groups: Groups, problems: list,
     dp-sharded (`shard`); the counts are summed over the dp group. `per_problem`: also every
     problem's counts - `correct`, `wrong_step` (correct with a wrong step), `clean` (correct
     with every step correct), each out of the n samples - in problem order (the comparison's
-    bootstrap over problems, `megaprm.stats`)."""
+    bootstrap over problems, `experiments/arithmetic/stats.py`)."""
     import torch
     import torch.distributed as dist
 

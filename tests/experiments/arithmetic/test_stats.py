@@ -1,4 +1,4 @@
-"""megaprm.stats (the comparison's intervals) against independent references: Wilson against a
+"""experiments/arithmetic/stats.py (the comparison's intervals) against independent references: Wilson against a
 textbook value and its defining score equation; the two-level paired bootstrap against the exact
 bootstrap distribution, enumerated by brute force on a tiny case; the noise split against a case
 whose seed noise is zero by construction."""
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from megaprm import stats
+from megaprm.experiments.arithmetic import stats
 
 
 def test_wilson_matches_closed_form_table_value():

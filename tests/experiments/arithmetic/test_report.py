@@ -4,10 +4,10 @@ blocks must be exactly what the generator makes from it."""
 import json
 from pathlib import Path
 
-from megaprm import compare
-from megaprm.readme import read_block
+from megaprm.experiments.arithmetic import report
+from megaprm.experiments.readme import read_block
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _report():
@@ -16,12 +16,12 @@ def _report():
 
 
 def test_readme_block_is_generated_from_the_committed_json():
-    want = compare.readme_table(_report()).strip("\n")
+    want = report.readme_table(_report()).strip("\n")
     assert read_block(str(ROOT / "README.md"), "compare") == want, (
         "README's compare block is stale: run `.venv/bin/megaprm compare --from-json "
         "docs/compare/compare.json --write-readme`")
 
 
 def test_doc_block_is_generated_from_the_committed_json():
-    want = compare.markdown(_report(), title=False).strip("\n")
+    want = report.markdown(_report(), title=False).strip("\n")
     assert read_block(str(ROOT / "docs" / "compare.md"), "compare") == want

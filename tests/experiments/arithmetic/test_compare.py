@@ -3,7 +3,7 @@
 and resumed; its evaluation against an independent greedy decode by transformers and the exact
 checker; the paired design (same seed, same step-0 samples across methods); the docs generated
 from the report; the table's statistics against the statistics module; bad input -> one line,
-exit 2. megaprm.stats itself: tests/test_compare_stats.py."""
+exit 2. the statistics: test_stats.py; the tables: test_report.py."""
 import json
 import os
 import signal
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from megaprm import compare
+from megaprm.experiments.arithmetic import compare, report, runs, stats
 from tests.test_megaprm_cli import MEGAPRM, ROOT, one_line_error, run
 
 TINY = ["--methods", "grpo,prof_grpo", "--seeds", "1", "--oracle", "grpo,prof_grpo",
@@ -156,7 +156,7 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     assert d["lo"] <= d["mean"] <= d["hi"]
 
     # the baseline row is the warm-up policy's greedy accuracy as transformers decodes it
-    problems = compare.eval_problems(compare.CompareConfig(eval_problems=16))
+    problems = runs.held_out_problems(16)
     ref = _greedy_reference(str(rd / "sft"), problems)
     base = rep["baseline"]["greedy"]
     for k in ("accuracy", "all_steps_correct", "correct_with_wrong_step"):
@@ -186,7 +186,7 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     from_json = (tmp_path / "README.md").read_text(), (tmp_path / "compare.md").read_text()
     assert "| prof_grpo, learned | 1 |" in from_json[0], from_json[0]
-    assert compare.markdown(rep, title=False).strip() in from_json[1]
+    assert report.markdown(rep, title=False).strip() in from_json[1]
     (tmp_path / "README.md").write_text("x\n<!-- megaprm:compare begin -->\n<!-- megaprm:compare "
                                         "end -->\ny\n")
     p = run([*MEGAPRM, "compare", "--run-dir", str(rd), *TINY, "--only-finished", *docs],
@@ -200,11 +200,11 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
 
 def test_mean_ci_matches_statistics_module():
     xs = [0.62, 0.70, 0.81]
-    got = compare.mean_ci(xs)
+    got = stats.mean_ci(xs)
     assert got["mean"] == pytest.approx(statistics.mean(xs))
     # t_{0.975, 2} = 4.303 (two-sided 95%, 2 degrees of freedom)
     assert got["ci95"] == pytest.approx(4.303 * statistics.stdev(xs) / 3 ** 0.5)
-    assert compare.mean_ci([0.5])["ci95"] is None and compare.mean_ci([])["mean"] is None
+    assert stats.mean_ci([0.5])["ci95"] is None and stats.mean_ci([])["mean"] is None
 
 
 def _fake_eval(rng, p_correct, p_wrong, problems=60, n=1):
@@ -218,18 +218,18 @@ def _fake_eval(rng, p_correct, p_wrong, problems=60, n=1):
 
 
 def test_plan_is_seed_major_with_fewer_seeds_for_some_rows():
-    ccfg = compare.CompareConfig(methods=("grpo", "papo", "prime_scaled"), seeds=2,
+    ccfg = runs.CompareConfig(methods=("grpo", "papo", "prime_scaled"), seeds=2,
                                  method_seeds={"prime_scaled": 1}, oracle=("grpo", "papo"))
-    assert [r.name for r in compare.plan(ccfg)] == [
+    assert [r.name for r in runs.plan(ccfg)] == [
         "grpo-learned-s0", "papo-learned-s0", "prime_scaled-implicit-s0", "papo-oracle-s0",
         "grpo-learned-s1", "papo-learned-s1", "papo-oracle-s1", "hack-pure-prm-only-s0"]
     # the variant runs PRIME with its own beta on top of PRIME's overrides; seed s is the
     # trainer seed of every row's run s (the paired design)
-    ov = compare.run_overrides(compare.RunSpec("prime_scaled", "implicit", 1), ccfg, "S", "P")
+    ov = runs.run_overrides(runs.RunSpec("prime_scaled", "implicit", 1), ccfg, "S", "P")
     assert "advantage.method=prime" in ov and "prm.kind=implicit" in ov
     assert ov.index("prm.beta=1.0") > ov.index("prm.kind=implicit")
     assert "trainer.seed=1" in ov
-    assert "trainer.seed=1" in compare.run_overrides(compare.RunSpec("grpo", "learned", 1),
+    assert "trainer.seed=1" in runs.run_overrides(runs.RunSpec("grpo", "learned", 1),
                                                      ccfg, "S", "P")
 
 
@@ -237,13 +237,13 @@ def test_aggregate_rows_paired_differences_and_sentences():
     import numpy as np
 
     rng = np.random.default_rng(0)
-    ccfg = compare.CompareConfig(methods=("grpo", "papo", "pure"), seeds=3,
+    ccfg = runs.CompareConfig(methods=("grpo", "papo", "pure"), seeds=3,
                                  method_seeds={"pure": 2}, oracle=("grpo", "papo"),
                                  bootstrap_reps=500)
     # pure: far fewer wrong steps than GRPO (separated); papo: the same as GRPO
     p_wrong = {"grpo": 0.4, "papo": 0.4, "pure": 0.05}
     results = []
-    for r in compare.plan(ccfg):
+    for r in runs.plan(ccfg):
         results.append({**r.__dict__, "name": r.name,
                         "greedy": _fake_eval(rng, 0.5, p_wrong[r.method], problems=300),
                         "sampled": _fake_eval(rng, 0.4, p_wrong[r.method], problems=300, n=2),
@@ -279,18 +279,18 @@ def test_aggregate_rows_paired_differences_and_sentences():
            "rl_steps": 60, "eval_problems": 300, "seeds": 3, "sampled_n": 2,
            "prm": {"auroc": 0.9}, "compute_s": {"warmup": 1, "prm_train": 1, "runs": 1},
            "device": "CPU", "load": [1.0], "total_s": 1, "hack": None}
-    md = compare.markdown(rep)
+    md = report.markdown(rep)
     assert "below GRPO in the greedy wrong-step share" in md
     assert "**papo / learned**" in md and "not separated from GRPO in greedy accuracy" in md
-    table = compare.readme_table(rep)
+    table = report.readme_table(rep)
     assert "| pure, learned | 2 |" in table and "grpo, oracle" not in table
 
 
 def test_method_seeds_checked():
     with pytest.raises(ValueError, match="between 1 and --seeds"):
-        compare.CompareConfig(methods=("grpo",), seeds=2, method_seeds={"grpo": 3}, oracle=())
+        runs.CompareConfig(methods=("grpo",), seeds=2, method_seeds={"grpo": 3}, oracle=())
     with pytest.raises(ValueError, match="unknown method"):
-        compare.CompareConfig(methods=("grpo",), method_seeds={"nosuch": 1}, oracle=())
+        runs.CompareConfig(methods=("grpo",), method_seeds={"nosuch": 1}, oracle=())
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -133,3 +133,29 @@ def noise(num: np.ndarray, den: np.ndarray, *, reps: int = 2000, seed: int = 0) 
     seed_sd = (math.sqrt(max(0.0, between ** 2 - ev ** 2)) if not math.isnan(between)
                else math.nan)
     return {"eval_sd": ev, "between_sd": between, "seed_sd": seed_sd}
+
+
+# ------------------------------------------------------------------ t-intervals over seeds
+
+# two-sided 95% Student-t quantiles t_{0.975, df} (standard tables), df = seeds - 1
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t975(df: int) -> float:
+    if df in _T975:
+        return _T975[df]
+    below = max(k for k in _T975 if k <= df) if df < 30 else None
+    return _T975[below] if below else 1.96 + 2.4 / df  # conservative between table rows
+
+
+def mean_ci(xs: list) -> dict:
+    """Mean and the half-width of a 95% t-interval over seeds (None with one seed)."""
+    xs = [float(x) for x in xs if x is not None]
+    if not xs:
+        return {"mean": None, "ci95": None, "n": 0}
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return {"mean": m, "ci95": None, "n": len(xs)}
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return {"mean": m, "ci95": t975(len(xs) - 1) * sd / math.sqrt(len(xs)), "n": len(xs)}

@@ -3,11 +3,11 @@ minutes; one seed of the full comparison (`megaprm compare`, docs/compare.md).
 
 1. start: the warm-up policy (a tiny Qwen2-shaped policy taught the task supervised, through the
    Megatron actor) and a good PRM (held-out step AUROC >= 0.9, docs/prm.md's recipe). Both ship
-   in the package (`demo_start`); `--from-scratch` rebuilds them (~6 CPU minutes on 2 ranks)
+   in the package (`start`); `--from-scratch` rebuilds them (~6 CPU minutes on 2 ranks)
    and says whether every tensor equals the shipped one;
 2. the warm-up policy is evaluated greedily on the comparison's held-out problems;
 3. RL with GRPO and with the process-reward method (PURE by default: the strongest in the full
-   comparison), the same runs `megaprm compare` makes for seed 0 (`compare.run_overrides`);
+   comparison), the same runs `megaprm compare` makes for seed 0 (`runs.run_overrides`);
 4. both final policies are evaluated on the same problems, every step checked exactly; one table
    (accuracy, fully correct, correct with a wrong step; before and after), the PRM's AUROC, a
    PNG of both runs' curves, and whether the difference is larger than the seed-to-seed spread
@@ -32,18 +32,30 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from megaprm.digest import json_digest
-from megaprm.models.actor import build_stage
-from megaprm.parallel import pipeline
+from megaprm.algorithms.registry import METHODS
+from megaprm.config import RolloutConfig, load_config
+from megaprm.experiments.arithmetic import start
+from megaprm.experiments.arithmetic.runs import (
+    REPO_ROOT,
+    RL_YAML,
+    TASK,
+    CompareConfig,
+    RunSpec,
+    held_out_problems,
+    run_overrides,
+)
+from megaprm.experiments.arithmetic.stats import t975
+from megaprm.experiments.readme import replace_block
+from megaprm.parallel.device import rank_device
 from megaprm.parallel.groups import Groups
-from megaprm.tasks.arithmetic import ArithmeticConfig, generate_problems
-from megaprm.trainer.export import save_hf
+from megaprm.parallel.launch import seconds_since_launch
+from megaprm.rollout.factory import build_engine
+from megaprm.tasks.tokenizer import build_char_tokenizer
+from megaprm.trainer.evaluate import evaluate_arithmetic, shard
+from megaprm.trainer.loop import RLTrainer
+from megaprm.trainer.metrics import read_metrics
 
-TASK = ArithmeticConfig(num_ops=(2, 4), operand_max=20, ops="+-", seed=0)
-# the RL settings every demo / compare run starts from (model, PRM, run dir come as overrides)
-RL_YAML = os.path.join(os.path.dirname(__file__), "configs", "demo.yaml")
 # the full comparison's committed result (in a checkout; a wheel has no docs/): the spread
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPARE_JSON = os.path.join(REPO_ROOT, "docs", "compare", "compare.json")
 # what `--write-readme` writes (relative to the working directory: the repo root for `make`)
 DOCS_DIR = os.path.join("docs", "demo")
@@ -58,17 +70,6 @@ PRIME_NOTE = ("prime learns its implicit PRM from outcome labels alone; at the d
               "length and step budget it does not learn (loss ~ln 2) and accuracy usually falls "
               "(docs/compare.md); the step-label PRM below is not used by it")
 
-# Each method's own knobs on the demo task; the actor, batch and schedule (configs/demo.yaml)
-# are shared, so methods differ only in their rewards and estimator. PRIME: the implicit PRM
-# starts from the policy with twice the actor's lr (released: PRM 1e-6 / actor 5e-7,
-# configs/prime.yaml), refilling the accuracy-filtered batch (ray_trainer.py, cap 4 as
-# configs/prime_tiny.yaml). PURE: the released PRM's step reward is 2p - 1 (token-classification
-# head), the megaprm PRM gives p.
-METHOD_OVERRIDES = {
-    "prime": ["prm.kind=implicit", "prm.path=null", "prm.optim.lr=1e-4",
-              "rollout.refill=accuracy", "rollout.max_refill_rounds=4"],
-    "pure": ["advantage.pure.step_scores_are_probs=true"],
-}
 # the table's rows: (label, key of evaluate_arithmetic's result, the comparison's column)
 METRICS = (("accuracy", "accuracy", "greedy accuracy"),
            ("fully correct (every step right)", "all_steps_correct", "greedy fully correct"),
@@ -98,7 +99,6 @@ class DemoConfig:
     from_scratch: bool = False
 
     def __post_init__(self):
-        from megaprm.algorithms.registry import METHODS
 
         if self.method not in METHODS:
             raise ValueError(f"--method={self.method!r}: choose one of {list(METHODS)}")
@@ -112,110 +112,14 @@ class DemoConfig:
             raise ValueError(f"--eval-problems={self.eval_problems}: must be >= 2")
 
 
-def init_policy(dcfg: DemoConfig, tokenizer, out_dir: str, rank: int) -> str:
-    from megaprm.models.tiny import save_tiny_model
-
-    if rank == 0:
-        save_tiny_model("qwen2", out_dir, seed=dcfg.seed, tokenizer=tokenizer,
-                        vocab_size=len(tokenizer), hidden_size=dcfg.hidden,
-                        num_layers=dcfg.layers, num_heads=4, num_kv_heads=2,
-                        intermediate_size=3 * dcfg.hidden, bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    if dist.is_initialized():
-        dist.barrier()
-    return out_dir
-
-
-def sft_batch(tokenizer, problems):
-    """prompt + reference solution + EOS, right-padded; loss on the solution and EOS."""
-    from megaprm.tasks.arithmetic import reference_solution
-
-    rows, masks = [], []
-    for p in problems:
-        prompt = tokenizer.encode(p.prompt, add_special_tokens=False)
-        sol = tokenizer.encode(reference_solution(p), add_special_tokens=False)
-        ids = prompt + sol + [tokenizer.eos_token_id]
-        rows.append(ids)
-        masks.append([0.0] * (len(prompt) - 1) + [1.0] * (len(sol) + 1) + [0.0])
-    L = max(map(len, rows))
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([r + [pad] * (L - len(r)) for r in rows])
-    mask = torch.tensor([m + [0.0] * (L - len(m)) for m in masks])
-    return ids, mask
-
-
-def warmup(dcfg: DemoConfig, groups: Groups, tokenizer, init_dir: str, out_dir: str) -> float:
-    """Supervised warm-up of the Megatron actor; writes the result as an HF directory."""
-    from tqdm import tqdm
-
-    from megaprm.models.hf_spec import spec_from_hf
-    from megaprm.models.mapping import load_hf_weights
-    from megaprm.trainer.sft import sft_step
-
-    spec = spec_from_hf(init_dir)
-    model = build_stage(spec, groups)
-    load_hf_weights(model, init_dir, spec, tp_rank=groups.tp_rank, tp_size=groups.tp_size,
-                    pp=groups.pp_size, pp_rank=groups.pp_rank)
-    ddp = pipeline.wrap_ddp(model, groups)
-    opt = pipeline.Optimizer(ddp, pipeline.OptimConfig(lr=dcfg.warmup_lr, clip_grad=1.0,
-                                                       weight_decay=0.0), groups)
-    per = dcfg.warmup_batch // groups.dp_size
-    loss = float("nan")
-    bar = tqdm(range(dcfg.warmup_steps), desc="warm-up (SFT)", disable=groups.rank != 0)
-    for step in bar:
-        probs = generate_problems(TASK, dcfg.warmup_batch, seed=10_000 + step)
-        ids, mask = sft_batch(tokenizer, probs[groups.dp_rank * per:(groups.dp_rank + 1) * per])
-        lr = dcfg.warmup_lr * min(1.0, (step + 1) / 20)  # short linear warm-up
-        opt.set_lr(lr)
-        res = sft_step(ddp, opt, groups, ids, mask, micro_batch_size=per,
-                       vocab_size=spec.vocab_size)
-        loss = res.loss
-        bar.set_postfix(loss=f"{loss:.3f}")
-    save_hf(ddp, groups, out_dir, hf_config=spec.hf_config, tokenizer=tokenizer)
-    return loss
-
-
-
 # ------------------------------------------------------------------ stage cache (also compare's)
-
-def _stage_digest(dcfg: DemoConfig, stage: str) -> str:
-    """What a cached warm-up depends on (`megaprm compare` caches its warm-up with it)."""
-    keys = ["seed", "warmup_steps", "warmup_batch", "warmup_lr", "hidden", "layers"]
-    blob = {k: getattr(dcfg, k) for k in keys}
-    blob["task"] = repr(TASK)
-    return json_digest(blob)
-
-
-def _cached(out_dir: str, digest: str) -> dict | None:
-    """The record of a finished stage with this digest, or None (then it is (re)built)."""
-    path = os.path.join(out_dir, "demo_stage.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        rec = json.load(f)
-    return rec if rec.get("digest") == digest else None
-
-
-def _mark_done(out_dir: str, digest: str, groups: Groups, **info) -> None:
-    if groups.rank == 0:
-        with open(os.path.join(out_dir, "demo_stage.json"), "w", encoding="utf-8") as f:
-            json.dump({"digest": digest, **info}, f, indent=2, default=float)
-    if groups.world_size > 1:
-        dist.barrier()
 
 
 # ------------------------------------------------------------------------------ evaluation
 
-def held_out_problems(n: int) -> list:
-    """The comparison's held-out problems (the trainer's HELD_OUT_SEED)."""
-    from megaprm.trainer.loop import HELD_OUT_SEED
-
-    return generate_problems(TASK, n, seed=HELD_OUT_SEED)
-
 
 class _Recording:
     """An engine whose `generate` keeps what it returned (the texts behind the numbers)."""
-
     def __init__(self, engine):
         self.engine, self.batches = engine, []
 
@@ -225,10 +129,9 @@ class _Recording:
         return out
 
 
-def evaluate(engine, tokenizer, groups: Groups, problems: list) -> dict:
+def evaluate_and_record(engine, tokenizer, groups: Groups, problems: list) -> dict:
     """Greedy evaluation with the project's `evaluate_arithmetic` (dp-sharded, exact step
     checks), plus every rank's generated texts in problem order (for an independent recount)."""
-    from megaprm.trainer.evaluate import evaluate_arithmetic, shard
 
     rec = _Recording(engine)
     res = evaluate_arithmetic(rec, tokenizer, groups, problems)
@@ -265,37 +168,30 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
     """Start (shipped or rebuilt), the before-RL evaluation, RL for the baseline and the method
     (RUN_DIR/rl/<method>-s<seed>, made afresh), their evaluations; the report (rank 0 writes
     RUN_DIR/demo.json and RUN_DIR/demo_curves.png)."""
-    from megaprm import compare, demo_start
-    from megaprm.config import RolloutConfig, load_config
-    from megaprm.parallel.device import rank_device
-    from megaprm.rollout.factory import build_engine
-    from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
-    from megaprm.trainer.metrics import read_metrics
 
     t0 = time.perf_counter()
     load_start = _load()
     say = print if groups.rank == 0 else (lambda *a, **k: None)
     times = {}
     tok = build_char_tokenizer()
-    rec = demo_start.recipe(dcfg.warmup_steps, dcfg.prm_steps, dcfg.prm_examples)
+    rec = start.recipe(dcfg.warmup_steps, dcfg.prm_steps, dcfg.prm_examples)
     if dcfg.method == "prime":
         say(f"[demo] {PRIME_NOTE}", flush=True)
-    start = demo_start.ensure(dcfg.run_dir, rec, groups, tok, dcfg.from_scratch, say)
+    begin = start.ensure(dcfg.run_dir, rec, groups, tok, dcfg.from_scratch, say)
     times["start"] = time.perf_counter() - t0
-    man = start["manifest"]
+    man = begin["manifest"]
 
     problems = held_out_problems(dcfg.eval_problems)
     t = time.perf_counter()
-    engine = build_engine(RolloutConfig(engine="hf"), start["sft"], tok,
+    engine = build_engine(RolloutConfig(engine="hf"), begin["sft"], tok,
                           world_size=groups.world_size, tp_size=1, seed=0, device=rank_device())
-    before = evaluate(engine, tok, groups, problems)
+    before = evaluate_and_record(engine, tok, groups, problems)
     del engine
     times["eval_before_rl"] = time.perf_counter() - t
     say(f"[demo] before RL: accuracy {before['accuracy']:.3f} on {before['problems']} held-out "
         f"problems ({times['eval_before_rl']:.0f}s)", flush=True)
 
-    ccfg = compare.CompareConfig(rl_steps=dcfg.rl_steps, eval_problems=dcfg.eval_problems,
+    ccfg = CompareConfig(rl_steps=dcfg.rl_steps, eval_problems=dcfg.eval_problems,
                                  warmup_steps=dcfg.warmup_steps, prm_steps=dcfg.prm_steps,
                                  prm_examples=dcfg.prm_examples,
                                  # metrics.jsonl and the PNG are the record; wandb's offline
@@ -303,13 +199,13 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
                                  wandb="disabled")
     runs = {}
     for m in (dcfg.baseline, dcfg.method):
-        spec = compare.RunSpec(m, "implicit" if m == "prime" else "learned", dcfg.seed)
+        spec = RunSpec(m, "implicit" if m == "prime" else "learned", dcfg.seed)
         d = os.path.join(dcfg.run_dir, "rl", f"{m}-s{dcfg.seed}")
         if groups.rank == 0 and os.path.isdir(d):
             shutil.rmtree(d)
         if groups.world_size > 1:
             dist.barrier()
-        overrides = compare.run_overrides(spec, ccfg, start["sft"], start["prm"])
+        overrides = run_overrides(spec, ccfg, begin["sft"], begin["prm"])
         cfg = load_config(RL_YAML, [f"trainer.run_dir={d}", *overrides])
         say(f"[demo] RL: {m}, {dcfg.rl_steps} steps of {cfg.data.prompts_per_step} prompts x "
             f"{cfg.rollout.n} samples", flush=True)
@@ -319,7 +215,7 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
         rl_s = time.perf_counter() - t
         t = time.perf_counter()
         after = trainer.lifecycle.generate(
-            functools.partial(evaluate, trainer.engine, tok, groups, problems))
+            functools.partial(evaluate_and_record, trainer.engine, tok, groups, problems))
         eval_s = time.perf_counter() - t
         if groups.world_size > 1:
             dist.barrier()  # rank 0 has written every step's metrics
@@ -340,14 +236,13 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
         say(f"[demo] {m}: accuracy {after['accuracy']:.3f} after RL ({rl_s:.0f}s RL, "
             f"{eval_s:.0f}s evaluation)", flush=True)
 
-    from megaprm.parallel.launch import seconds_since_launch
 
     summary = {
         "config": asdict(dcfg), "world_size": groups.world_size, "device": str(rank_device()),
         "task": repr(TASK), "held_out_seed_problems": dcfg.eval_problems,
-        "start": {"source": start["source"], "recipe_digest": man["digest"],
+        "start": {"source": begin["source"], "recipe_digest": man["digest"],
                   "sft_final_loss": man.get("sft_final_loss"), "prm_eval": man["prm_eval"],
-                  "build_s": man.get("build"), "rebuild_check": start.get("rebuild_check")},
+                  "build_s": man.get("build"), "rebuild_check": begin.get("rebuild_check")},
         "before_rl": before, "runs": runs, "times_s": times,
         "total_s": time.perf_counter() - t0, "wall_since_launch_s": seconds_since_launch(),
         "rank_cpu_s": _rank_cpu_seconds(groups), "load": {"start": load_start, "end": _load()},
@@ -398,8 +293,6 @@ def spread(summary: dict, rep: dict | None) -> dict:
     is `within` the spread when it is no larger than 2 standard deviations of those per-seed
     differences (what seed-to-seed noise alone gives one seed in ~95% of draws, normal
     approximation); the comparison's mean difference comes with its 95% t-interval."""
-    from megaprm.compare import t975
-
     base, meth = summary["config"]["baseline"], summary["config"]["method"]
     out = {"baseline": base, "method": meth, "metrics": {}}
     rb, rm = (_row(rep, base), _row(rep, meth)) if rep else (None, None)
@@ -558,8 +451,6 @@ def readme_block(s: dict, png: str = "docs/demo/demo_curves.png") -> str:
 
 def write_readme(summary_path: str, readme: str = "README.md", docs_dir: str = DOCS_DIR) -> None:
     """Copy a run's demo.json and PNG to docs/demo/ and regenerate README's demo block."""
-    from megaprm.readme import replace_block
-
     with open(summary_path, encoding="utf-8") as f:
         s = json.load(f)
     os.makedirs(docs_dir, exist_ok=True)

@@ -1,6 +1,6 @@
 import pytest
 
-from megaprm.readme import BlockMissing, read_block, replace_block
+from megaprm.experiments.readme import BlockMissing, read_block, replace_block
 
 
 def test_replace_block_rewrites_only_between_its_markers(tmp_path):

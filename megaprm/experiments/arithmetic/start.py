@@ -1,11 +1,13 @@
-"""The demo's starting point: the warm-up policy and the PRM every demo (and comparison) run
-starts from, shipped inside the package and rebuildable with `megaprm demo --from-scratch`.
+"""The starting point of every arithmetic run: the warm-up policy and the PRM, how they are
+trained, cached and shipped inside the package (rebuildable with `megaprm demo --from-scratch`).
 
-* warm-up policy: `demo.warmup` (tiny Qwen2-shaped policy, hidden 128, 4 layers, 400 supervised
+* warm-up policy: `warmup` (tiny Qwen2-shaped policy, hidden 128, 4 layers, 400 supervised
   steps of 64 reference solutions through the Megatron actor);
-* PRM: the comparison's recipe (`compare.prm_recipe`, docs/prm.md): a random-init hidden-64
-  trunk, 20 head-only + 3000 whole-model steps of 64 solutions, auxiliary LM loss; held-out
-  step AUROC >= 0.9.
+* PRM: `prm_recipe` (docs/prm.md): a random-init hidden-64 trunk, 20 head-only + 3000
+  whole-model steps of 64 solutions, auxiliary LM loss; held-out step AUROC >= 0.9.
+
+A stage that ran writes its digest next to its output (`mark_stage_done`), and a later run with
+the same settings reuses it (`cached_stage`): the comparison caches its own warm-up and PRM so.
 
 Together they take ~6 CPU minutes on 2 ranks, most of a 10-minute budget, so the results ship
 in `megaprm/assets/demo/` (~4 MB, fp32) with `manifest.json`: the recipe's digest, the sha256 of
@@ -20,35 +22,156 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from tqdm import tqdm
 
 from megaprm.digest import json_digest
+from megaprm.experiments.arithmetic.runs import TASK, CompareConfig
+from megaprm.models.actor import build_stage
+from megaprm.models.hf_spec import spec_from_hf
+from megaprm.models.mapping import load_hf_weights
+from megaprm.models.tiny import save_tiny_model
+from megaprm.parallel import pipeline
+from megaprm.parallel.groups import Groups
+from megaprm.parallel.optimizer import OptimConfig, Optimizer
+from megaprm.tasks.arithmetic import generate_problems, reference_solution
+from megaprm.trainer.export import save_hf
+from megaprm.trainer.prm_training import PRMTrainConfig, train_prm
+from megaprm.trainer.sft import sft_step
 
-SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "assets", "demo")
+# megaprm/assets/demo
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                           "assets", "demo")
 MANIFEST = "manifest.json"
 # files a start directory needs (model weights, config, the char tokenizer)
 START_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json")
 
 
+@dataclass
+class WarmupConfig:
+    """What the warm-up policy depends on (the digest of a cached warm-up is over these fields)."""
+    seed: int = 0
+    warmup_steps: int = 400
+    warmup_batch: int = 64
+    warmup_lr: float = 2e-3
+    hidden: int = 128
+    layers: int = 4
+
+
+def init_policy(wcfg: WarmupConfig, tokenizer, out_dir: str, rank: int) -> str:
+    """The random-init tiny Qwen2 policy the warm-up starts from (rank 0 writes it)."""
+    if rank == 0:
+        save_tiny_model("qwen2", out_dir, seed=wcfg.seed, tokenizer=tokenizer,
+                        vocab_size=len(tokenizer), hidden_size=wcfg.hidden,
+                        num_layers=wcfg.layers, num_heads=4, num_kv_heads=2,
+                        intermediate_size=3 * wcfg.hidden, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
+
+
+def sft_batch(tokenizer, problems):
+    """prompt + reference solution + EOS, right-padded; loss on the solution and EOS."""
+    rows, masks = [], []
+    for p in problems:
+        prompt = tokenizer.encode(p.prompt, add_special_tokens=False)
+        sol = tokenizer.encode(reference_solution(p), add_special_tokens=False)
+        ids = prompt + sol + [tokenizer.eos_token_id]
+        rows.append(ids)
+        masks.append([0.0] * (len(prompt) - 1) + [1.0] * (len(sol) + 1) + [0.0])
+    L = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([r + [pad] * (L - len(r)) for r in rows])
+    mask = torch.tensor([m + [0.0] * (L - len(m)) for m in masks])
+    return ids, mask
+
+
+def warmup(wcfg: WarmupConfig, groups: Groups, tokenizer, init_dir: str, out_dir: str) -> float:
+    """Supervised warm-up of the Megatron actor; writes the result as an HF directory."""
+
+    spec = spec_from_hf(init_dir)
+    model = build_stage(spec, groups)
+    load_hf_weights(model, init_dir, spec, tp_rank=groups.tp_rank, tp_size=groups.tp_size,
+                    pp=groups.pp_size, pp_rank=groups.pp_rank)
+    ddp = pipeline.wrap_ddp(model, groups)
+    opt = Optimizer(ddp, OptimConfig(lr=wcfg.warmup_lr, clip_grad=1.0,
+                                                       weight_decay=0.0), groups)
+    per = wcfg.warmup_batch // groups.dp_size
+    loss = float("nan")
+    bar = tqdm(range(wcfg.warmup_steps), desc="warm-up (SFT)", disable=groups.rank != 0)
+    for step in bar:
+        probs = generate_problems(TASK, wcfg.warmup_batch, seed=10_000 + step)
+        ids, mask = sft_batch(tokenizer, probs[groups.dp_rank * per:(groups.dp_rank + 1) * per])
+        lr = wcfg.warmup_lr * min(1.0, (step + 1) / 20)  # short linear warm-up
+        opt.set_lr(lr)
+        res = sft_step(ddp, opt, groups, ids, mask, micro_batch_size=per,
+                       vocab_size=spec.vocab_size)
+        loss = res.loss
+        bar.set_postfix(loss=f"{loss:.3f}")
+    save_hf(ddp, groups, out_dir, hf_config=spec.hf_config, tokenizer=tokenizer)
+    return loss
+
+
+# ------------------------------------------------------------------ stage cache (also compare's)
+
+def warmup_digest(wcfg: WarmupConfig) -> str:
+    """What a cached warm-up depends on (`megaprm compare` caches its warm-up with it)."""
+    keys = ["seed", "warmup_steps", "warmup_batch", "warmup_lr", "hidden", "layers"]
+    blob = {k: getattr(wcfg, k) for k in keys}
+    blob["task"] = repr(TASK)
+    return json_digest(blob)
+
+
+def cached_stage(out_dir: str, digest: str) -> dict | None:
+    """The record of a finished stage with this digest, or None (then it is (re)built)."""
+    path = os.path.join(out_dir, "demo_stage.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        rec = json.load(f)
+    return rec if rec.get("digest") == digest else None
+
+
+def mark_stage_done(out_dir: str, digest: str, groups: Groups, **info) -> None:
+    """Record a finished stage (rank 0 writes out_dir/demo_stage.json; every rank waits)."""
+    if groups.rank == 0:
+        with open(os.path.join(out_dir, "demo_stage.json"), "w", encoding="utf-8") as f:
+            json.dump({"digest": digest, **info}, f, indent=2, default=float)
+    if groups.world_size > 1:
+        dist.barrier()
+
+
+def prm_recipe(steps: int, examples: int) -> dict:
+    """PRMTrainConfig's settings of docs/prm.md's recipe: `steps` whole-model steps on
+    `examples` training solutions."""
+    return {"arithmetic": TASK, "num_train": examples, "num_eval": 512,
+            "stage1_steps": 20, "stage1_lr": 1e-3, "stage2_steps": steps, "stage2_lr": 2e-3,
+            "warmup_steps": min(50, steps), "lr_decay": "cosine", "lm_loss_weight": 1.0,
+            "global_batch_size": 64, "micro_batch_size": 32, "log_every": 250, "seed": 0}
+
+
 def recipe(warmup_steps: int = 400, prm_steps: int = 3000, prm_examples: int = 16000) -> dict:
     """Everything the warm-up policy and the PRM depend on (JSON-able)."""
-    from megaprm import compare, demo
-
-    d = demo.DemoConfig(warmup_steps=warmup_steps)
-    c = compare.CompareConfig(prm_steps=prm_steps, prm_examples=prm_examples)
-    prm = compare.prm_recipe(c)
+    d = WarmupConfig(warmup_steps=warmup_steps)
+    c = CompareConfig(prm_steps=prm_steps, prm_examples=prm_examples)
+    prm = prm_recipe(c.prm_steps, c.prm_examples)
     prm = {k: (repr(v) if k == "arithmetic" else v) for k, v in prm.items() if k != "log_every"}
     return {"warmup": {"seed": d.seed, "steps": d.warmup_steps, "batch": d.warmup_batch,
                        "lr": d.warmup_lr, "hidden": d.hidden, "layers": d.layers,
-                       "task": repr(demo.TASK)},
+                       "task": repr(TASK)},
             "prm": {**prm, "hidden": c.prm_hidden, "layers": c.prm_layers, "init_seed": 0}}
 
 
 def tensor_digests(model_dir: str) -> dict:
     """sha256 of every tensor's bytes (name -> hex), independent of the file's layout/metadata."""
-    from safetensors import safe_open
-
     out = {}
     with safe_open(os.path.join(model_dir, "model.safetensors"), framework="pt") as f:
         for name in sorted(f.keys()):
@@ -69,20 +192,15 @@ def read_manifest(start_dir: str | None = None) -> dict | None:
 def build(out_dir: str, rec: dict, groups, tok, say=print) -> dict:
     """Train the warm-up policy and the PRM of `rec` into out_dir/{sft,prm} (every rank calls
     it); returns the manifest record (rank 0 writes it)."""
-    import torch.distributed as dist
-
-    from megaprm import compare, demo
-    from megaprm.models.tiny import save_tiny_model
-    from megaprm.trainer.prm_training import PRMTrainConfig, train_prm
 
     w, p = rec["warmup"], rec["prm"]
     sft_dir, prm_dir = os.path.join(out_dir, "sft"), os.path.join(out_dir, "prm")
     times = {}
     t = time.perf_counter()
-    dcfg = demo.DemoConfig(run_dir=out_dir, warmup_steps=w["steps"])
-    init_dir = demo.init_policy(dcfg, tok, os.path.join(out_dir, "init"), groups.rank)
+    wcfg = WarmupConfig(warmup_steps=w["steps"])
+    init_dir = init_policy(wcfg, tok, os.path.join(out_dir, "init"), groups.rank)
     say(f"[demo] warm-up: {w['steps']} supervised steps of {w['batch']} solutions", flush=True)
-    sft_loss = demo.warmup(dcfg, groups, tok, init_dir, sft_dir)
+    sft_loss = warmup(wcfg, groups, tok, init_dir, sft_dir)
     times["warmup_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -95,11 +213,10 @@ def build(out_dir: str, rec: dict, groups, tok, say=print) -> dict:
                         pad_token_id=tok.pad_token_id)
     if dist.is_initialized():
         dist.barrier()
-    ccfg = compare.CompareConfig(prm_steps=p["stage2_steps"], prm_examples=p["num_train"])
     say(f"[demo] PRM: {p['stage1_steps']} head-only + {p['stage2_steps']} whole-model steps of "
         f"{p['global_batch_size']} solutions (docs/prm.md's recipe)", flush=True)
     res = train_prm(PRMTrainConfig(model_dir=prm_init, output_dir=prm_dir,
-                                   **compare.prm_recipe(ccfg)), groups)
+                                   **prm_recipe(p["stage2_steps"], p["num_train"])), groups)
     times["prm_s"] = time.perf_counter() - t
     man = {"recipe": rec, "digest": json_digest(rec), "origin": "built",
            "sft_final_loss": sft_loss,
@@ -116,8 +233,6 @@ def build(out_dir: str, rec: dict, groups, tok, say=print) -> dict:
 
 
 def _torch_version() -> str:
-    import torch
-
     return torch.__version__
 
 
@@ -132,8 +247,6 @@ def compare_tensors(a: dict, b: dict) -> dict:
 
 def _copy_start(src: str, dest: str, man: dict) -> None:
     """The start files of src/{sft,prm} and a manifest (origin "shipped") into dest."""
-    import shutil
-
     for m in ("sft", "prm"):
         tmp = os.path.join(dest, m + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -152,8 +265,6 @@ def ensure(run_dir: str, rec: dict, groups, tok, from_scratch: bool, say=print) 
     return {"sft", "prm", "source", "manifest", "seconds", ["rebuild_check"]}: the shipped
     start (copied) when its digest equals rec's and not from_scratch; else trained there, and
     reused by a later run with the same recipe ("cached")."""
-    import torch.distributed as dist
-
     digest = json_digest(rec)
     shipped = read_manifest()
     here = read_manifest(run_dir)
@@ -199,8 +310,6 @@ def ensure(run_dir: str, rec: dict, groups, tok, from_scratch: bool, say=print) 
 
 def ship(start_dir: str, dest: str | None = None) -> dict:
     """Copy a built start (a directory `build` wrote) into the package (or `dest`)."""
-    import shutil
-
     dest = dest or SHIPPED_DIR
     man = read_manifest(start_dir)
     if man is None:

@@ -13,7 +13,7 @@ import pytest
 
 from megaprm.digest import json_digest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 _BIN = os.path.join(os.path.dirname(sys.executable), "megaprm")
 MEGAPRM = [_BIN] if os.path.exists(_BIN) else [sys.executable, "-m", "megaprm.cli"]
 
@@ -79,7 +79,7 @@ def recount(ev: dict) -> dict:
 
 
 def _assert_recounted(s: dict) -> None:
-    from megaprm.demo import held_out_problems
+    from megaprm.experiments.arithmetic.runs import held_out_problems
 
     problems = [p.prompt for p in held_out_problems(s["config"]["eval_problems"])]
     evs = [s["before_rl"]] + [s["runs"][m]["after_rl"] for m in s["runs"]]
@@ -107,7 +107,7 @@ def test_demo_tiny_budget_table_is_the_exact_checkers_count(tmp_path):
     _assert_recounted(s)
     assert 0 < s["before_rl"]["accuracy"] < 1  # the shipped warm-up policy solves some, not all
     # the printed table: label, before, GRPO after, PURE after (3 decimals)
-    from megaprm.demo import METRICS
+    from megaprm.experiments.arithmetic.demo import METRICS
 
     for label, key, _ in METRICS:
         row = re.search(re.escape(label) + r"\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", p.stdout)
@@ -123,7 +123,7 @@ def test_demo_tiny_budget_table_is_the_exact_checkers_count(tmp_path):
 @pytest.mark.slow
 def test_from_scratch_rebuild_is_checked_against_the_shipped_start(tmp_path):
     """The build that made the shipped files, at a tiny budget: shipped into a directory, then
-    `--from-scratch`'s path (demo_start.ensure) rebuilds it and finds every tensor identical;
+    `--from-scratch`'s path (start.ensure) rebuilds it and finds every tensor identical;
     a manifest naming another tensor is reported as differing (the check can fail)."""
     from megaprm.parallel import launch
 
@@ -140,7 +140,7 @@ def test_from_scratch_rebuild_is_checked_against_the_shipped_start(tmp_path):
 def _rebuild_rank(tmp):
     import torch
 
-    from megaprm import demo_start
+    from megaprm.experiments.arithmetic import start
     from megaprm.parallel.init import destroy, init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
 
@@ -151,18 +151,18 @@ def _rebuild_rank(tmp):
     def quiet(*a, **k):
         return None
 
-    rec = demo_start.recipe(warmup_steps=2, prm_steps=2, prm_examples=64)
-    demo_start.build(os.path.join(tmp, "a"), rec, groups, tok, quiet)
-    demo_start.SHIPPED_DIR = os.path.join(tmp, "shipped")
-    demo_start.ship(os.path.join(tmp, "a"))
-    used = demo_start.ensure(os.path.join(tmp, "run0"), rec, groups, tok, False, quiet)
-    rebuilt = demo_start.ensure(os.path.join(tmp, "run"), rec, groups, tok, True, quiet)
-    man = demo_start.read_manifest()
+    rec = start.recipe(warmup_steps=2, prm_steps=2, prm_examples=64)
+    start.build(os.path.join(tmp, "a"), rec, groups, tok, quiet)
+    start.SHIPPED_DIR = os.path.join(tmp, "shipped")
+    start.ship(os.path.join(tmp, "a"))
+    used = start.ensure(os.path.join(tmp, "run0"), rec, groups, tok, False, quiet)
+    rebuilt = start.ensure(os.path.join(tmp, "run"), rec, groups, tok, True, quiet)
+    man = start.read_manifest()
     name = min(man["tensors"]["sft"])
     man["tensors"]["sft"][name] = "0" * 64
-    with open(os.path.join(demo_start.SHIPPED_DIR, demo_start.MANIFEST), "w") as f:
+    with open(os.path.join(start.SHIPPED_DIR, start.MANIFEST), "w") as f:
         json.dump(man, f)
-    tampered = demo_start.ensure(os.path.join(tmp, "run"), rec, groups, tok, True, quiet)
+    tampered = start.ensure(os.path.join(tmp, "run"), rec, groups, tok, True, quiet)
     destroy()
     return {"shipped_source": used["source"], "tampered_name": name,
             "rebuilt": {"source": rebuilt["source"], "check": rebuilt["rebuild_check"]},
@@ -179,7 +179,8 @@ def test_shipped_start_is_the_codes_recipe_and_a_good_prm():
     import torch
     import transformers as tf
 
-    from megaprm import demo, demo_start
+    from megaprm.experiments.arithmetic import start
+    from megaprm.experiments.arithmetic.runs import TASK
     from megaprm.rewards.scoring import PRMInputFormat
     from megaprm.trainer.prm_training import (
         arithmetic_examples,
@@ -187,20 +188,20 @@ def test_shipped_start_is_the_codes_recipe_and_a_good_prm():
         load_tokenizer,
     )
 
-    man = demo_start.read_manifest()
+    man = start.read_manifest()
     assert man is not None, "megaprm/assets/demo/manifest.json is missing"
-    assert man["digest"] == json_digest(demo_start.recipe()), \
-        "the shipped start was built with another recipe: rebuild and ship it (see demo_start)"
+    assert man["digest"] == json_digest(start.recipe()), \
+        "the shipped start was built with another recipe: rebuild and ship it (see start.py)"
     for m in ("sft", "prm"):
-        assert demo_start.tensor_digests(os.path.join(demo_start.SHIPPED_DIR, m)) == \
+        assert start.tensor_digests(os.path.join(start.SHIPPED_DIR, m)) == \
             man["tensors"][m]
     size = sum(os.path.getsize(os.path.join(dp, f))
-               for dp, _, fs in os.walk(demo_start.SHIPPED_DIR) for f in fs)
+               for dp, _, fs in os.walk(start.SHIPPED_DIR) for f in fs)
     assert size < 6 * 2**20, size
 
-    prm_dir = os.path.join(demo_start.SHIPPED_DIR, "prm")
+    prm_dir = os.path.join(start.SHIPPED_DIR, "prm")
     tok = load_tokenizer(prm_dir)
-    held = arithmetic_examples(demo.TASK, 512, man["recipe"]["prm"]["seed"] + 1_000_000)
+    held = arithmetic_examples(TASK, 512, man["recipe"]["prm"]["seed"] + 1_000_000)
     enc, _ = encode_examples(held, tok, PRMInputFormat())
     hf = tf.AutoModelForTokenClassification.from_pretrained(prm_dir, dtype=torch.float32).eval()
     b = enc.batch
@@ -222,8 +223,8 @@ def test_shipped_start_is_the_codes_recipe_and_a_good_prm():
 def test_readme_demo_block_is_the_committed_runs_output():
     """README's demo block is readme_block(docs/demo/demo.json) to the character, and the
     committed numbers are the independent checker's count of the committed texts."""
-    from megaprm.demo import NO_RUN_BLOCK, readme_block
-    from megaprm.readme import read_block
+    from megaprm.experiments.arithmetic.demo import NO_RUN_BLOCK, readme_block
+    from megaprm.experiments.readme import read_block
 
     block = read_block(os.path.join(ROOT, "README.md"), "demo")
     path = os.path.join(ROOT, "docs", "demo", "demo.json")
@@ -240,7 +241,7 @@ def test_readme_demo_block_is_the_committed_runs_output():
 
 def test_summary_says_what_prime_does_at_this_scale(capsys):
     """Set against GRPO, PRIME (which reads no step-label PRM) gets the measured note."""
-    from megaprm import demo
+    from megaprm.experiments.arithmetic import demo
 
     ev = {"accuracy": 0.5, "all_steps_correct": 0.4, "correct_with_wrong_step": 0.2,
           "problems": 8}
@@ -274,8 +275,8 @@ def _row(method, seeds, acc, fc, ws):
 
 
 def test_spread_pairs_the_comparisons_seeds_and_says_within_or_not(capsys):
-    from megaprm import demo
-    from megaprm.compare import t975
+    from megaprm.experiments.arithmetic import demo
+    from megaprm.experiments.arithmetic.stats import t975
 
     rep = {"rows": [_row("pure", [0, 1, 2], [0.6, 0.5, 0.45], [0.5, 0.45, 0.4], [0.07, 0.08, 0.075]),
                     {**_row("pure", [0, 1, 2], [0, 0, 0], [0, 0, 0], [0, 0, 0]), "prm": "oracle"},

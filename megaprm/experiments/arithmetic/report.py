@@ -1,0 +1,385 @@
+"""The comparison's report, a pure function of compare.json: the markdown table
+(`markdown`, docs/compare.md), README's block (`readme_table`, `write_docs`) and the plots
+(`plot`: bars per method, curves over RL steps, the reward-hacking monitors). The columns and
+the paired differences the table leads with are defined here; the driver (compare.py) computes
+them with the same definitions.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+from megaprm.experiments.readme import replace_block
+
+
+# monitors kept per RL step for the curves (metrics.jsonl keys)
+CURVE_KEYS = ("reward/outcome_mean", "exact/correct_with_wrong_step_frac",
+              "prm/outcome_agreement", "prm/score_mean", "prm/correct_with_low_prm_frac",
+              "prm/loss", "response/steps_mean", "response/tokens_per_step",
+              "response/length_mean", "actor/entropy")
+
+
+# (label, path into a result) of every column of the table
+COLUMNS = (("greedy accuracy", ("greedy", "accuracy")),
+           ("greedy fully correct", ("greedy", "all_steps_correct")),
+           ("greedy correct with a wrong step", ("greedy", "correct_with_wrong_step")),
+           ("sampled accuracy", ("sampled", "accuracy")),
+           ("sampled correct with a wrong step", ("sampled", "correct_with_wrong_step")),
+           ("train reward (last 5 steps)", ("train_end", "reward/outcome_mean")),
+           ("PRM/outcome agreement (last 5)", ("train_end", "prm/outcome_agreement")))
+
+
+# the evaluation columns as ratios of per-problem counts: label -> (evaluation, numerator,
+# denominator); "samples" is the samples per problem (1 greedy, sampled_n sampled)
+EVAL_RATIOS = {"greedy accuracy": ("greedy", "correct", "samples"),
+               "greedy fully correct": ("greedy", "clean", "samples"),
+               "greedy correct with a wrong step": ("greedy", "wrong_step", "correct"),
+               "sampled accuracy": ("sampled", "correct", "samples"),
+               "sampled correct with a wrong step": ("sampled", "wrong_step", "correct")}
+
+
+# the paired differences the report leads with
+PAIRED = ("greedy correct with a wrong step", "greedy accuracy",
+          "sampled correct with a wrong step", "sampled accuracy")
+
+
+def lookup(rec: dict, path: tuple):
+    """The value at `path` (keys) inside a result, None where a key is missing."""
+    for k in path:
+        rec = rec.get(k) if isinstance(rec, dict) else None
+    return rec
+
+
+# ------------------------------------------------------------------------------ the table
+
+def _fmt(cell: dict) -> str:
+    if cell.get("mean") is None:
+        return "-"
+    if cell.get("lo") is not None and math.isfinite(cell["lo"]):
+        return f"{cell['mean']:.3f} [{cell['lo']:.3f}, {cell['hi']:.3f}]"
+    return (f"{cell['mean']:.3f}" if cell.get("ci95") is None
+            else f"{cell['mean']:.3f} ± {cell['ci95']:.3f}")
+
+
+def _fmt_diff(cell: dict | None) -> str:
+    if not cell:
+        return "-"
+    star = "**" if cell["separated"] else ""
+    return f"{star}{cell['mean']:+.3f}{star} [{cell['lo']:+.3f}, {cell['hi']:+.3f}]"
+
+
+def _min(seconds) -> str:
+    return "-" if seconds is None else f"{seconds / 60:.1f} min"
+
+
+def row_label(r: dict) -> str:
+    if r.get("variant_of"):
+        return f"{r['method']} ({r['variant_of']}, {' '.join(r['variant_overrides'])})"
+    return r["method"]
+
+
+def _prm_label(r: dict) -> str:
+    return r["prm"] + (" (= learned run: reads no step scores)" if r["same_run_as_learned"]
+                       else "")
+
+
+def verdict(r: dict) -> str:
+    """One plain sentence: is the row separated from GRPO (paired 95% intervals)?"""
+    p = r.get("paired")
+    if not p:
+        return ""
+    w, a = p.get("greedy correct with a wrong step"), p.get("greedy accuracy")
+    sw, sa = p.get("sampled correct with a wrong step"), p.get("sampled accuracy")
+    if not (w and a):
+        return ""
+
+    def say(cell, what):
+        if not cell["separated"]:
+            return f"not separated from GRPO in {what} ({cell['mean']:+.3f}, interval spans 0)"
+        return (f"{'below' if cell['mean'] < 0 else 'above'} GRPO in {what} "
+                f"({cell['mean']:+.3f} [{cell['lo']:+.3f}, {cell['hi']:+.3f}])")
+
+    name = f"{row_label(r)} with the {r['prm']} process reward"
+    seeds = (f"{len(p['seeds'])} paired seeds" if len(p["seeds"]) > 1 else
+             "1 paired seed: the interval is the evaluation's alone, not the seeds'")
+    sampled = ""
+    if sw and sa:
+        sampled = (f" Sampled: {say(sw, 'the wrong-step share')}; "
+                   f"{say(sa, 'accuracy')}.")
+    return (f"**{r['method']} / {r['prm']}**: {name} is {say(w, 'the greedy wrong-step share')}; "
+            f"{say(a, 'greedy accuracy')} ({seeds}).{sampled}")
+
+
+def markdown(report: dict, title: bool = True) -> str:
+    """The report as markdown, a pure function of compare.json (docs and README are generated
+    from the committed JSON with it)."""
+    cols = [c for c, _ in COLUMNS]
+    b, c = report["baseline"], report["compute_s"]
+    seeds_note = ", ".join(f"{r['method']} {len(r['seeds'])}" for r in report["rows"]
+                           if r["prm"] != "oracle")
+    lines = []
+    if title:
+        lines += [(f"# megaprm compare: {report['rl_steps']} RL steps, up to {report['seeds']} "
+                  f"seed(s), {report['eval_problems']} held-out problems"), ""]
+    if report.get("missing"):
+        lines += [(f"**Partial run: {len(report['planned']) - len(report['missing'])} of "
+                  f"{len(report['planned'])} planned cells finished**; not yet run: "
+                  f"{', '.join(report['missing'])} (the same command resumes it)."), ""]
+    lines += [(f"PRM (learned): held-out step AUROC {report['prm'].get('auroc', float('nan')):.3f}"
+              f" ({report['prm'].get('trunk', '')}). Seeds per row: {seeds_note}. Cells: mean "
+              f"over seeds [95% interval of a two-level bootstrap: seeds, then the held-out "
+              f"problems within each seed; a row with one seed has the evaluation's interval "
+              f"alone]. 'correct with a wrong step' is a share of the "
+              f"correct answers; sampled: {report['sampled_n']} samples per problem at the "
+              f"rollout temperature. Built on {report['device']} (load {report['load']}): "
+              f"warm-up {_min(c['warmup'])}, PRM training {_min(c['prm_train'])}, RL and "
+              f"evaluation of the runs {_min(c['runs'])}; this call {_min(report['total_s'])}."),
+              "",
+              "| method | process reward | " + " | ".join(cols) + " |",
+              "|---|---|" + "---|" * len(cols),
+              "| (warm-up, before RL) | - | " + " | ".join(
+                  _fmt({"mean": lookup(b, p)}) for _, p in COLUMNS) + " |"]
+    for r in report["rows"]:
+        lines.append(f"| {row_label(r)} | {_prm_label(r)} | "
+                     + " | ".join(_fmt(r[c]) for c in cols) + " |")
+    paired = [r for r in report["rows"] if r.get("paired")]
+    if paired:
+        lines += ["", ("### Paired difference from GRPO (same seed: same warm-up, prompts and "
+                      "sampling seed)"), "",
+                  ("Each row's run of seed s minus GRPO's run of seed s, averaged over the seeds "
+                  "both have; [95% interval of the paired two-level bootstrap]; **bold**: the "
+                  "interval excludes 0."), "",
+                  "| method | process reward | paired seeds | " + " | ".join(
+                      f"Δ {c}" for c in PAIRED) + " |",
+                  "|---|---|---|" + "---|" * len(PAIRED)]
+        for r in paired:
+            lines.append(f"| {row_label(r)} | {r['prm']} | {len(r['paired']['seeds'])} | "
+                         + " | ".join(_fmt_diff(r["paired"].get(c)) for c in PAIRED) + " |")
+        lines += [""] + [f"- {verdict(r)}" for r in paired if verdict(r)]
+    noisy = [r for r in report["rows"] if r.get("greedy accuracy", {}).get("noise")
+             and not r["same_run_as_learned"]]
+    if noisy:
+        lines += ["", "### Evaluation noise vs seed noise (SD of one seed's value)", "",
+                  ("evaluation: the bootstrap over the held-out problems (seed fixed); seed: the "
+                  "spread across seeds less what the evaluation explains."), "",
+                  ("| method | process reward | greedy accuracy: evaluation / seed | greedy wrong-"
+                  "step share: evaluation / seed | sampled wrong-step share: evaluation / seed |"),
+                  "|---|---|---|---|---|"]
+        for r in noisy:
+            cells = []
+            for col in ("greedy accuracy", "greedy correct with a wrong step",
+                        "sampled correct with a wrong step"):
+                nz = r[col]["noise"]
+                cells.append(f"{nz['eval_sd']:.3f} / " + ("-" if nz["seed_sd"] is None
+                                                          or not math.isfinite(nz["seed_sd"])
+                                                          else f"{nz['seed_sd']:.3f}"))
+            lines.append(f"| {row_label(r)} | {r['prm']} | " + " | ".join(cells) + " |")
+    flat = [r for r in report["rows"] if r.get("plateau", {}).get("last") is not None
+            and not r["same_run_as_learned"]]
+    if flat:
+        lines += ["", ("### Where the training curves flatten (mean over seeds of the training "
+                       "batches' monitors; 10-step windows)"), "",
+                  ("| method | process reward | outcome reward: first 10 steps | last 10 | 90% of "
+                   "the rise by step | slope over the last quarter (per 100 steps) | wrong-step "
+                   "share: first 10 | last 10 | slope over the last quarter |"),
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in flat:
+            pl, pw = r["plateau"], r.get("plateau_wrong_step") or {}
+            wrong = ("- | - | -" if pw.get("last") is None else
+                     f"{pw['first']:.3f} | {pw['last']:.3f} | {pw['slope_last_quarter']:+.3f}")
+            lines.append(f"| {row_label(r)} | {r['prm']} | {pl['first']:.3f} | {pl['last']:.3f} | "
+                         f"{'-' if pl['step90'] is None else pl['step90']} | "
+                         f"{pl['slope_last_quarter']:+.3f} | {wrong} |")
+    prime = [r for r in report["rows"] if (r.get("implicit_prm_loss") or {}).get("last")
+             is not None and not r["same_run_as_learned"]]
+    if prime:
+        lines += ["", "### PRIME's implicit PRM: its loss on each fresh batch (ln 2 = 0.693: chance)",
+                  "", "| method | first 10 steps | last 10 steps |", "|---|---|---|"]
+        for r in prime:
+            pl = r["implicit_prm_loss"]
+            lines.append(f"| {row_label(r)} | {pl['first']:.3f} | {pl['last']:.3f} |")
+    h = report.get("hack")
+    if h:
+        te = h["train_end"]
+        first = {k: (v[0] if v else None) for k, v in h["curves"].items()}
+        lines += ["", "### Reward hacking: PURE on the PRM alone (no outcome reward), seed 0", "",
+                  "| monitor | first step | last 5 steps |", "|---|---|---|"]
+        for k in CURVE_KEYS:
+            if k in te:
+                lines.append(f"| {k} | {_fmt({'mean': first.get(k)})} | "
+                             f"{_fmt({'mean': te.get(k)})} |")
+        lines += ["", (f"after RL (greedy): accuracy {h['greedy']['accuracy']:.3f}, correct with a "
+                      f"wrong step {h['greedy']['correct_with_wrong_step']:.3f}")]
+    return "\n".join(lines) + "\n"
+
+
+def readme_table(report: dict) -> str:
+    """README's comparison block: greedy accuracy and wrong-step share, absolute and paired."""
+    b = report["baseline"]["greedy"]
+    how = ("mean [95% bootstrap]" if any("lo" in r["greedy accuracy"] for r in report["rows"])
+           else "mean ± 95% t-interval")
+    lines = [(f"| after {report['rl_steps']} RL steps, {report['eval_problems']} held-out problems "
+             f"(greedy; {how}) | seeds | accuracy | Δ accuracy vs GRPO (paired) | "
+             "correct answers resting on a wrong step | Δ vs GRPO (paired) |"),
+             "| --- | --- | --- | --- | --- | --- |",
+             (f"| warm-up (before RL) | - | {b['accuracy']:.3f} | - | "
+             f"{b['correct_with_wrong_step']:.3f} | - |")]
+    if report.get("missing"):
+        lines.append(f"| (partial run: {len(report['missing'])} of {len(report['planned'])} "
+                     "planned cells not yet run) | | | | | |")
+    for r in report["rows"]:
+        if r["same_run_as_learned"]:
+            continue
+        p = r.get("paired") or {}
+        lines.append(f"| {row_label(r)}, {r['prm']} | {len(r['seeds'])} | "
+                     f"{_fmt(r['greedy accuracy'])} | {_fmt_diff(p.get('greedy accuracy'))} | "
+                     f"{_fmt(r['greedy correct with a wrong step'])} | "
+                     f"{_fmt_diff(p.get('greedy correct with a wrong step'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(report: dict, readme: str | None = None, doc: str | None = None) -> list:
+    """Regenerate the `compare` blocks of README.md and docs/compare.md from a report."""
+    written = []
+    if readme:
+        replace_block(readme, "compare", readme_table(report))
+        written.append(readme)
+    if doc:
+        replace_block(doc, "compare", markdown(report, title=False))
+        written.append(doc)
+    return written
+
+
+# ------------------------------------------------------------------------------ plots
+
+SMOOTH = 5  # steps in the trailing moving average of the curves (one step is 128 samples)
+
+
+def _smooth(xs: list) -> list:
+    xs = [x if x is not None else float("nan") for x in xs]
+    return [sum(xs[max(0, i - SMOOTH + 1):i + 1]) / len(xs[max(0, i - SMOOTH + 1):i + 1])
+            for i in range(len(xs))]
+
+
+def plot(report: dict, results: list, out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    rows = report["rows"]
+    labels = [f"{r['method']}\n{r['prm']}" + (" (same run)" if r["same_run_as_learned"] else "")
+              for r in rows]
+    panels = [c for c, p in COLUMNS if p[0] in ("greedy", "sampled")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels) + 2, 4.2), squeeze=False)
+    base = report["baseline"]
+    for ax, col in zip(axes.flat, panels):
+        means = [r[col]["mean"] or 0.0 for r in rows]
+        errs = [[max(0.0, m - r[col].get("lo", m)) for m, r in zip(means, rows)],
+                [max(0.0, r[col].get("hi", m) - m) for m, r in zip(means, rows)]]
+        colors = ["tab:orange" if r["prm"] == "oracle" else "tab:blue" for r in rows]
+        ax.bar(range(len(rows)), means, yerr=errs, color=colors, capsize=3)
+        ref = lookup(base, dict(COLUMNS)[col])
+        if ref is not None:
+            ax.axhline(ref, color="gray", ls="--", lw=1, label="warm-up")
+        ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
+        ax.set_title(col, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("after RL: mean over seeds, 95% bootstrap interval (seeds, then problems); "
+                 "orange: oracle process reward",
+                 fontsize=10)
+    fig.tight_layout()
+    p = os.path.join(out_dir, "compare_bars.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    written.append(p)
+
+    paired = [r for r in rows if r.get("paired")]
+    if paired:  # each row's paired difference from GRPO: interval, mean and every seed's own
+        cols = [c for c in PAIRED if any(c in r["paired"] for r in paired)]
+        fig, axes = plt.subplots(1, len(cols), figsize=(4.2 * len(cols), 0.5 * len(paired) + 1.8),
+                                 squeeze=False, sharey=True)
+        for ax, col in zip(axes.flat, cols):
+            for y, r in enumerate(paired):
+                d = r["paired"].get(col)
+                if not d:
+                    continue
+                color = "tab:red" if d["separated"] else "tab:gray"
+                ax.plot([d["lo"], d["hi"]], [y, y], color=color, lw=2)
+                ax.plot([d["mean"]], [y], "o", color=color)
+                ax.plot(d["per_seed"], [y + 0.2] * len(d["per_seed"]), "x", color="k", ms=4)
+            ax.axvline(0, color="k", lw=0.8)
+            ax.set_title(f"Δ {col}\nvs GRPO, same seed", fontsize=9)
+            ax.grid(axis="x", alpha=0.3)
+        axes.flat[0].set_yticks(range(len(paired)),
+                                [f"{r['method']} ({r['prm']}, {len(r['paired']['seeds'])} s)"
+                                 for r in paired], fontsize=7)
+        axes.flat[0].invert_yaxis()  # the table's order, top down
+        fig.suptitle("paired difference from GRPO: 95% bootstrap interval (red: excludes 0), "
+                     "mean (o), each seed (x)", fontsize=9)
+        fig.tight_layout()
+        p = os.path.join(out_dir, "compare_paired.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+
+    keys = ("reward/outcome_mean", "exact/correct_with_wrong_step_frac", "prm/outcome_agreement")
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.8), squeeze=False)
+    groups: dict = {}
+    for r in results:
+        if not r.get("hack"):
+            groups.setdefault(f"{r['method']} ({r['prm']})", []).append(r["curves"])
+    for ax, k in zip(axes.flat, keys):
+        for label, cs in sorted(groups.items()):
+            series = [c[k] for c in cs if k in c]
+            if not series:
+                continue
+            steps = min(map(len, series))
+            mean = [sum((s[i] or 0.0) for s in series) / len(series) for i in range(steps)]
+            ax.plot(range(steps), _smooth(mean), label=label,
+                    ls="--" if "oracle" in label else "-")
+        ax.set_title(f"{k}\n(mean over seeds, moving average of {SMOOTH} steps)", fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    p = os.path.join(out_dir, "compare_curves.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    written.append(p)
+
+    hack = report.get("hack")
+    if hack:
+        refs = {r["name"]: r for r in results
+                if not r.get("hack") and r["seed"] == hack["seed"]
+                and r["method"] in ("pure", "grpo") and r["prm"] == "learned"}
+        keys = [k for k in CURVE_KEYS if k in hack["curves"] and k != "actor/entropy"]
+        cols = 3
+        fig, axes = plt.subplots(math.ceil(len(keys) / cols), cols,
+                                 figsize=(4.6 * cols, 3.2 * math.ceil(len(keys) / cols)),
+                                 squeeze=False)
+        for ax, k in zip(axes.flat, keys):
+            ax.plot(hack["curves"][k], color="tab:red", lw=0.6, alpha=0.35)
+            ax.plot(_smooth(hack["curves"][k]), color="tab:red", lw=2,
+                    label="PURE, PRM reward only")
+            for name, r in sorted(refs.items()):
+                if k in r["curves"]:
+                    ax.plot(_smooth(r["curves"][k]), lw=1,
+                            label=f"{r['method']} (outcome + PRM)" if r["method"] == "pure"
+                            else f"{r['method']} (outcome reward)")
+            ax.set_title(f"{k} (moving average of {SMOOTH})", fontsize=9)
+            ax.set_xlabel("RL step")
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(keys):]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=7)
+        fig.suptitle("reward-hacking monitors (metrics.jsonl)", fontsize=10)
+        fig.tight_layout()
+        p = os.path.join(out_dir, "reward_hacking.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    return written
