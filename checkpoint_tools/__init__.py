@@ -14,6 +14,7 @@ __all__ = ["ConversionError", "export_hf", "import_hf", "verify"]
 
 def __getattr__(name: str):
     if name in ("export_hf", "import_hf", "verify"):
+        # deferred: `--help` and argument errors must not import torch
         from checkpoint_tools import convert
 
         return getattr(convert, name)

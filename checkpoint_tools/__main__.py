@@ -66,6 +66,7 @@ def lean_imports() -> None:
     process and its spawned ranks do this."""
     import torch
 
+    # deferred: this function is the import of torch and megatron-core, tuned
     import megaprm  # noqa: F401 - first: its import silences megatron-core's TE/Apex fallbacks
 
     real = torch.compile
@@ -120,15 +121,17 @@ def main(argv=None, fork_ranks: bool = False) -> int:
     """The CLI. `fork_ranks`: start local ranks as forks of this process (`ranks.RANK_START`);
     only `python -m checkpoint_tools` says so, where this process has done no torch work yet
     (a caller's process may hold an OpenMP pool or threads, which a fork does not survive)."""
-    from megaprm.parallel import launch  # standard library imports only
+    # deferred: `--help` stays free of megaprm's package imports (launch itself: stdlib only)
+    from megaprm.parallel import launch
 
     args = _parser().parse_args(argv)
     if not (args.command == "export-hf" and args.no_verify and not launch.under_torchrun()):
         # an export without verification streams file to file in this process and needs
         # neither megatron-core nor a model (`streaming`); its fallback imports them as needed
         lean_imports()
+    # deferred: after the arguments are checked and `lean_imports` has run (torch, megatron)
     from checkpoint_tools import convert, ranks
-    from checkpoint_tools.layout import ConversionError
+    from checkpoint_tools.layout import ConversionError  # deferred: as the line above
 
     if fork_ranks:
         ranks.RANK_START = "fork"

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from checkpoint_tools import layout, manifest, stages
+from checkpoint_tools import hf_reference, layout, manifest, stages, streaming
 from checkpoint_tools.layout import DTYPES, ConversionError
 from checkpoint_tools.megatron_io import (
     import_loader_modules,
@@ -48,6 +48,7 @@ from checkpoint_tools.ranks import (
     shared_tmp,
     world_of,
 )
+from checkpoint_tools.shards import ShardWriter
 from checkpoint_tools.weight_io import (
     FileCopies,
     FileReads,
@@ -59,6 +60,7 @@ from checkpoint_tools.weight_io import (
 from megaprm.models import mapping
 from megaprm.models.hf_spec import ModelSpec, UnsupportedModelError, spec_from_hf
 from megaprm.parallel import launch
+from megaprm.rollout.weight_sync import iter_hf_weights
 
 VERIFY_BATCH, VERIFY_SEQ = 2, 16
 
@@ -128,9 +130,6 @@ def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: 
     """One rank of export-hf. A torchrun world of one without verification streams file to
     file (`_export_streaming`) where the checkpoint allows it, else loads the stage (outside
     torchrun `export_hf` has tried the stream in its own process before starting ranks)."""
-    from checkpoint_tools.shards import ShardWriter
-    from megaprm.rollout.weight_sync import iter_hf_weights
-
     g = init_ranks(tp, pp)
     with shared_tmp(tmp_dir, out_dir) as tmp:
         meta = layout.CheckpointMeta.read(ckpt_dir)
@@ -169,8 +168,6 @@ def _export_streaming(ckpt_dir: str, spec: ModelSpec, dtype: torch.dtype, tmp: s
     {"streamed": False, "why": ...} where the checkpoint needs a real load (then nothing was
     written). Whatever tp and pp the checkpoint was saved at (its chunks are in global
     coordinates); needs neither megatron-core nor a process group."""
-    from checkpoint_tools import streaming
-
     t0 = time.perf_counter()
     try:
         plan = streaming.plan_export(model_dir(ckpt_dir), spec, dtype)
@@ -208,8 +205,6 @@ def compare_logits(megatron: torch.Tensor, reference: torch.Tensor, dtype: str,
 
 
 def reference_outputs(hf_dir: str, spec: ModelSpec, dtype: str) -> torch.Tensor:
-    from checkpoint_tools import hf_reference
-
     model = hf_reference.load_reference(hf_dir, spec, DTYPES[dtype])
     return hf_reference.reference_outputs(model, spec, verify_batch(spec))
 

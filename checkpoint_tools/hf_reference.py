@@ -12,6 +12,7 @@ import os
 import torch
 
 from megaprm.models.hf_spec import ModelSpec
+from megaprm.models.mapping import HFWeights
 
 
 class ProcessRewardReference(torch.nn.Module):
@@ -41,8 +42,6 @@ def load_reference(hf_dir: str, spec: ModelSpec, dtype: torch.dtype = torch.floa
         return tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
     if spec.head == "token_cls":
         return tf.AutoModelForTokenClassification.from_pretrained(hf_dir, dtype=dtype).eval()
-    from megaprm.models.mapping import HFWeights
-
     model = ProcessRewardReference(tf.AutoConfig.from_pretrained(hf_dir)).to(dtype).eval()
     weights = HFWeights(hf_dir)
     model.load_state_dict({k: weights(k) for k in model.state_dict()})

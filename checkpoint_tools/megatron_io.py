@@ -160,6 +160,7 @@ def import_loader_modules() -> None:
     from megatron.core.dist_checkpointing.strategies import torch as _  # noqa: F401
     from torch.distributed.checkpoint import filesystem, metadata  # noqa: F401
 
+    # deferred: this function exists to load these modules before the timed part
     from checkpoint_tools import streaming  # noqa: F401
 
 

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from checkpoint_tools import layout
 from checkpoint_tools.layout import ConversionError
 from megaprm.models.hf_spec import UnsupportedModelError
-from megaprm.parallel import launch
+from megaprm.parallel import cpu, launch
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.host import all_failures
-from megaprm.parallel.init import ParallelConfigError
+from megaprm.parallel.init import ParallelConfigError, init_distributed
 
 # Errors a user causes (wrong paths, configs, weights, layouts); anything else is a bug.
 USER_ERRORS = (ConversionError, UnsupportedModelError, ParallelConfigError, FileNotFoundError)
@@ -71,9 +71,6 @@ def init_ranks(tp: int, pp: int) -> Groups:
     """This rank's groups. Conversion is host work on a GPU node too: the stages live in host
     memory (file bytes are read into and written from the parameters' storage), gloo connects
     the ranks, and the check forward runs on the CPU (`cpu.host_only`)."""
-    from megaprm.parallel import cpu
-    from megaprm.parallel.init import init_distributed
-
     cpu.host_only()
     return agree("parallel layout", lambda: init_distributed(tp=tp, pp=pp))
 

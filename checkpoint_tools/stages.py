@@ -22,6 +22,7 @@ def build(spec: ModelSpec, groups: Groups, dtype: torch.dtype, *, init: bool = T
     kw = {} if init else {"perform_initialization": False}
     if spec.head == "lm":
         return build_stage(spec, groups, dtype=dtype, **kw)
+    # deferred: models.prm imports megatron-core (seconds), which a streamed export never needs
     from megaprm.models.prm import build_prm
 
     return build_prm(spec, tp=groups.tp_size, pp=groups.pp_size, pp_rank=groups.pp_rank,

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 import torch
 
 from megaprm.parallel.device import model_device
+from megaprm.parallel.optimizer import torch_optimizers
 
 KEEP, DROP = "keep", "drop"  # copied to the host and back | released and zero-filled on reload
 
@@ -67,8 +68,6 @@ def _model_tensors(model) -> Iterator[tuple[torch.Tensor, str]]:
 def _optimizer_tensors(optimizer) -> Iterator[tuple[torch.Tensor, str]]:
     """Every tensor of a megaprm `Optimizer` (or a torch / Megatron one): the inner torch
     optimisers' parameters (Megatron: the fp32 masters), their grads and their state."""
-    from megaprm.parallel.optimizer import torch_optimizers
-
     impl = getattr(optimizer, "impl", optimizer)
     for opt in torch_optimizers(impl):
         for group in opt.param_groups:

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from checkpoint_tools.layout import copy_side_files
 from megaprm.parallel.device import to_host
 from megaprm.parallel.groups import Groups
 from megaprm.rollout import weight_sync
@@ -30,8 +31,6 @@ def save_hf(model, groups: Groups, out_dir: str, *, side_files_from: Optional[st
         os.makedirs(tmp)
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         if side_files_from is not None:
-            from checkpoint_tools.layout import copy_side_files
-
             copy_side_files(side_files_from, tmp)
         if hf_config is not None:
             with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:

@@ -12,6 +12,7 @@ from megaprm.trainer.checkpoint.save import SideFiles
 from megaprm.trainer.checkpoint.save import save as save_checkpoint
 from megaprm.trainer.checkpoint.store import CheckpointError
 from megaprm.trainer.run_config import LOCK_ENV
+from megaprm.trainer.run_lock import RunLock, RunLockError
 
 
 def ckpt_parts(tr):
@@ -78,8 +79,6 @@ def lock_run_dir(run_dir: str, groups: Groups):
     """One run per run directory. The launcher (megaprm train) holds the lock for its ranks;
     started any other way (a hand-written torchrun, tests), global rank 0 takes it here and every
     rank learns the outcome, so a refused start stops all ranks with the same line."""
-    from megaprm.trainer.run_lock import RunLock, RunLockError
-
     lock, err = None, None
     if groups.rank == 0 and os.environ.get(LOCK_ENV) != os.path.abspath(run_dir):
         try:

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
+from checkpoint_tools import layout, stages
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.rng import set_rng_state
 from megaprm.trainer.checkpoint.store import (
@@ -128,8 +129,6 @@ def _read_trainer_json(path: str) -> dict:
 def _load_models(path: str, models: dict) -> None:
     from megatron.core import dist_checkpointing  # deferred: megatron's import is seconds
 
-    from checkpoint_tools import layout, stages
-
     for key, model in models.items():
         m = unwrap(model)
         d = os.path.join(path, key, layout.MODEL_SUBDIR)
@@ -144,10 +143,10 @@ def _load_models(path: str, models: dict) -> None:
 
 def _check_layout_and_config(path: str, state: dict, groups: Groups, config: Optional[dict],
                              allow_config_change: bool) -> None:
-    layout = (state["world_size"], state["tp"], state["pp"])
-    if layout != (groups.world_size, groups.tp_size, groups.pp_size):
+    written = (state["world_size"], state["tp"], state["pp"])
+    if written != (groups.world_size, groups.tp_size, groups.pp_size):
         raise CheckpointError(
-            f"{path} was written with (world, tp, pp) = {layout} but this run has "
+            f"{path} was written with (world, tp, pp) = {written} but this run has "
             f"{(groups.world_size, groups.tp_size, groups.pp_size)}; resume with the same "
             "layout (or convert the weights with checkpoint_tools and start a new run)")
     if config is not None and not allow_config_change:

@@ -14,7 +14,9 @@ from typing import Callable, Optional
 
 import torch
 
+from checkpoint_tools import layout, stages
 from checkpoint_tools import manifest as manifest_file
+from checkpoint_tools.megatron_io import in_process_write_queue
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.rng import rng_state
 from megaprm.trainer.checkpoint.store import (
@@ -153,8 +155,6 @@ def _raise_failed(target: _Target, groups: Groups, models: dict, optimizers: dic
 
 def _prepare(target: _Target, models: dict, sources: dict, groups: Groups) -> None:
     """Rank 0: clean leftovers, create the tmp tree with each model's hf/ + meta files."""
-    from checkpoint_tools import layout
-
     if groups.rank != 0:
         return
     os.makedirs(target.root, exist_ok=True)
@@ -205,8 +205,6 @@ def writers_die_with_this_process():
     and its result queue is an in-process one (megatron_io.in_process_write_queue) instead of a
     spawned Manager server, which outlived a rank killed by SIGKILL/os._exit. So a rank killed
     mid-save leaves no orphan (and a save costs no extra interpreter)."""
-    from checkpoint_tools.megatron_io import in_process_write_queue
-
     global _saving_pid
     _saving_pid = os.getpid()
     try:
@@ -218,8 +216,6 @@ def writers_die_with_this_process():
 
 def _save_models(tmp: str, models: dict) -> None:
     from megatron.core import dist_checkpointing  # deferred: megatron's import is seconds
-
-    from checkpoint_tools import layout, stages
 
     with writers_die_with_this_process():
         for key, model in models.items():
