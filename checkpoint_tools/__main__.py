@@ -58,7 +58,7 @@ def lean_imports() -> None:
     """Import torch and megatron-core for a conversion process, ~2 s (of ~4.5 s) cheaper.
 
     megatron-core decorates its fused kernels with `torch.compile` at import time, which
-    imports torch._dynamo and torch._inductor (~1.6 s here) although a conversion never calls
+    imports torch._dynamo and torch._inductor (~1.6 s on a 2-core VM) although a conversion never calls
     them; during the import, `torch.compile` defers to the real one at a function's first call
     (compiled then, exactly as before). And its inference context imports wandb if installed
     (~0.6 s); a conversion logs nothing, so wandb is unimportable while megatron-core is

@@ -188,8 +188,8 @@ _NO_COPY_RANGE = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, err
 # Page-cache writes from memory go in pieces of at most this many bytes. Linux sizes the page
 # cache folios of a buffered write by its length (ext4 takes large folios since 6.x): one 8 MiB
 # write asks for 2 MiB folios, whole free 2 MiB blocks, and on a VM those are likely the ones
-# free page reporting has handed back to the host, faulted in again there. Measured on this
-# 2-core Firecracker VM (kernel 6.18, 96 MB written per file, BENCHMARKS.md "seventh pass"):
+# free page reporting has handed back to the host, faulted in again there. Measured on a
+# 2-core Firecracker VM (kernel 6.18, 96 MB written per file; docs/benchmark-history.md):
 # pieces of 2 MiB or more 0.02-0.48 s a file (above 0.15 s in 14 of 36 files), 1 MiB or less
 # 0.026-0.048 s in 38 of 39; `copy_file_range` (page by page through a pipe) was not affected.
 WRITE_PIECE = 1 << 20

@@ -227,7 +227,7 @@ def read_column_rows(fd: int, offset: int, row: int, width: int, out: memoryview
         np.frombuffer(run, np.uint8), (k, width), (row, 1))
 
 
-READ_THREADS = 4  # page faults of the fresh stage dominate reads: 2 threads ~2x one, here
+READ_THREADS = 4  # page faults of the fresh stage dominate reads: 2 threads ~2x one (2-core VM)
 
 
 READ_PIECE = 8 << 20  # bytes per read job, so that one big tensor spreads over the threads
