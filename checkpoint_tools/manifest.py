@@ -84,6 +84,25 @@ def read(ckpt_dir: str) -> tuple:
         return None, f"{MANIFEST} is unreadable ({_one_line(e, 400)})"
 
 
+def read_verified(ckpt_dir: str, rel: str) -> tuple:
+    """(the bytes of `ckpt_dir/rel`, None) when they match that file's manifest entry, else
+    (None, what is wrong). One read: the bytes returned are the bytes checked, so a caller
+    never trusts unverified data (a launcher reading a checkpoint's small JSON). Single
+    process."""
+    manifest, problem = read(ckpt_dir)
+    if problem:
+        return None, problem
+    try:
+        size, crc = manifest["files"][rel]
+        with open(os.path.join(ckpt_dir, rel), "rb") as f:
+            data = f.read()
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        return None, f"{rel} cannot be checked ({_one_line(e, 400)})"
+    if len(data) != size or f"{zlib.crc32(data):08x}" != crc:
+        return None, f"{rel} does not match {MANIFEST} (torn or edited)"
+    return data, None
+
+
 def problems(ckpt_dir: str) -> list | None:
     """What is wrong with checkpoint `ckpt_dir` against its manifest ([] when intact), or None
     when no manifest covers it (written by an older megaprm). Single process."""
