@@ -20,7 +20,7 @@ from megaprm.models.hf_spec import spec_from_hf
 from megaprm.parallel.device import rank_device, resolve_dtype, to_host
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.host import dp_reduce
-from megaprm.rewards.judge import judge_process_scores, llm_answer_fallback
+from megaprm.rewards import judge  # called through the module: a test can stand in for it
 from megaprm.rewards.scoring import ChatStepFormat, resolve_prm_input_format, score_rollouts
 from megaprm.rewards.steps import prof_num_steps, segment_steps
 from megaprm.rewards.verifiers import score_outcomes
@@ -106,8 +106,8 @@ def _llm_fallback(ctx: RewardContext, texts, truths, problems, outcome) -> tuple
     grader = ctx.grader
     if grader.engine.asleep:
         grader.engine.wake()
-    outcome, m = llm_answer_fallback(grader.engine, grader.tok, problems, truths, texts,
-                                     outcome, _judge_config(ctx, 1))
+    outcome, m = judge.llm_answer_fallback(grader.engine, grader.tok, problems, truths, texts,
+                                           outcome, _judge_config(ctx, 1))
     grader.engine.sleep()
     return outcome, m
 
@@ -152,8 +152,8 @@ def _judge_scores(ctx: RewardContext, sb: ScoredBatch) -> ScoredBatch:
     texts = b.decode_responses(ctx.tok)
     if grader.engine.asleep:  # the grader sleeps (level 1, weights kept) between steps
         grader.engine.wake()
-    res = judge_process_scores(grader.engine, grader.tok, sb.problems, sb.references,
-                               texts, sb.outcome, _judge_config(ctx, 0))
+    res = judge.judge_process_scores(grader.engine, grader.tok, sb.problems, sb.references,
+                                     texts, sb.outcome, _judge_config(ctx, 0))
     grader.engine.sleep()
     scores, mask = res.as_step_scores()
     # global counts (the same on every rank, so step_or_skip's dp mean keeps them)
