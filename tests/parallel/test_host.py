@@ -47,3 +47,31 @@ def test_dp_metrics_single_rank_is_the_identity():
     groups = types.SimpleNamespace(dp_size=1, dp_rank=0, host_dp=None)
     assert host.dp_metrics(_values(1), groups) == _values(1)
     assert host.dp_metrics({}, groups) == {}
+
+
+def _failures_world(rank: int, world: int) -> dict:
+    """Rounds of all_failures on the default gloo group: none fail, the middle rank fails, every
+    odd rank fails (with any picklable value); and how many collectives the quiet round took."""
+    calls, real = [], dist.all_gather_object
+    dist.all_gather_object = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        quiet = host.all_failures(None, dist.group.WORLD, world)
+        quiet_gathers = len(calls)
+        middle = host.all_failures("disk full" if rank == 1 else None, dist.group.WORLD, world)
+        odd = host.all_failures((rank, "nan") if rank % 2 else None, dist.group.WORLD, world)
+    finally:
+        dist.all_gather_object = real
+    return {"quiet": quiet, "quiet_gathers": quiet_gathers, "middle": middle, "odd": odd}
+
+
+def test_all_failures_gives_every_rank_the_same_list():
+    world = 3
+    for r in run_distributed(_failures_world, world):
+        assert r["quiet"] == [] and r["quiet_gathers"] == 0  # the common path: one all-reduce
+        assert r["middle"] == [(1, "disk full")]
+        assert r["odd"] == [(1, (1, "nan"))]
+
+
+def test_all_failures_single_rank_needs_no_group():
+    assert host.all_failures(None, None, 1) == []
+    assert host.all_failures("bad", None, 1) == [(0, "bad")]
