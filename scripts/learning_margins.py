@@ -12,8 +12,9 @@ set with a margin measured on every path, not on the developer's CPU alone.
 Cases (the tests that use them: tests/kernel_paths.py LEARNING_TESTS, docs/testing.md):
 - `prm`: test_tiny_prm_learns_arithmetic_step_labels' recipe (2 ranks): held-out step AUROC,
   the reference / wrong_result per-kind accuracies, first and last loss;
-- `warmup`: test_compare's warm-up (the demo's SFT at --warmup-steps, 2 ranks) and its greedy
-  accuracy on the 16 held-out problems, decoded by transformers and checked exactly.
+- `warmup`: test_compare's warm-up (the demo's SFT at --warmup-steps, 2 ranks) and how many of
+  its held-out problems (its first 16, and 32) it solves greedily, decoded by transformers and
+  checked exactly.
 """
 from __future__ import annotations
 
@@ -58,26 +59,28 @@ def _prm_rank(model_dir, out_dir, learn):
 
 
 def _warmup_rank(steps, seed, tmp):
-    from megaprm import demo
+    from megaprm.experiments.arithmetic import start
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
 
     g = init_distributed()
     tok = build_char_tokenizer()
-    dcfg = demo.DemoConfig(run_dir=tmp, warmup_steps=steps, seed=seed)
-    init_dir = demo.init_policy(dcfg, tok, os.path.join(tmp, "init"), g.rank)
-    return demo.warmup(dcfg, g, tok, init_dir, os.path.join(tmp, "sft"))
+    wcfg = start.WarmupConfig(warmup_steps=steps, seed=seed)
+    init_dir = start.init_policy(wcfg, tok, os.path.join(tmp, "init"), g.rank)
+    return start.warmup(wcfg, g, tok, init_dir, os.path.join(tmp, "sft"))
 
 
 def _warmup_case(seed: int, tmp: str, steps: int) -> dict:
-    from megaprm import compare
+    from megaprm.experiments.arithmetic.runs import held_out_problems
     from megaprm.parallel import launch
-    from tests.test_compare import _greedy_reference
+    from tests.experiments.arithmetic.test_compare import _greedy_reference
 
     (loss, _) = launch.spawn(_warmup_rank, 2, steps, seed, tmp, timeout_s=1800)
-    problems = compare.eval_problems(compare.CompareConfig(eval_problems=16))
+    # the test's held-out problems: the first 16 of these 32 are its 16
+    problems = held_out_problems(32)
     ref = _greedy_reference(os.path.join(tmp, "sft"), problems)
-    return {"final_loss": loss, "accuracy": ref["accuracy"],
+    correct = ref["per_problem"]["correct"]
+    return {"final_loss": loss, "solved_of_16": sum(correct[:16]), "solved_of_32": sum(correct),
             "first_step_correct": ref["first_step_correct"], "steps": steps}
 
 
