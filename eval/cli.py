@@ -5,10 +5,11 @@ import json
 import os
 import sys
 
+from eval.run import EvalConfig, evaluate_benchmarks, format_table
+from megaprm.tasks.datasets import BENCHMARKS
+
 
 def cmd_eval(args) -> int:
-    from eval.run import EvalConfig, evaluate_benchmarks, format_table
-
     benches = tuple(b.strip() for b in args.benchmarks.split(",") if b.strip())
     cfg = EvalConfig(model=args.model, benchmarks=benches, k=args.k,
                      temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
@@ -26,8 +27,6 @@ def cmd_eval(args) -> int:
 
 
 def add_cli(sub) -> None:
-    from megaprm.tasks.datasets import BENCHMARKS
-
     e = sub.add_parser("eval", help="avg@k / pass@k on MATH500, AIME24, AMC23, Minerva, "
                                     "OlympiadBench (offline, math-verify graded)")
     e.add_argument("--model", required=True,

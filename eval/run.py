@@ -30,6 +30,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
+from checkpoint_tools.layout import ConversionError, resolve_checkpoint
+from megaprm.rewards.verifiers import MathVerifier
 from megaprm.tasks.datasets import BENCHMARKS, load_benchmark
 
 PROMPT_TEMPLATE = "{question} Let's think step by step and output the final answer within \\boxed{{}}."
@@ -97,8 +99,6 @@ def summarize(correct: Sequence[Sequence[float]], k: int) -> dict:
 def grade(responses: Sequence[str], golds: Sequence[str], verifier=None,
           timeout_s: float = 5.0) -> list[float]:
     """1.0 / 0.0 per response: math-verify equivalence of its (boxed) answer with the gold."""
-    from megaprm.rewards.verifiers import MathVerifier
-
     verifier = verifier or MathVerifier()
     return verifier.score(list(responses), list(golds), timeout_s=timeout_s)
 
@@ -122,8 +122,6 @@ def prompt_ids(tokenizer, question: str) -> list[int]:
 def is_megatron_checkpoint(path: str) -> bool:
     """A megaprm checkpoint in the one format (checkpoint_tools.layout.resolve_checkpoint: a
     checkpoint, a trainer's step_N or its run directory)."""
-    from checkpoint_tools.layout import ConversionError, resolve_checkpoint
-
     try:
         resolve_checkpoint(path)
     except ConversionError:
@@ -155,6 +153,7 @@ def resolve_model(path: str, workdir: str) -> str:
 
 def build_engine(cfg: EvalConfig, hf_dir: str, tokenizer):
     """The one engine factory (rollout.factory), one process: this rank's device."""
+    # deferred: bound at call time (tests and benchmarks replace it); torch (run imports without it)
     from megaprm.config import RolloutConfig
     from megaprm.parallel.device import rank_device
     from megaprm.rollout.factory import build_engine as build
@@ -183,6 +182,7 @@ def fit_max_tokens(max_tokens: int, hf_dir: str, longest_prompt: int) -> tuple[i
 # ---------------------------------------------------------------------------------- run
 def _eval_benchmark(name: str, cfg: EvalConfig, loaded, engine, tokenizer, verifier,
                     bar) -> dict:
+    # deferred: torch (run imports without it)
     from megaprm.rollout.engine import SamplingParams
 
     records, load = loaded
@@ -212,8 +212,6 @@ def evaluate_benchmarks(cfg: EvalConfig) -> dict:
     """Run the whole evaluation and return the report (see `format_table` for the summary)."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
-
-    from megaprm.rewards.verifiers import MathVerifier
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="megaprm-eval-") as work:

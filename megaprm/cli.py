@@ -18,6 +18,7 @@ import traceback
 
 def _user_errors() -> tuple:
     """Exception types that are the user's to fix (one line, exit 2), not megaprm bugs."""
+    # deferred: keeps --help fast
     from megaprm.config import ConfigError
     from megaprm.parallel.init import ParallelConfigError
     from megaprm.parallel.launch import LaunchError
@@ -27,6 +28,7 @@ def _user_errors() -> tuple:
     types = [ConfigError, ParallelConfigError, LaunchError, CheckpointError, RunLockError,
              FileNotFoundError, ValueError]
     try:
+        # deferred: keeps --help fast
         from checkpoint_tools.layout import ConversionError
         types.append(ConversionError)
     except ImportError:
@@ -37,6 +39,7 @@ def _user_errors() -> tuple:
 def _on_ranks(args, argv, preflight, body) -> int:
     """`preflight()` in the launcher, then `body()` on every torchrun rank. A preflight may
     return a lock the launcher holds while its ranks run."""
+    # deferred: keeps --help fast
     from megaprm.parallel import launch, ray_launch
 
     if not launch.under_torchrun():
@@ -55,6 +58,7 @@ def _on_ranks(args, argv, preflight, body) -> int:
 # ------------------------------------------------------------------------------ subcommands
 
 def cmd_demo(args) -> int:
+    # deferred: keeps --help fast
     from megaprm.experiments.arithmetic import demo
 
     overrides = {"rl_steps": args.rl_steps, "warmup_steps": args.warmup_steps,
@@ -65,6 +69,7 @@ def cmd_demo(args) -> int:
                            **{k: v for k, v in overrides.items() if v})
 
     def preflight():
+        # deferred: keeps --help fast
         from megaprm.experiments.readme import read_block
         from megaprm.parallel.launch import world_size_of
 
@@ -73,6 +78,7 @@ def cmd_demo(args) -> int:
             read_block("README.md", "demo")
 
     def body():
+        # deferred: keeps --help fast
         from megaprm.parallel.init import destroy, init_distributed
 
         groups = init_distributed(tp=1, pp=1, seed=args.seed)
@@ -90,6 +96,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    # deferred: keeps --help fast
     from megaprm.experiments.arithmetic import report as tables
     from megaprm.experiments.arithmetic.runs import RL_YAML, CompareConfig
 
@@ -129,12 +136,14 @@ def cmd_compare(args) -> int:
         warmup_steps=args.warmup_steps, prm_steps=args.prm_steps,
         prm_examples=args.prm_examples, wandb=args.wandb, extra=list(args.overrides))
     if args.write_readme:  # the markers must be there before an hour of runs
+        # deferred: keeps --help fast
         from megaprm.experiments.readme import read_block
 
         for path in (args.readme, args.doc):
             read_block(path, "compare")
 
     def preflight():
+        # deferred: keeps --help fast
         from megaprm.config import load_config
         from megaprm.parallel.launch import world_size_of
         from megaprm.trainer.preflight import check_batch
@@ -144,6 +153,7 @@ def cmd_compare(args) -> int:
         check_batch(cfg, world)
 
     def body():
+        # deferred: keeps --help fast
         from megaprm.experiments.arithmetic import compare
         from megaprm.parallel.init import destroy, init_distributed
 
@@ -163,11 +173,13 @@ def cmd_compare(args) -> int:
 
 
 def cmd_train(args) -> int:
+    # deferred: keeps --help fast
     from megaprm.config import load_config
 
     cfg = load_config(args.config, args.overrides)
 
     def preflight():
+        # deferred: keeps --help fast
         from megaprm.parallel.launch import world_size_of
         from megaprm.trainer.preflight import check_plan, check_rl_launch
 
@@ -177,6 +189,7 @@ def cmd_train(args) -> int:
             check_plan(cfg, world)
         if args.node_rank != 0:  # node 0's launcher holds the (shared) run directory
             return None
+        # deferred: keeps --help fast
         from megaprm.trainer.run_config import LOCK_ENV
         from megaprm.trainer.run_lock import RunLock
 
@@ -185,6 +198,7 @@ def cmd_train(args) -> int:
         return lock
 
     def body():
+        # deferred: keeps --help fast
         from megaprm.parallel.init import destroy, init_distributed
         from megaprm.rollout import remote
         from megaprm.trainer.loop import RLTrainer
@@ -203,6 +217,7 @@ def cmd_train(args) -> int:
         destroy()
         return 0
 
+    # deferred: keeps --help fast
     from megaprm.parallel.launch import under_torchrun
 
     rc = _on_ranks(args, sys.argv[1:], preflight, body)
@@ -213,6 +228,7 @@ def cmd_train(args) -> int:
 
 def _say_where_the_run_is(run_dir: str) -> None:
     """The last line of a finished `megaprm train` (after wandb's summary): where to look."""
+    # deferred: keeps --help fast
     from megaprm.trainer.plots import plot_run
 
     plots = os.path.join(run_dir, "plots")
@@ -226,11 +242,13 @@ def _say_where_the_run_is(run_dir: str) -> None:
 
 
 def cmd_train_prm(args) -> int:
+    # deferred: keeps --help fast
     from megaprm.trainer.prm_training import load_prm_config
 
     cfg, tp, pp = load_prm_config(args.config, args.overrides)
 
     def preflight():
+        # deferred: keeps --help fast
         from megaprm.parallel.init import check_layout
         from megaprm.parallel.launch import world_size_of
 
@@ -239,6 +257,7 @@ def cmd_train_prm(args) -> int:
     def body():
         import json
 
+        # deferred: keeps --help fast
         from megaprm.parallel.init import destroy, init_distributed
         from megaprm.trainer.prm_training import train_prm
 
@@ -258,6 +277,7 @@ def cmd_train_prm(args) -> int:
 
 
 def cmd_plot(args) -> int:
+    # deferred: keeps --help fast
     from megaprm.trainer.plots import plot_run
 
     paths = plot_run(args.run_dir, out_dir=args.out)
@@ -269,6 +289,7 @@ def cmd_plot(args) -> int:
 def cmd_plan(args) -> int:
     import json
 
+    # deferred: keeps --help fast
     from megaprm.config import load_config, read_yaml_with_overrides
     from megaprm.planner import plan as planner
     from megaprm.planner.hardware import gpu_named
@@ -301,6 +322,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    # deferred: keeps --help fast
     from checkpoint_tools.__main__ import main as convert_main
 
     return convert_main(args.convert_args)
@@ -329,6 +351,7 @@ DEMO_METHODS = ("prof_grpo", "grpo", "drgrpo", "rloo", "papo", "pure", "prime", 
 
 def _parser() -> argparse.ArgumentParser:
     # imports here stay light (no torch): `megaprm --help` answers in well under a second
+    # deferred: keeps --help fast
     from megaprm.parallel.launch import add_launch_args
     from megaprm.parallel.ray_launch import add_ray_args
 
@@ -370,6 +393,7 @@ def _parser() -> argparse.ArgumentParser:
 
     from dataclasses import fields
 
+    # deferred: keeps --help fast
     from megaprm.experiments.arithmetic.runs import ALL_METHODS, CompareConfig
 
     defaults = argparse.Namespace(**{f.name: f.default for f in fields(CompareConfig)})
@@ -465,6 +489,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("convert_args", nargs=argparse.REMAINDER)
     c.set_defaults(fn=cmd_convert)
 
+    # deferred: keeps --help fast
     from eval.cli import add_cli as add_eval
     from megaprm.bench import add_cli as add_bench
 
@@ -474,6 +499,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    # deferred: keeps --help fast
     from megaprm.parallel.launch import LAUNCH_T0_ENV, under_torchrun
 
     # the ranks inherit the start time; a command started by a process that ran one before
@@ -490,6 +516,7 @@ def main(argv=None) -> int:
     try:
         return args.fn(args)
     except _user_errors() as e:
+        # deferred: keeps --help fast
         from megaprm.parallel.launch import report_user_error
 
         msg = f"megaprm {args.cmd}: error: {e}".splitlines()[0]

@@ -8,10 +8,11 @@ Three rules follow from the architecture:
 2. The lower layers (models, parallel, algorithms, rewards, rollout, tasks, planner,
    checkpoint_tools) never import the upper ones (the trainer, the experiments, the CLI);
    parallel/ does not import models/ either (models sit on top of the parallel plumbing).
-3. An import of megaprm or checkpoint_tools inside a function says why it is deferred, on its
-   line or the line above, with a comment starting `# deferred:` (e.g. `# deferred: keeps
-   --help fast` or `# deferred: megatron is optional`). A deferred import never hides a cycle:
-   rule 1 counts it like any other.
+3. An import of megaprm, checkpoint_tools or eval inside a function says why it is deferred,
+   with a comment starting `# deferred:` on its line or just above it (one comment above a run
+   of imports covers the run): `# deferred: keeps --help fast`, `# deferred: megatron`. Only
+   start-up time and heavy dependencies are reasons; a deferred import never hides a cycle,
+   since rule 1 counts it like any other.
 """
 import ast
 import os
@@ -206,17 +207,38 @@ def upward_imports() -> list:
     return bad
 
 
+def _import_spans(path: str) -> dict:
+    """{last line: first line} of every import statement of a file (1-based)."""
+    tree = ast.parse(open(path).read(), path)
+    return {n.end_lineno: n.lineno for n in ast.walk(tree)
+            if isinstance(n, (ast.Import, ast.ImportFrom))}
+
+
+def _says_why(lines: list, spans: dict, line: int) -> bool:
+    """Whether the import statement starting at `line` carries a `# deferred:` comment: on its
+    own line, or in the comment lines above the run of import statements it belongs to."""
+    if DEFERRED_TAG in lines[line - 1]:
+        return True
+    above = line - 1
+    while above in spans:  # the statements of the same run, upwards
+        above = spans[above] - 1
+    while above >= 1 and lines[above - 1].strip().startswith("#"):
+        if lines[above - 1].strip().startswith(DEFERRED_TAG):
+            return True
+        above -= 1
+    return False
+
+
 def undocumented_local_imports() -> list:
     modules, imports = _graph()
     bad = []
     for m, imps in sorted(imports.items()):
         lines = open(modules[m]).read().splitlines()
+        spans = _import_spans(modules[m])
         for i in imps:
             if not i.local:
                 continue
-            here = lines[i.line - 1]
-            above = lines[i.line - 2].strip() if i.line >= 2 else ""
-            if DEFERRED_TAG not in here and not above.startswith(DEFERRED_TAG):
+            if not _says_why(lines, spans, i.line):
                 bad.append(f"{m}:{i.line} imports {i.target} inside a function without a "
                            f"'{DEFERRED_TAG} <why>' comment")
     return bad

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from megaprm.models.hf_spec import ModelSpec, decoder_spec, llama3_inv_freq, transformer_config
+from megaprm.parallel.device import resolve_dtype
 from megaprm.parallel.groups import Groups
 
 
@@ -33,8 +34,6 @@ def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
     True = inductor, a string names another torch.compile backend (tests use "eager").
     """
     from megatron.core.models.gpt import GPTModel
-
-    from megaprm.parallel.device import resolve_dtype
 
     dtype = dtype if dtype is not None else resolve_dtype("auto")
     if recompute:

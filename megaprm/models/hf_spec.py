@@ -197,6 +197,7 @@ def layer_spec(spec: ModelSpec, impl: Optional[str] = None):
     local = specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     if impl == "local":
         return local
+    # deferred: megatron
     from megaprm.models.attention import RMSNorm, SDPAttention, SwiGLU
 
     layer = local.submodules
@@ -220,6 +221,7 @@ def decoder_spec(spec: ModelSpec, pp: int, impl: Optional[str] = None):
     from megatron.core.transformer.transformer_block import (
         TransformerBlock, TransformerBlockSubmodules)
 
+    # deferred: megatron
     from megaprm.models.attention import RMSNorm
 
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from megaprm.models.hf_spec import ModelSpec
+from megaprm.models.hf_spec import ModelSpec, spec_from_hf
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -292,8 +292,6 @@ class HFWeights:
             return
         if expected is None:
             import os
-
-            from megaprm.models.hf_spec import spec_from_hf
 
             if not os.path.isfile(os.path.join(self.dir, "config.json")):
                 return  # nothing describes the checkpoint: only `required` can be checked

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from megaprm.models import mapping
 from megaprm.models.actor import build_gpt
 from megaprm.models.hf_spec import ModelSpec
 
@@ -153,8 +154,6 @@ def load_trunk_from_hf(model, model_dir: str, spec: ModelSpec, *, tp_rank: int, 
     """Load an HF checkpoint (typically a causal LM) into every non-head parameter of a PRM
     stage (and the LM head of an `aux_lm` PRM); the head keeps its initialisation. Same
     mapping and checks as `load_hf_weights`."""
-    from megaprm.models import mapping
-
     rules = [(r, p) for r, p in mapping.stage_rules(model, spec, pp, pp_rank) if r.kind != "head"]
     if getattr(model, "aux_lm", False) and model.post_process:  # the LM head, for aux_lm
         lm_spec = dataclasses.replace(spec, head="lm")

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 from megaprm.planner.hardware import ENGINE_RESERVE, RUNTIME_OVERHEAD
+from megaprm.planner.params import closed_form_params
 from megaprm.planner.workload import Workload
 
 
@@ -97,8 +98,6 @@ def kv_capacity_tokens(w: Workload, gpu_bytes: float) -> float:
 
 
 def _engine_params(w: Workload) -> float:
-    from megaprm.planner.params import closed_form_params
-
     return closed_form_params(w.actor, w.engine_tp, 1, 0)
 
 
@@ -127,7 +126,6 @@ def train_terms(w: Workload, p: Params) -> list:
     terms.append(("activations (1 micro-batch)", activation_bytes(w, tokens)))
     terms.append(("logits", logits_bytes(w, tokens)))
     if w.separate:  # the whole HF model, packed per version, on trainer rank 0
-        from megaprm.planner.params import closed_form_params
 
         terms.append((f"weight versions in flight (x{in_flight_versions(w)}, rank 0)",
                       in_flight_versions(w) * closed_form_params(w.actor, 1, 1, 0) * b))

@@ -31,6 +31,7 @@ def shipped_names() -> list:
 def hf_config_for(path: str | None, what: str) -> ModelConfigSource:
     """config.json of `path` (an HF dir or a megaprm checkpoint), else the shipped config whose
     name is the path's last component (`models/Qwen2.5-Math-7B`, `Qwen/Qwen2.5-Math-7B`)."""
+    # deferred: torch (models imports without it)
     from megaprm.models.hf_spec import load_hf_config
 
     if path is None:

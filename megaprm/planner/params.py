@@ -14,7 +14,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from megaprm.models.hf_spec import ModelSpec
+from megaprm.models.hf_spec import ModelSpec, decoder_spec, transformer_config
+from megaprm.parallel import cpu
 
 PRM_HEADS = ("token_cls", "prm_mlp")
 
@@ -70,8 +71,6 @@ def _world_of_one():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megaprm.parallel import cpu
-
     made_pg = made_ps = False
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), world_size=1, rank=0)
@@ -103,7 +102,7 @@ def _meta_counts(key: tuple, tp: int, pre: bool, post: bool, tie: bool) -> tuple
     import torch
     from megatron.core.models.gpt import GPTModel
 
-    from megaprm.models.hf_spec import decoder_spec, transformer_config
+    # deferred: megatron
     from megaprm.models.prm import PRMModel
 
     spec = ModelSpec(**dict(key))

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megaprm.models.hf_spec import spec_from_hf
 from megaprm.planner import memory, timing
 from megaprm.planner.hardware import DEFAULT_EFFICIENCY, GPU, Efficiency
+from megaprm.planner.models import hf_config_for
 from megaprm.planner.params import stage_params
-from megaprm.planner.workload import Workload
+from megaprm.planner.workload import Workload, workload_from_config
 
 GB = 1e9
 
@@ -315,10 +317,8 @@ def search_table(plans: list) -> str:
 def workload_of(cfg, raw: dict, world: int, *, prompt_tokens=None, mean_response=None):
     """(Workload, {role: config.json source}) of a validated config on `world` GPUs: the HF
     config.json of model.path (and a discriminative prm.path), else the shipped copy."""
-    from megaprm.models.hf_spec import spec_from_hf
+    # deferred: megatron
     from megaprm.models.prm import PRM_HEADS, as_prm_spec
-    from megaprm.planner.models import hf_config_for
-    from megaprm.planner.workload import workload_from_config
 
     a = hf_config_for(cfg.model.path, "model.path")
     actor = spec_from_hf(a.config)

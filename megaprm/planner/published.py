@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megaprm.planner.hardware import DEFAULT_EFFICIENCY, GPUS, Efficiency
+from megaprm.planner.models import hf_config_for
 
 SOURCE = "https://docs.nvidia.com/nemo/rl/latest/about/performance-summary.html"
 PROMPT_TOKENS = 128   # assumed
@@ -51,8 +52,8 @@ RUNS = (
 
 
 def workload_of(run: PublishedRun):
+    # deferred: torch (published imports without it)
     from megaprm.models.hf_spec import spec_from_hf
-    from megaprm.planner.models import hf_config_for
     from megaprm.planner.workload import Workload
 
     spec = spec_from_hf(hf_config_for(run.model, "model").config)
@@ -66,6 +67,7 @@ def workload_of(run: PublishedRun):
 
 
 def predicted_step(run: PublishedRun, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    # deferred: torch (published imports without it)
     from megaprm.planner.memory import Params
     from megaprm.planner.params import closed_form_params
     from megaprm.planner.timing import phase_seconds, step_seconds

@@ -44,9 +44,15 @@ from typing import Any, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from megaprm.config import ConfigError
 from megaprm.models.logprobs import next_token_logprobs
-from megaprm.models.prm import (StepScores, gather_positions, head_step_scores,
-                                implicit_step_scores, implicit_token_rewards)
+from megaprm.models.prm import (
+    StepScores,
+    gather_positions,
+    head_step_scores,
+    implicit_step_scores,
+    implicit_token_rewards,
+)
 from megaprm.parallel import pipeline
 from megaprm.parallel.device import to_host
 from megaprm.parallel.groups import Groups
@@ -136,8 +142,6 @@ def resolve_prm_input_format(name: str, prm_dir: str, *, hf_config: Optional[dic
                              tokenizer=None, max_length: int = 16384) -> AnyPRMFormat:
     """`prm.input_format` -> the format to score with (module docstring). `tokenizer`: the PRM's
     (loaded from `prm_dir` when None and needed). Raises ConfigError with the choices."""
-    from megaprm.config import ConfigError
-
     choices = ", ".join(PRM_INPUT_FORMATS)
     if name not in PRM_INPUT_FORMATS:
         raise ConfigError(f"prm.input_format={name!r} is not valid: one of {choices}")

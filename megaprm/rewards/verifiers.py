@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
+from megaprm.rewards.answer_rules import hendrycks_math_equal, prime_extract_answer, prime_normalize
 from megaprm.tasks.arithmetic import Problem, check_steps, extract_boxed_int
 
 if TYPE_CHECKING:
@@ -219,8 +220,6 @@ def prime_math_scores(responses: Sequence[str], truths: Sequence[str],
     """PRIME's check: the extracted answer (answer_rules.prime_extract_answer) equals the truth
     after the mathd normalisation, else math-verify decides on `\\boxed{answer}`; an empty
     answer is wrong."""
-    from megaprm.rewards.answer_rules import prime_extract_answer, prime_normalize
-
     scores = [0.0] * len(responses)
     ask: list[tuple[int, str, str]] = []
     for i, (response, truth) in enumerate(zip(responses, truths)):
@@ -242,8 +241,6 @@ def prime_math_scores(responses: Sequence[str], truths: Sequence[str],
 def math_scores(responses: Sequence[str], truths: Sequence[str], verifier: str = "math_verify",
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> list[float]:
     """1.0 / 0.0 per response under `verifier` (module docstring)."""
-    from megaprm.rewards.answer_rules import hendrycks_math_equal
-
     if verifier == "math_verify":
         return _DEFAULT.score(responses, truths, timeout_s)
     if verifier == "hendrycks_math":

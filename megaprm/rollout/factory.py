@@ -15,6 +15,8 @@ import torch
 from megaprm.config import RolloutConfig
 from megaprm.models.hf_files import has_weights
 from megaprm.rollout.engine import RolloutEngine, preserved_rng_and_device
+from megaprm.rollout.hf_engine import HFEngine, HFEngineConfig
+from megaprm.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
 
 def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, world_size: int,
@@ -39,7 +41,6 @@ def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, worl
     pad = tokenizer.pad_token_id
     if rollout_cfg.engine == "vllm":
         pad = pad if pad is not None else (eos or (0,))[0]
-        from megaprm.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
         cfg = VLLMEngineConfig(tensor_parallel_size=tp_size, external_launcher=world_size > 1,
                                seed=seed, pad_token_id=int(pad), eos_token_ids=eos,
@@ -47,7 +48,6 @@ def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, worl
                                sleep_level=rollout_cfg.sleep_level,
                                load_format="auto" if weights else "dummy")
         return VLLMEngine(model_path, cfg)  # saves/restores RNG and device itself
-    from megaprm.rollout.hf_engine import HFEngine, HFEngineConfig
 
     ecfg = HFEngineConfig(device=str(torch.device(device)), pad_token_id=pad, eos_token_ids=eos)
     with preserved_rng_and_device():

@@ -23,12 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megaprm.rollout.engine import (
-    EngineAsleepError,
-    RolloutBatch,
-    SamplingParams,
-    left_pad,
-)
+from megaprm.parallel import cpu
+from megaprm.rollout import decode
+from megaprm.rollout.engine import EngineAsleepError, RolloutBatch, SamplingParams, left_pad
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -120,7 +117,6 @@ class HFEngine:
         self.max_positions = int(getattr(mc, "max_position_embeddings", 1 << 30))
         # the RolloutEngine lifecycle state (see engine.RolloutEngine): weights / KV cache asleep
         self._asleep = self._kv_asleep = False
-        from megaprm.rollout import decode
 
         compact = cfg.compact_decode if cfg.compact_decode is not None else self.device.type == "cpu"
         self.decoder = (decode.CompactDecoder(self.model)
@@ -251,7 +247,6 @@ class HFEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         # On the CPU, megatron-core's CUDA->CPU function mode (`parallel.cpu`) is not needed
         # by transformers and would route every torch call of the decode loop through Python
-        from megaprm.parallel import cpu
 
         with cpu.paused():
             return self._generate(prompts, params)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaprm.config import Config, ConfigError
+from megaprm.tasks.arithmetic import generate_problems, reference_solution
+from megaprm.tasks.datasets import load_prompts, policy_prompt
 
 HELD_OUT_SEED = 987_654_321  # arithmetic eval problems; training draws seed*100_003 + step
 
@@ -41,8 +43,6 @@ def prompt_formatter(d, tokenizer):
     """(question, messages=None) -> the policy's prompt text under `data.prompt_format` (and
     data.prompt_template / system_prompt; tasks.datasets.policy_prompt). A chat format needs
     the policy tokenizer's chat template: refused here, before any model is built."""
-    from megaprm.tasks.datasets import policy_prompt
-
     if d.prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
         raise ConfigError("data.prompt_format='chat' needs a chat template in the policy's "
                           "tokenizer (tokenizer_config.json chat_template); this one has none. "
@@ -64,8 +64,6 @@ def make_data(cfg: Config, tokenizer=None, log=None):
     d = cfg.data
     fmt = prompt_formatter(d, tokenizer)
     if cfg.data.task == "arithmetic":
-        from megaprm.tasks.arithmetic import generate_problems, reference_solution
-
         def arithmetic(block):
             probs = generate_problems(cfg.data.arithmetic, P,
                                       seed=cfg.trainer.seed * 100_003 + block)
@@ -73,7 +71,6 @@ def make_data(cfg: Config, tokenizer=None, log=None):
             return Prompts([fmt(t) for t in texts], probs, texts,
                            [reference_solution(p) for p in probs])
         return arithmetic
-    from megaprm.tasks.datasets import load_prompts
 
     records, report = load_prompts(d.path, on_bad_row=d.on_bad_row,
                                    keep_unanswered=d.keep_unanswered,

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.host import dp_reduce
+from megaprm.rewards.verifiers import score_outcomes
 from megaprm.rollout.engine import SamplingParams
+from megaprm.tasks.arithmetic import check_steps, generate_problems
+from megaprm.tasks.datasets import load_prompts
+from megaprm.trainer.data import HELD_OUT_SEED, prompt_formatter
 
 
 def shard(problems: list, groups: Groups) -> tuple[int, int]:
@@ -28,8 +32,6 @@ def evaluate_arithmetic(engine, tokenizer, groups: Groups, problems: list,
     bootstrap over problems, `experiments/arithmetic/stats.py`)."""
     import torch
     import torch.distributed as dist
-
-    from megaprm.tasks.arithmetic import check_steps
 
     total = len(problems)
     lo, hi = shard(problems, groups)
@@ -68,8 +70,6 @@ def evaluate_math(engine, tokenizer, groups: Groups, prompts: list, answers: lis
                   max_tokens: int, verifier: str = "math_verify") -> dict:
     """Greedy accuracy of `prompts` (the policy's prompt texts) graded by `verifier`
     (reward.verifier)."""
-    from megaprm.rewards.verifiers import score_outcomes
-
     per = len(prompts) // groups.dp_size
     lo = groups.dp_rank * per
     batch = engine.generate([tokenizer.encode(p, add_special_tokens=False)
@@ -86,17 +86,12 @@ def evaluate_math(engine, tokenizer, groups: Groups, prompts: list, answers: lis
 def evaluate_with(cfg, engine, tok, groups) -> dict:
     """The held-out evaluation of `trainer.eval_problems` problems through `engine` (dp-sharded
     over `groups`; a separate placement's rollout rank evaluates them all)."""
-    from megaprm.trainer.data import HELD_OUT_SEED, prompt_formatter
-
     n = cfg.trainer.eval_problems
     fmt = prompt_formatter(cfg.data, tok)  # the training prompts' format
     if cfg.data.task == "arithmetic":
-        from megaprm.tasks.arithmetic import generate_problems
-
         problems = generate_problems(cfg.data.arithmetic, n, seed=HELD_OUT_SEED)
         return evaluate_arithmetic(engine, tok, groups, problems,
                                    max_tokens=cfg.rollout.max_tokens, fmt=fmt)
-    from megaprm.tasks.datasets import load_prompts
 
     records, _ = load_prompts(cfg.data.eval_path, limit=n)
     return evaluate_math(engine, tok, groups,

@@ -6,14 +6,19 @@ from __future__ import annotations
 import os
 import sys
 
+from checkpoint_tools import model_source
 from megaprm.config import Config, ConfigError
+from megaprm.models.hf_spec import spec_from_hf
 from megaprm.parallel.init import check_layout
+from megaprm.planner import plan as planner
+from megaprm.planner.hardware import local_gpu
+from megaprm.trainer.checkpoint.load import other_runs
+from megaprm.trainer.checkpoint.run_dir import refuse_overwrite
+from megaprm.trainer.checkpoint.store import CheckpointError, step_dirs, verified_trainer_json
+from megaprm.trainer.run_config import config_diff, config_digest_fields
 
 
 def check_rl_launch(cfg: Config, world_size: int) -> None:
-    from megaprm.models.hf_spec import spec_from_hf
-    from checkpoint_tools import model_source
-
     world_size = trainer_world(cfg, world_size)
     dp = check_layout(world_size, cfg.parallel.tp, cfg.parallel.pp)
     src = model_source.resolve(cfg.model.path, "model.path")
@@ -60,9 +65,6 @@ def check_plan(cfg: Config, world_size: int, gpu=None) -> None:
     fit the GPU is refused in one line naming the largest terms and an override that fits.
     Applied only where the ranks run on CUDA (`gpu`: default this machine's, None without
     CUDA, so CPU runs are never blocked); `megaprm train --no-plan-check` skips it."""
-    from megaprm.planner import plan as planner
-    from megaprm.planner.hardware import local_gpu
-
     gpu = gpu if gpu is not None else local_gpu()
     if gpu is None:
         return
@@ -92,15 +94,6 @@ def check_resume(cfg: Config, world_size: int) -> None:
     start (trainer.resume=false) never overwrites a run there. Only files that match their
     checkpoint's MANIFEST are read: a damaged newest checkpoint is passed over for the previous
     one, as the ranks' resume falls back (or refused, trainer.resume_fallback=false)."""
-    from megaprm.trainer.checkpoint.load import other_runs
-    from megaprm.trainer.checkpoint.run_dir import refuse_overwrite
-    from megaprm.trainer.checkpoint.store import (
-        CheckpointError,
-        step_dirs,
-        verified_trainer_json,
-    )
-    from megaprm.trainer.run_config import config_diff, config_digest_fields
-
     if not cfg.trainer.resume:
         refuse_overwrite(cfg.trainer.run_dir, cfg.trainer.replace_run)
         return

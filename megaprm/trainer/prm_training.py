@@ -33,15 +33,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megaprm.config import read_yaml_with_overrides
 from megaprm.models import mapping
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.models.logprobs import vocab_parallel_logprobs
-from megaprm.models.prm import (PRM_HEADS, as_prm_spec, build_prm, gather_positions,
-                                hf_prm_config, load_trunk_from_hf)
+from megaprm.models.prm import (
+    PRM_HEADS,
+    as_prm_spec,
+    build_prm,
+    gather_positions,
+    hf_prm_config,
+    load_trunk_from_hf,
+)
 from megaprm.parallel import cpu, pipeline
-from megaprm.parallel.optimizer import OptimConfig, Optimizer
 from megaprm.parallel.device import DTYPE_CHOICES, DTYPES, resolve_dtype_name, to_host
 from megaprm.parallel.groups import Groups
+from megaprm.parallel.optimizer import OptimConfig, Optimizer
 from megaprm.rewards import scoring
 from megaprm.rewards.steps import STEP_SEP, segment_steps, separator_token_ids
 from megaprm.rollout import weight_sync
@@ -635,8 +642,6 @@ def _write_hf_dir(tensors, spec, output_dir, tokenizer, fmt, extra) -> None:
 def load_prm_config(path: str, overrides: Sequence[str] = ()) -> Tuple[PRMTrainConfig, int, int]:
     """A YAML file of PRMTrainConfig fields (plus `parallel: {tp, pp}`) and dotted `key=value`
     overrides -> (config, tp, pp). Unknown keys and malformed overrides raise ValueError."""
-    from megaprm.config import read_yaml_with_overrides
-
     raw = read_yaml_with_overrides(path, list(overrides), example="configs/prm/tiny.yaml",
                                    override_example="stage2_steps=200 or "
                                                     "arithmetic.operand_max=9")
