@@ -261,6 +261,29 @@ def test_lower_layers_do_not_import_upper_ones():
     assert not bad, "upward imports:\n" + "\n".join(bad)
 
 
+# the experiments package, in the order its modules may import each other (each only those
+# listed before it); outside it, only the CLI imports it
+EXPERIMENTS = ("runs", "stats", "start", "demo", "report", "compare")
+
+
+def test_the_experiments_import_in_one_direction_and_only_the_cli_imports_them():
+    _, imports = _graph()
+    pkg = "megaprm.experiments.arithmetic"
+    bad = []
+    for m, imps in sorted(imports.items()):
+        for i in imps:
+            if not _under(i.target, "megaprm.experiments") or _under(m, "megaprm.experiments"):
+                continue
+            if m != "megaprm.cli":
+                bad.append(f"{m}:{i.line} imports {i.target}")
+    for k, name in enumerate(EXPERIMENTS):
+        for i in imports[f"{pkg}.{name}"]:
+            if _under(i.target, pkg) and i.target != pkg:
+                if i.target.split(".")[-1] not in EXPERIMENTS[:k]:
+                    bad.append(f"{pkg}.{name}:{i.line} imports {i.target}")
+    assert not bad, "\n".join(bad)
+
+
 def test_function_local_imports_say_why():
     bad = undocumented_local_imports()
     assert not bad, "\n".join(bad)
