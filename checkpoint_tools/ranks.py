@@ -18,7 +18,7 @@ from checkpoint_tools.layout import ConversionError
 from megaprm.models.hf_spec import UnsupportedModelError
 from megaprm.parallel import cpu, launch
 from megaprm.parallel.groups import Groups
-from megaprm.parallel.host import all_failures
+from megaprm.parallel.host import run_agreed
 from megaprm.parallel.init import ParallelConfigError, init_distributed
 
 # Errors a user causes (wrong paths, configs, weights, layouts); anything else is a bug.
@@ -33,17 +33,18 @@ def peak_rss_mb() -> float:
 def agree(phase: str, fn: Callable[[], object]):
     """Run a step that may fail on some ranks only; all ranks then raise the same error
     (a rank that failed alone would leave the others waiting in the next collective)."""
-    err = None
-    try:
-        result = fn()
-    except USER_ERRORS as e:
-        err, result = f"{e}", None
-    except ValueError as e:  # mapping's shape / missing-tensor errors name the tensor
-        err, result = f"{phase}: {e}", None
-    # conversion ranks are one gloo world (`init_ranks`): the agreement runs on all of it
-    up = dist.is_initialized()
-    found = all_failures(err, dist.group.WORLD if up else None,
-                         dist.get_world_size() if up else 1)
+    def failure_of(e: Exception) -> str:
+        if isinstance(e, USER_ERRORS):
+            return f"{e}"
+        if isinstance(e, ValueError):  # mapping's shape / missing-tensor errors name the tensor
+            return f"{phase}: {e}"
+        raise e  # a bug: its traceback, not a line
+
+    def world() -> tuple:  # conversion ranks are one gloo world (`init_ranks`), once it is up
+        up = dist.is_initialized()
+        return (dist.group.WORLD if up else None), (dist.get_world_size() if up else 1)
+
+    result, found = run_agreed(fn, world, failure_of)
     if found:
         raise ConversionError(found[0][1])
     return result

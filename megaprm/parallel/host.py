@@ -3,7 +3,7 @@ normalising counts, evaluation counts, fault verdicts), reduced on the gloo host
 `Groups` (under NCCL the device groups take only CUDA tensors; parallel/device.py)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,21 @@ def all_failures(failure, group, world_size: int) -> list:
     found: list = [None] * world_size
     dist.all_gather_object(found, failure, group=group)
     return [(r, f) for r, f in enumerate(found) if f is not None]
+
+
+def run_agreed(fn: Callable[[], object], where: Callable[[], tuple],
+               failure_of: Callable[[Exception], object] = repr) -> tuple:
+    """Run `fn` on every rank; returns (its result or None, `all_failures`): every rank gets
+    the same failures, so all of them raise (or go on) together and none is left waiting in
+    the next collective. `where()` -> (group, its size), asked after `fn` ran (the step may be
+    the one that sets the group up). `failure_of(e)` turns an exception `fn` raised into the
+    picklable failure to share, or re-raises it (an error that is not the step's to report)."""
+    result = failure = None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - shared with every rank by all_failures
+        failure = failure_of(e)
+    return result, all_failures(failure, *where())
 
 
 def agree(fault: Optional[str], groups: Groups) -> Optional[str]:

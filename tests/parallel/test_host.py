@@ -59,17 +59,28 @@ def _failures_world(rank: int, world: int) -> dict:
         quiet_gathers = len(calls)
         middle = host.all_failures("disk full" if rank == 1 else None, dist.group.WORLD, world)
         odd = host.all_failures((rank, "nan") if rank % 2 else None, dist.group.WORLD, world)
+
+        def step():
+            if rank == 2:
+                raise ValueError("rank 2's step")
+            return rank * 10
+
+        ran = host.run_agreed(step, lambda: (dist.group.WORLD, world), str)
     finally:
         dist.all_gather_object = real
-    return {"quiet": quiet, "quiet_gathers": quiet_gathers, "middle": middle, "odd": odd}
+    return {"quiet": quiet, "quiet_gathers": quiet_gathers, "middle": middle, "odd": odd,
+            "ran": ran}
 
 
 def test_all_failures_gives_every_rank_the_same_list():
-    world = 3
-    for r in run_distributed(_failures_world, world):
+    results = run_distributed(_failures_world, 3)
+    for r in results:
         assert r["quiet"] == [] and r["quiet_gathers"] == 0  # the common path: one all-reduce
         assert r["middle"] == [(1, "disk full")]
         assert r["odd"] == [(1, (1, "nan"))]
+    assert [r["ran"] for r in results] == [(0, [(2, "rank 2's step")]),
+                                           (10, [(2, "rank 2's step")]),
+                                           (None, [(2, "rank 2's step")])]
 
 
 def test_all_failures_single_rank_needs_no_group():

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from checkpoint_tools import manifest as manifest_file
 from megaprm.parallel.groups import Groups
-from megaprm.parallel.host import all_failures
+from megaprm.parallel.host import run_agreed
 
 MANIFEST = manifest_file.MANIFEST  # one name for import-hf checkpoints and trainer steps
 TRAINER_FILE = "trainer.json"
@@ -97,14 +97,10 @@ def _errno(e: BaseException) -> Optional[int]:
 def agreed(groups: Groups, fn: Callable[[], object]):
     """Run `fn` on every rank. Returns (result, failures): failures is [] on every rank when all
     succeeded, else the same list of (rank, errno, one-line text) on every rank. Agreed on the
-    host group over all ranks (`all_failures`)."""
-    err = None
-    result = None
-    try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised as one line
-        err = (groups.rank, _errno(e), one_line(e))
-    return result, [f for _, f in all_failures(err, groups.world_host, groups.world_size)]
+    host group over all ranks (`run_agreed`)."""
+    result, found = run_agreed(fn, lambda: (groups.world_host, groups.world_size),
+                               lambda e: (groups.rank, _errno(e), one_line(e)))
+    return result, [f for _, f in found]
 
 
 # ------------------------------------------------------------------------- one step's manifest
