@@ -76,7 +76,8 @@ def pad_to(t: torch.Tensor, length: int, value=0) -> torch.Tensor:
     return torch.cat([t, pad], dim=1)
 
 
-def _unwrap(model):
+def unwrap(model):
+    """The model inside a DDP wrapper (`wrap_ddp`), or the model itself."""
     return model.module if hasattr(model, "module") else model
 
 

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from megaprm.models import mapping
 from megaprm.parallel.groups import Groups
+from megaprm.parallel.pipeline import unwrap
 
 
 def default_bucket_bytes() -> int:
@@ -70,8 +71,7 @@ def gather_tp(shard: torch.Tensor, dim, groups: Groups) -> torch.Tensor:
 
 
 def mapping_spec(model):
-    m = model.module if hasattr(model, "module") else model
-    return m.megaprm_spec
+    return unwrap(model).megaprm_spec
 
 
 def _own_params(model, spec, groups: Groups) -> list:

@@ -11,6 +11,7 @@ import torch
 
 from checkpoint_tools import layout, stages
 from megaprm.parallel.groups import Groups
+from megaprm.parallel.pipeline import unwrap
 from megaprm.parallel.rng import set_rng_state
 from megaprm.trainer.checkpoint.store import (
     TRAINER_FILE,
@@ -23,7 +24,6 @@ from megaprm.trainer.checkpoint.store import (
     read_latest,
     step_dirs,
     step_of,
-    unwrap,
     verified_trainer_json,
     verify,
     write_latest,

@@ -18,6 +18,7 @@ from checkpoint_tools import layout, stages
 from checkpoint_tools import manifest as manifest_file
 from checkpoint_tools.megatron_io import in_process_write_queue
 from megaprm.parallel.groups import Groups
+from megaprm.parallel.pipeline import unwrap
 from megaprm.parallel.rng import rng_state
 from megaprm.trainer.checkpoint.store import (
     FORMAT,
@@ -35,7 +36,6 @@ from megaprm.trainer.checkpoint.store import (
     remove_leftovers,
     step_dirs,
     step_name,
-    unwrap,
     write_json,
     write_latest,
 )

@@ -37,10 +37,6 @@ def step_of(name: str) -> int:
     return int(STEP_DIR.match(name).group(1))
 
 
-def unwrap(model):
-    return model.module if hasattr(model, "module") else model
-
-
 # ---------------------------------------------------------------------------------- agreement
 # On the default group: the checkpoint's collectives run between agreed phases only.
 
