@@ -21,6 +21,7 @@ updates - need all of them).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 
@@ -29,18 +30,20 @@ from megaprm.parallel.offload import Offload
 
 class Lifecycle:
     """`engine`: the colocated RolloutEngine; `sync`: streams the actor's weights into it with
-    `update_weights(..., wake_kv_cache=False)` (the loop's, which also records its metrics);
+    `update_weights(..., wake_kv_cache=False)` and returns the stream's metrics (the loop's);
     `offloads`: the models whose switch is on."""
 
-    def __init__(self, engine, sync: Callable[[], None], offloads: list[Offload]):
+    def __init__(self, engine, sync: Callable[[], Optional[dict]], offloads: list[Offload]):
         self.engine, self._sync, self.offloads = engine, sync, list(offloads)
         self.synced = False  # the engine's weights are awake and are the actor's current ones
 
-    def sync(self) -> None:
-        """train -> wake the engine's weights -> sync. The KV cache stays asleep."""
+    def sync(self) -> Optional[dict]:
+        """train -> wake the engine's weights -> sync. The KV cache stays asleep. Returns what
+        the stream returned (its metrics)."""
         self.reload()  # the weights are read from the actor (resident outside `generate`)
-        self._sync()
+        out = self._sync()
         self.synced = True
+        return out
 
     def generate(self, fn: Callable[[], object]):
         """-> offload the trainer's state -> wake the KV cache -> fn() -> sleep the engine ->

@@ -140,7 +140,6 @@ class RLTrainer:
         self.skipped_steps = 0
         self.start_step = 0
         self._step = 0  # the step being run (seeds the judge, places the NaN hook)
-        self.last_sync: dict = {}  # the latest weight sync's metrics (rollout_source)
         self.lifecycle, self.source = rollout_source.make_source(self)
         self.sync_weights()
 
@@ -150,14 +149,14 @@ class RLTrainer:
         return model_source.resolve(model_path, "model.path").hf_dir
 
     # ------------------------------------------------------------------ the phases
-    def sync_weights(self) -> None:
+    def sync_weights(self) -> dict:
         """Phase: new actor weights -> the rollout engine (HF names, one collective per bucket;
         the engine wakes its weights, loads and resets its prefix cache; its KV cache wakes when
-        it next generates, after the trainer's state is offloaded)."""
-        self.source.sync()
+        it next generates, after the trainer's state is offloaded). Returns its metrics."""
+        return self.source.sync()
 
-    def _stream_weights(self) -> None:
-        rollout_source.stream_weights(self)
+    def _stream_weights(self) -> dict:
+        return rollout_source.stream_weights(self.engine, self.actor.model, self.groups)
 
     def rollout(self, block: int, requeued: tuple = ()):
         return rollout_source.rollout(self.source, self.data, self.tok, self.cfg, self.groups,
@@ -268,8 +267,7 @@ class RLTrainer:
                    **off_metrics, **prm_metrics, **refill_metrics, **sb.metrics,
                    **update.metrics}
         with t("weight_sync"):
-            self.sync_weights()
-        metrics.update(self.last_sync)
+            metrics.update(self.sync_weights())
         metrics.update(t.times)
         elapsed = time.perf_counter() - t0
         tokens = float(batch.response_mask.sum() + batch.prompt_mask.sum())

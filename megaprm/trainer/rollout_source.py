@@ -58,9 +58,11 @@ class ColocatedSource:
     def stop(self) -> None:
         pass
 
-    def sync(self) -> None:
-        self.lifecycle.sync()
+    def sync(self) -> dict:
+        """The actor's weights -> the engine; the new version. Returns the stream's metrics."""
+        out = self.lifecycle.sync()
         self.version += 1
+        return out
 
 
 def build_engine(tr):
@@ -110,12 +112,13 @@ def offloads(tr) -> List[Offload]:
     return out
 
 
-def stream_weights(tr) -> None:
-    """The lifecycle's weight stream: the actor's HF-layout buckets into the colocated engine."""
-    load = functools.partial(tr.engine.update_weights, wake_kv_cache=False)
-    s = weight_sync.sync_into(load, tr.actor.model, tr.groups)
-    tr.last_sync = {"weight_sync/seconds": s["seconds"],
-                    "weight_sync/gbytes": s["bytes"] / 1e9, "weight_sync/gbps": s["gbps"]}
+def stream_weights(engine, actor_model, groups: Groups) -> dict:
+    """The lifecycle's weight stream: the actor's HF-layout buckets into the colocated engine.
+    Returns its metrics (`weight_sync/seconds`, `gbytes`, `gbps`)."""
+    load = functools.partial(engine.update_weights, wake_kv_cache=False)
+    s = weight_sync.sync_into(load, actor_model, groups)
+    return {"weight_sync/seconds": s["seconds"],
+            "weight_sync/gbytes": s["bytes"] / 1e9, "weight_sync/gbps": s["gbps"]}
 
 
 def local_prompts(data, block: int, dp_rank: int, dp_size: int, requeued: tuple = ()):
@@ -199,9 +202,10 @@ class RemoteSource:
         batch.row_versions = torch.full((batch.batch_size,), version, dtype=torch.long)
         return batch
 
-    def sync(self) -> None:
+    def sync(self) -> dict:
         """The actor's HF weights (bucketed gather, every trainer rank) -> the rollout ranks
-        (broadcast by trainer rank 0, not waited for); the new version. `weight_sync/seconds` is
+        (broadcast by trainer rank 0, not waited for); the new version. Returns the metrics:
+        `weight_sync/seconds` is
         the trainer's time in this call: the gather, trainer rank 0's packing and issuing, and
         `weight_sync/wait_seconds` of it waiting for an older version to be taken."""
         tr = self.tr
@@ -214,9 +218,9 @@ class RemoteSource:
             out = {"bytes": sum(t.numel() * t.element_size() for b in buckets for _, t in b),
                    "wait_seconds": 0.0}
         seconds = time.perf_counter() - start
-        tr.last_sync = {"weight_sync/seconds": seconds, "weight_sync/gbytes": out["bytes"] / 1e9,
-                        "weight_sync/gbps": out["bytes"] / max(seconds, 1e-12) / 1e9,
-                        "weight_sync/wait_seconds": out["wait_seconds"]}
+        return {"weight_sync/seconds": seconds, "weight_sync/gbytes": out["bytes"] / 1e9,
+                "weight_sync/gbps": out["bytes"] / max(seconds, 1e-12) / 1e9,
+                "weight_sync/wait_seconds": out["wait_seconds"]}
 
     def evaluate(self) -> dict:
         g = self.tr.groups

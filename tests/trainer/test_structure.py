@@ -14,7 +14,7 @@ LOOP_SIDE = {"loop", "actor_update", "advantage_phase", "implicit_prm", "refill"
              "data", "correction"}
 # attributes phases once used to hand data to each other through the trainer
 SIDE_CHANNELS = ("tr._checks", "tr._judge_metrics", "tr._fallback_metrics",
-                 "update_logprobs_t", '"row_versions")')
+                 "update_logprobs_t", '"row_versions")', "last_sync")
 
 
 def _imported(path: str) -> set:
