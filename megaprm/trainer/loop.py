@@ -228,6 +228,7 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict:
+        """One RL step on this rank: its rank-local metrics (step_or_skip reduces them)."""
         cfg, g, t, t0 = self.cfg, self.groups, PhaseTimer(), time.perf_counter()
         self._step = step
         sb, refill_metrics = self._scored_rollout(step, t)
