@@ -111,9 +111,10 @@ def run_benches(names, timeout_s: float, out_dir: Path) -> dict:
     last = _durations(out_dir)
     known = sum(last.get(n, 0.0) for n in names)
     unknown = [n for n in names if n not in last]
+    measured = len(unknown) < len(names)  # a measured duration may round to 0.0 s
     print(f"bench: {len(names)} benchmark(s) one after another, results in {out_dir}/; "
-          + (f"the last run took {known / 60:.0f} min" if known else "no duration measured yet")
-          + (f" ({', '.join(unknown)}: not measured)" if known and unknown else "")
+          + (f"the last run took {known / 60:.0f} min" if measured else "no duration measured yet")
+          + (f" ({', '.join(unknown)}: not measured)" if measured and unknown else "")
           + "; each is minutes on a 2-core CPU (the whole set well over 10 min)",
           file=sys.stderr, flush=True)
     status, t_start = {}, time.perf_counter()
