@@ -154,9 +154,16 @@ def _rank(tp: int, pp: int, before_rev: str | None = None, repeats: int = REPEAT
                   for mb in BUCKET_MB]
     modes.append(("per-tensor", per_tensor))
     if before_rev:  # the bucketed sync as it was at that revision, same run, same engine
-        from megaprm.bench import load_module_at
+        import subprocess
 
-        old = load_module_at(before_rev, "megaprm/parallel/weight_sync.py", "weight_sync_before")
+        from megaprm.bench import ROOT, load_module_at
+
+        # rollout/weight_sync.py was parallel/weight_sync.py in older revisions
+        here = "megaprm/rollout/weight_sync.py"
+        if subprocess.run(["git", "cat-file", "-e", f"{before_rev}:{here}"], cwd=ROOT,
+                          capture_output=True).returncode:
+            here = "megaprm/parallel/weight_sync.py"
+        old = load_module_at(before_rev, here, "weight_sync_before")
 
         def before(mb):
             st = old.sync_weights(model, g, engine, bucket_bytes=mb << 20)
