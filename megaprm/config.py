@@ -2,7 +2,7 @@
 
 Each component's dataclass lives beside the component (advantage estimators in
 `algorithms.registry`, the arithmetic task in `tasks.arithmetic`, optimiser in
-`parallel.pipeline`); this module composes them. Unknown keys and bad values raise
+`parallel.optimizer`); this module composes them. Unknown keys and bad values raise
 `ConfigError` naming the dotted field, the value and what would be valid.
 """
 from __future__ import annotations
