@@ -1,4 +1,4 @@
-"""`megaprm compare` (issues 20, 34) on a tiny budget, as users run it: 2 ranks, 2 methods,
+"""`megaprm compare` on a tiny budget, as users run it: 2 ranks, 2 methods,
 1 seed, learned and oracle process rewards, the reward-hacking run; killed after its first cell
 and resumed; its evaluation against an independent greedy decode by transformers and the exact
 checker; the paired design (same seed, same step-0 samples across methods); the docs generated
