@@ -95,6 +95,17 @@ def one(case: str, seed: int, steps: int) -> dict:
             "wall_s": round(time.perf_counter() - t0, 1)}
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="prm,warmup")
@@ -110,7 +121,7 @@ def main(argv=None) -> int:
         return 0
     paths = [p for p in a.paths.split(",") if p in available_paths()]
     runs = []
-    rec = {"machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+    rec = {"machine": _cpu_model(), "cpu_count": os.cpu_count(),
            "load_before": os.getloadavg(), "warmup_steps": a.warmup_steps, "runs": runs}
     for case in a.cases.split(","):
         for path in paths:
