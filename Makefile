@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.megaprm-installed
 NPROC  ?= 2
 
-.PHONY: install test test-fast demo bench lint clean
+.PHONY: install test test-fast test-learning demo bench lint clean
 
 install: $(STAMP)
 
@@ -20,12 +20,20 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# `make test KERNEL_PATH=avx2` (or default, avx512) runs under that CPU kernel path of torch,
+# as a CPU of that kind computes (docs/testing.md; tests/kernel_paths.py holds the table)
+KPATH = e=$$($(PY) -m tests.kernel_paths --env "$(KERNEL_PATH)") && env $$e
+
 test: install
-	$(PY) -m pytest -q -x --timeout=900 --durations=25 tests
+	$(KPATH) $(PY) -m pytest -q -x --timeout=900 --durations=25 tests
 
 # the same suite without the end-to-end runs marked `slow` (pytest.ini says which)
 test-fast: install
-	$(PY) -m pytest -q -x --timeout=900 --durations=25 -m "not slow" tests
+	$(KPATH) $(PY) -m pytest -q -x --timeout=900 --durations=25 -m "not slow" tests
+
+# the tests that assert a training outcome, under every kernel path this CPU has
+test-learning: install
+	$(PY) -m tests.kernel_paths --run-learning
 
 # `make demo DEMO_ARGS="--method prof_grpo"` picks another method, "--from-scratch" retrains the start
 demo: install

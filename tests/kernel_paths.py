@@ -9,7 +9,10 @@ tests/test_kernel_paths.py reruns the learning tests under a second path on ever
 """
 from __future__ import annotations
 
+import argparse
 import os
+import subprocess
+import sys
 
 # path -> the environment that forces it (MKL's own dispatch is forced alongside ATen's)
 PATHS = {
@@ -59,3 +62,39 @@ def path_env(path: str, base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     env.update(PATHS[path])
     return env
+
+
+def main(argv=None) -> int:
+    """`--env PATH`: the path's variables as `K=V` words for `env` (nothing for ""), for the
+    Makefile's KERNEL_PATH; `--run-learning`: the learning tests under every path this CPU has
+    (`make test-learning`)."""
+    ap = argparse.ArgumentParser(prog="python -m tests.kernel_paths")
+    ap.add_argument("--env", metavar="PATH")
+    ap.add_argument("--run-learning", action="store_true")
+    a = ap.parse_args(argv)
+    if a.env is not None:
+        if a.env and a.env not in available_paths():
+            print(f"KERNEL_PATH={a.env!r}: choose one of {available_paths()} (the kernel paths "
+                  f"this CPU has; docs/testing.md)", file=sys.stderr)
+            return 2
+        print(" ".join(f"{k}={v}" for k, v in PATHS[a.env].items()) if a.env else "")
+        return 0
+    if a.run_learning:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        failed = []
+        for path in available_paths():
+            print(f"== learning tests under {path}", flush=True)
+            rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-s", "-p",
+                                  "no:cacheprovider", *LEARNING_TESTS], cwd=root,
+                                 env=path_env(path))
+            if rc:
+                failed.append(path)
+        print("learning tests: " + (f"failed under {failed}" if failed
+                                    else f"passed under {available_paths()}"))
+        return 1 if failed else 0
+    ap.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
