@@ -261,14 +261,16 @@ def _smooth(xs: list) -> list:
             for i in range(len(xs))]
 
 
-def plot(report: dict, results: list, out_dir: str) -> list[str]:
-    import matplotlib
+def _save(plt, fig, out_dir: str, name: str) -> str:
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    os.makedirs(out_dir, exist_ok=True)
-    written = []
+def _plot_bars(plt, report: dict, out_dir: str) -> str:
+    """After RL, per row and headline column: mean over seeds with its bootstrap interval."""
     rows = report["rows"]
     labels = [f"{r['method']}\n{r['prm']}" + (" (same run)" if r["same_run_as_learned"] else "")
               for r in rows]
@@ -291,41 +293,37 @@ def plot(report: dict, results: list, out_dir: str) -> list[str]:
     fig.suptitle("after RL: mean over seeds, 95% bootstrap interval (seeds, then problems); "
                  "orange: oracle process reward",
                  fontsize=10)
-    fig.tight_layout()
-    p = os.path.join(out_dir, "compare_bars.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
+    return _save(plt, fig, out_dir, "compare_bars.png")
 
-    paired = [r for r in rows if r.get("paired")]
-    if paired:  # each row's paired difference from GRPO: interval, mean and every seed's own
-        cols = [c for c in PAIRED if any(c in r["paired"] for r in paired)]
-        fig, axes = plt.subplots(1, len(cols), figsize=(4.2 * len(cols), 0.5 * len(paired) + 1.8),
-                                 squeeze=False, sharey=True)
-        for ax, col in zip(axes.flat, cols):
-            for y, r in enumerate(paired):
-                d = r["paired"].get(col)
-                if not d:
-                    continue
-                color = "tab:red" if d["separated"] else "tab:gray"
-                ax.plot([d["lo"], d["hi"]], [y, y], color=color, lw=2)
-                ax.plot([d["mean"]], [y], "o", color=color)
-                ax.plot(d["per_seed"], [y + 0.2] * len(d["per_seed"]), "x", color="k", ms=4)
-            ax.axvline(0, color="k", lw=0.8)
-            ax.set_title(f"Δ {col}\nvs GRPO, same seed", fontsize=9)
-            ax.grid(axis="x", alpha=0.3)
-        axes.flat[0].set_yticks(range(len(paired)),
-                                [f"{r['method']} ({r['prm']}, {len(r['paired']['seeds'])} s)"
-                                 for r in paired], fontsize=7)
-        axes.flat[0].invert_yaxis()  # the table's order, top down
-        fig.suptitle("paired difference from GRPO: 95% bootstrap interval (red: excludes 0), "
-                     "mean (o), each seed (x)", fontsize=9)
-        fig.tight_layout()
-        p = os.path.join(out_dir, "compare_paired.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
 
+def _plot_paired(plt, paired: list, out_dir: str) -> str:
+    """Each row's paired difference from GRPO: interval, mean and every seed's own."""
+    cols = [c for c in PAIRED if any(c in r["paired"] for r in paired)]
+    fig, axes = plt.subplots(1, len(cols), figsize=(4.2 * len(cols), 0.5 * len(paired) + 1.8),
+                             squeeze=False, sharey=True)
+    for ax, col in zip(axes.flat, cols):
+        for y, r in enumerate(paired):
+            d = r["paired"].get(col)
+            if not d:
+                continue
+            color = "tab:red" if d["separated"] else "tab:gray"
+            ax.plot([d["lo"], d["hi"]], [y, y], color=color, lw=2)
+            ax.plot([d["mean"]], [y], "o", color=color)
+            ax.plot(d["per_seed"], [y + 0.2] * len(d["per_seed"]), "x", color="k", ms=4)
+        ax.axvline(0, color="k", lw=0.8)
+        ax.set_title(f"Δ {col}\nvs GRPO, same seed", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes.flat[0].set_yticks(range(len(paired)),
+                            [f"{r['method']} ({r['prm']}, {len(r['paired']['seeds'])} s)"
+                             for r in paired], fontsize=7)
+    axes.flat[0].invert_yaxis()  # the table's order, top down
+    fig.suptitle("paired difference from GRPO: 95% bootstrap interval (red: excludes 0), "
+                 "mean (o), each seed (x)", fontsize=9)
+    return _save(plt, fig, out_dir, "compare_paired.png")
+
+
+def _plot_curves(plt, results: list, out_dir: str) -> str:
+    """Training curves per row, mean over seeds (the reward-hacking run aside)."""
     keys = ("reward/outcome_mean", "exact/correct_with_wrong_step_frac", "prm/outcome_agreement")
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.8), squeeze=False)
     groups: dict = {}
@@ -345,41 +343,51 @@ def plot(report: dict, results: list, out_dir: str) -> list[str]:
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    p = os.path.join(out_dir, "compare_curves.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
+    return _save(plt, fig, out_dir, "compare_curves.png")
 
-    hack = report.get("hack")
-    if hack:
-        refs = {r["name"]: r for r in results
-                if not r.get("hack") and r["seed"] == hack["seed"]
-                and r["method"] in ("pure", "grpo") and r["prm"] == "learned"}
-        keys = [k for k in CURVE_KEYS if k in hack["curves"] and k != "actor/entropy"]
-        cols = 3
-        fig, axes = plt.subplots(math.ceil(len(keys) / cols), cols,
-                                 figsize=(4.6 * cols, 3.2 * math.ceil(len(keys) / cols)),
-                                 squeeze=False)
-        for ax, k in zip(axes.flat, keys):
-            ax.plot(hack["curves"][k], color="tab:red", lw=0.6, alpha=0.35)
-            ax.plot(_smooth(hack["curves"][k]), color="tab:red", lw=2,
-                    label="PURE, PRM reward only")
-            for name, r in sorted(refs.items()):
-                if k in r["curves"]:
-                    ax.plot(_smooth(r["curves"][k]), lw=1,
-                            label=f"{r['method']} (outcome + PRM)" if r["method"] == "pure"
-                            else f"{r['method']} (outcome reward)")
-            ax.set_title(f"{k} (moving average of {SMOOTH})", fontsize=9)
-            ax.set_xlabel("RL step")
-            ax.grid(alpha=0.3)
-        for ax in list(axes.flat)[len(keys):]:
-            ax.axis("off")
-        axes.flat[0].legend(fontsize=7)
-        fig.suptitle("reward-hacking monitors (metrics.jsonl)", fontsize=10)
-        fig.tight_layout()
-        p = os.path.join(out_dir, "reward_hacking.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+
+def _plot_hack(plt, hack: dict, results: list, out_dir: str) -> str:
+    """The reward-hacking run's monitors beside PURE's and GRPO's learned runs of its seed."""
+    refs = {r["name"]: r for r in results
+            if not r.get("hack") and r["seed"] == hack["seed"]
+            and r["method"] in ("pure", "grpo") and r["prm"] == "learned"}
+    keys = [k for k in CURVE_KEYS if k in hack["curves"] and k != "actor/entropy"]
+    cols = 3
+    fig, axes = plt.subplots(math.ceil(len(keys) / cols), cols,
+                             figsize=(4.6 * cols, 3.2 * math.ceil(len(keys) / cols)),
+                             squeeze=False)
+    for ax, k in zip(axes.flat, keys):
+        ax.plot(hack["curves"][k], color="tab:red", lw=0.6, alpha=0.35)
+        ax.plot(_smooth(hack["curves"][k]), color="tab:red", lw=2,
+                label="PURE, PRM reward only")
+        for name, r in sorted(refs.items()):
+            if k in r["curves"]:
+                ax.plot(_smooth(r["curves"][k]), lw=1,
+                        label=f"{r['method']} (outcome + PRM)" if r["method"] == "pure"
+                        else f"{r['method']} (outcome reward)")
+        ax.set_title(f"{k} (moving average of {SMOOTH})", fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("reward-hacking monitors (metrics.jsonl)", fontsize=10)
+    return _save(plt, fig, out_dir, "reward_hacking.png")
+
+
+def plot(report: dict, results: list, out_dir: str) -> list[str]:
+    """The comparison's PNGs (bars, paired differences, curves, reward hacking); their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    written = [_plot_bars(plt, report, out_dir)]
+    paired = [r for r in report["rows"] if r.get("paired")]
+    if paired:
+        written.append(_plot_paired(plt, paired, out_dir))
+    written.append(_plot_curves(plt, results, out_dir))
+    if report.get("hack"):
+        written.append(_plot_hack(plt, report["hack"], results, out_dir))
     return written

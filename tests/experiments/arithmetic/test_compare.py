@@ -234,7 +234,7 @@ def test_plan_is_seed_major_with_fewer_seeds_for_some_rows():
                                                      ccfg, "S", "P")
 
 
-def test_aggregate_rows_paired_differences_and_sentences():
+def test_aggregate_rows_paired_differences_and_sentences(tmp_path):
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -285,6 +285,12 @@ def test_aggregate_rows_paired_differences_and_sentences():
     assert "**papo / learned**" in md and "not separated from GRPO in greedy accuracy" in md
     table = report.readme_table(rep)
     assert "| pure, learned | 2 |" in table and "grpo, oracle" not in table
+    # the plots of these rows, the reward-hacking one included
+    rep["hack"] = {"seed": 0, "curves": {"reward/outcome_mean": [0.1] * 60}}
+    written = report.plot(rep, results, str(tmp_path))
+    assert [os.path.basename(p) for p in written] == [
+        "compare_bars.png", "compare_paired.png", "compare_curves.png", "reward_hacking.png"]
+    assert all(os.path.getsize(p) > 10_000 for p in written)
 
 
 def test_method_seeds_checked():
