@@ -87,15 +87,11 @@ class DemoConfig:
     method: str = DEFAULT_METHOD
     baseline: str = BASELINE
     seed: int = 0
-    warmup_steps: int = 400
-    warmup_batch: int = 64
-    warmup_lr: float = 2e-3
+    warmup_steps: int = 400  # the start's other settings: start.WarmupConfig, start.recipe
     prm_steps: int = 3000
     prm_examples: int = 16000
     rl_steps: int = 40
     eval_problems: int = 200
-    hidden: int = 128
-    layers: int = 4
     from_scratch: bool = False
 
     def __post_init__(self):
