@@ -135,21 +135,22 @@ def _build_order(run_root, policy):
     from megaprm.config import load_config
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import loop
+    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.policy import Policy
 
     fake_vllm.install()
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     g = init_distributed()
     seen = []
-    real = loop.Policy.__init__
+    real = Policy.__init__
 
     def policy_init(self, *a, **k):  # what the engine had done when each model was built
         seen.append([_ops(llm.log) for llm in fake_vllm.LLM.instances])
         real(self, *a, **k)
-    loop.Policy.__init__ = policy_init
+    Policy.__init__ = policy_init
     cfg = load_config(DEMO_YAML, [f"trainer.run_dir={run_root}", f"model.path={policy}",
                                   "rollout.engine=vllm", "actor.kl_coef=0.01", *SMALL])
-    tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
+    tr = RLTrainer(cfg, g, build_char_tokenizer())
     return seen, _ops(fake_vllm.LLM.instances[-1].log), tr.ref is not None
 
 
