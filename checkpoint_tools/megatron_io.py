@@ -46,7 +46,7 @@ def writer_threads(local_ranks: int) -> int:
     `WRITER_THREADS`. The writes are memory copies, so threads beyond the cores contend: on
     two cores a tp2 import (read + save, 424 MB) took 0.22-0.24 s with one thread per rank
     against 0.25-0.27 s with four, a one-rank import 0.21 s with two against 0.29 s with one
-    (BENCHMARKS.md)."""
+    (docs/benchmark-history.md)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(WRITER_THREADS, (cores or 1) // max(1, local_ranks)))
 
@@ -183,7 +183,7 @@ def save_checkpoint(model, ckpt_model_dir: str, *, fsync: bool = False,
     0 to prove the shards tile each tensor, a guard for hand-built state dicts, while these
     shards are megatron-core's own `sharded_state_dict` of a model built at this layout (the
     tests load them back at other layouts; `verify`, on by default, loads this checkpoint).
-    It cost ~0.05 s of a tp2 import's ~0.4 s save on two cores (BENCHMARKS.md)."""
+    It cost ~0.05 s of a tp2 import's ~0.4 s save on two cores (docs/benchmark-history.md)."""
     from megatron.core import dist_checkpointing
 
     if dist.get_rank() == 0:

@@ -94,7 +94,7 @@ _RUNS = threading.local()
 def chunk_buffer(slot: str = "read") -> memoryview:
     """This thread's 4 MiB buffer named `slot` (reads of runs of rows: `Assembled.assemble`,
     the import's column reads; "gather": the columns a column piece writes). Reused: fresh
-    memory costs a page fault per 4 KiB on this VM."""
+    memory costs a page fault per 4 KiB on the development VM."""
     buf = getattr(_RUNS, slot, None)
     if buf is None:
         buf = memoryview(bytearray(4 << 20))
@@ -258,7 +258,7 @@ class _BufferedFile:
 
 class _DirectFile:
     """Sequential writes with O_DIRECT through aligned bounce buffers: the bytes go to the
-    device without first growing the page cache. On this VM, growing the page cache into
+    device without first growing the page cache. On the development VM, growing the page cache into
     memory that has been free for a while costs ~2.5 s/GB (host-side faults), O_DIRECT
     ~0.55 s/GB (measured with dd; a buffered streaming export of 2.4 GB took a median 6.2 s
     against 1.8 s with O_DIRECT, see `streaming.write_shards`). A full buffer goes to a writer

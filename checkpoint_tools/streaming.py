@@ -1,7 +1,7 @@
 """Export a torch_dist checkpoint to HF safetensors without loading it: file to file.
 
 `dist_checkpointing.load` of a whole stage was most of export-hf's time, and its memory was
-the whole model (BENCHMARKS.md, conversion). Loading a few parameters at a time through it is
+the whole model (docs/benchmark-history.md, conversion). Loading a few parameters at a time through it is
 not possible: Megatron turns all of a rank's chunks of a layer-stacked key into one torch
 ShardedTensor and requires them in one load. This reads the checkpoint's own index instead:
 
@@ -202,7 +202,7 @@ def write_shards(plan: list, out_dir: str, max_shard_bytes: int,
     export is copied by `copy_file_range` in the kernel (no pass through this process) and
     stays in the page cache for whoever loads it next (vLLM, transformers); a multi-GB one
     goes to the disk without growing the page cache by its size. Measured here (2-core VM,
-    core seconds, BENCHMARKS.md): at 424 MB buffered 0.19-0.49 s (median of 10 rounds 0.22 s)
+    core seconds, docs/benchmark-history.md): at 424 MB buffered 0.19-0.49 s (median of 10 rounds 0.22 s)
     against O_DIRECT 0.23-0.71 s (median of 13 rounds 0.35 s: a bounce buffer, and the disk
     at ~1.6 GB/s with dd); at 2.4 GB buffered 1.3-19 s (median of 7 rounds 6.2 s, as the VM
     grows its page cache) against O_DIRECT 1.4-8.9 s (median of 9 rounds 1.8 s)."""

@@ -42,7 +42,7 @@ def default_chunk_tokens(local_vocab: int, device: torch.device) -> int:
     the heap and stay in cache; at 1024 tokens they are hundreds of MiB, which the C
     allocator maps and unmaps afresh each time, so every chunk pays page faults: 512 tokens x
     151,936 fp32, fwd + bwd, took 0.52 CPU-s chunked by 1024 and 0.25 by 6 (one thread;
-    BENCHMARKS.md, actor, issue 29)."""
+    docs/benchmark-history.md, actor)."""
     if device.type != "cpu":
         return CHUNK_TOKENS_ACCELERATOR
     return max(16, CHUNK_BYTES_CPU // (4 * max(1, local_vocab)))

@@ -47,7 +47,7 @@ def activation_bytes(w: Workload, tokens: int) -> int:
     """Saved-for-backward bytes of one micro-batch of `tokens` on one rank of the largest stage.
 
     Per token and layer, counted from what the local SDPA layer keeps alive (measured op by op
-    on the CPU, tests/test_plan.py): 5h whole on every tp rank (RMSNorm products and residual
+    on the CPU, tests/planner/test_plan.py): 5h whole on every tp rank (RMSNorm products and residual
     sums; sequence parallelism is off) and, split over tp, 4 q + 3 k + 3 f (q = heads x
     head_dim, k = kv_heads x head_dim: the qkv projection, RoPE's rotated copies, the attention
     output; f = ffn size: fc1's [gate | up] output and the SwiGLU product, as
@@ -135,7 +135,7 @@ def train_terms(w: Workload, p: Params) -> list:
 
 def _resident(w: Workload, p: Params, offloaded: bool) -> list:
     """The trainer's models on the device outside the update; `offloaded`: after the
-    lifecycle moved the `*.offload` ones to host (issue 30 item 1)."""
+    lifecycle moved the `*.offload` ones to host (trainer/lifecycle.py)."""
     b = w.dtype_bytes
     terms = []
     if not (offloaded and w.actor_offload):

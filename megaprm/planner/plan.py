@@ -343,7 +343,7 @@ def workload_of(cfg, raw: dict, world: int, *, prompt_tokens=None, mean_response
 
 
 def override_keys(cfg) -> set:
-    """The offload switches this config has (issue 30 item 1 adds them)."""
+    """The offload switches this config has (actor/ref/prm.offload)."""
     keys = set()
     for section in ("actor", "ref", "prm"):
         if hasattr(getattr(cfg, section, None), "offload"):

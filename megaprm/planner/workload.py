@@ -104,7 +104,7 @@ def workload_from_config(cfg, raw: dict, *, world: int, actor: ModelSpec,
         mini_batches=cfg.actor.mini_batches, recompute=cfg.model.recompute,
         needs_ref=needs_ref, implicit=cfg.prm.kind == "implicit", judge=cfg.prm.kind == "judge",
         engine=cfg.rollout.engine, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-        # the offload switches of issue 30 item 1 (actor/ref/prm.offload); absent: off
+        # the offload switches (actor/ref/prm.offload); absent: off
         actor_offload=bool(getattr(cfg.actor, "offload", False)),
         ref_offload=bool(getattr(getattr(cfg, "ref", None), "offload", False)),
         prm_offload=bool(getattr(cfg.prm, "offload", False)),

@@ -3,7 +3,7 @@
 At the sizes the CPU runs (the demo's policy, the tests' tiny models) a decode step of
 transformers' model is bound by per-call work, not arithmetic: each layer goes through module
 calls, mask and cache bookkeeping and output dataclasses, and a step costs the same for 32 rows as
-for 64 (BENCHMARKS.md, "RL step vs TRL"). This module computes the same step as a short list of
+for 64 (docs/benchmark-history.md, "RL step vs TRL"). This module computes the same step as a short list of
 tensor calls over the model's own parameters, the way a serving engine's model runner does:
 
 * one fused q/k/v projection and one fused gate/up projection per layer (the concatenated

@@ -16,7 +16,7 @@ buffer (a file in /dev/shm, unlinked once mapped), the owning stage's tp ranks c
 straight into the HF layout in it, and two barriers per bucket order the writes and the reads;
 every rank's HF tensors are views of that buffer. This is the CPU counterpart of the CUDA-IPC
 handoff colocated GPU frameworks use between trainer and engine; gloo's TCP all-gather moved
-0.20x memcpy on one host (BENCHMARKS.md). On GPU the NCCL collectives are used.
+0.20x memcpy on one host (docs/benchmark-history.md, weight sync). On GPU the NCCL collectives are used.
 
 With tp = pp = 1 there is nothing to communicate and the buckets are views of the parameters.
 Buckets never span two pp stages or two dtypes (one source rank and one flat dtype per
