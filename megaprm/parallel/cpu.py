@@ -78,7 +78,7 @@ def paused():
     """Run a block without the CUDA->CPU function mode: for code that never names CUDA (the
     rollout engine's decode loop, the model's forward and backward, the loss). Inside the mode
     every torch call goes through its Python `__torch_function__` (a measured ~28k calls per RL
-    step of the demo's shape, +20% on generation: BENCHMARKS.md). A no-op where the mode is not
+    step of the demo's shape, +20% on generation when measured). A no-op where the mode is not
     installed or is not the innermost one (then it stays in force)."""
     from torch.overrides import _get_current_function_mode_stack
 
