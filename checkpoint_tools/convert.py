@@ -229,9 +229,9 @@ def import_hf(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
               dtype: str | None = None, force: bool = False, verify: bool = True) -> dict:
     """HF directory -> megaprm checkpoint directory (see `layout`). Returns a report dict."""
     hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
+    layout.check_target(out_dir, force, inputs=(hf_dir,))
     spec = load_spec(hf_dir)
     check_layout(spec, tp, pp)
-    layout.check_target(out_dir, force)
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype={dtype!r}: expected one of {sorted(DTYPES)}")
     dtype = dtype or layout.hf_dtype_name(spec.hf_config)
@@ -287,6 +287,7 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
 
     `ckpt_dir` is anything `layout.resolve_checkpoint` accepts (a checkpoint, a trainer step,
     run or checkpoints dir); `model` picks the trainer's `actor` or `prm`."""
+    given = ckpt_dir  # a run, checkpoints or step dir: writing into any of it is refused
     ckpt_dir = layout.resolve_checkpoint(ckpt_dir, model)
     out_dir = os.path.abspath(out_dir)
     meta = layout.CheckpointMeta.read(ckpt_dir)
@@ -294,7 +295,7 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
     spec = load_spec(os.path.join(ckpt_dir, layout.HF_SUBDIR))
     tp, pp = tp or meta.tp, pp or meta.pp
     check_layout(spec, tp, pp)
-    layout.check_target(out_dir, force)
+    layout.check_target(out_dir, force, inputs=(given, ckpt_dir))
     max_bytes = layout.parse_size(max_shard_size)
     tmp_dir = None if launch.under_torchrun() else layout.make_tmp(out_dir)
     t0 = time.perf_counter()

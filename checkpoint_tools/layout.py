@@ -204,9 +204,44 @@ def copy_side_files(src: str, dst: str) -> list[str]:
     return files
 
 
-def check_target(out_dir: str, force: bool) -> None:
-    """Refuse to write over an existing directory unless --force."""
+# what marks a trainer's run directory (metrics, resolved config, checkpoints)
+RUN_MARKERS = ("metrics.jsonl", "config.yaml", "checkpoints")
+
+
+def overlap(out_dir: str, src: str) -> str | None:
+    """How `out_dir` sits against `src` ("is", "lies inside", "contains"), None if apart.
+    Symlinks resolved: a link to the input is the input."""
+    out, s = os.path.realpath(out_dir), os.path.realpath(src)
+    if out == s:
+        return "is"
+    if out.startswith(s.rstrip(os.sep) + os.sep):
+        return "lies inside"
+    if s.startswith(out.rstrip(os.sep) + os.sep):
+        return "contains"
+    return None
+
+
+def check_apart(out_dir: str, inputs: tuple) -> None:
+    """Refuse an output that is, lies inside or contains one of `inputs`, whatever --force
+    says: replacing it would delete what the command reads."""
+    for src in inputs:
+        how = overlap(out_dir, src)
+        if how is not None:
+            raise ConversionError(
+                f"--out {out_dir!r} {how} the input {src!r}: writing there would replace the "
+                "input; choose an output directory outside it (--force does not change this)")
+
+
+def check_target(out_dir: str, force: bool, inputs: tuple = ()) -> None:
+    """`check_apart`; then refuse an output that holds a trainer run, whatever --force says
+    (its history would go); else refuse to write over an existing directory unless --force."""
+    check_apart(out_dir, inputs)
     out_dir = os.path.abspath(out_dir)
+    held = [m for m in RUN_MARKERS if os.path.exists(os.path.join(out_dir, m))]
+    if held:
+        raise ConversionError(
+            f"--out {out_dir!r} holds a training run ({', '.join(held)}); choose a new "
+            "directory (--force replaces only a conversion's output, never a run)")
     if os.path.exists(out_dir) and not force:
         raise ConversionError(
             f"target {out_dir!r} already exists; choose a new directory or pass --force to "

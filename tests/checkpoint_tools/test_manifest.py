@@ -144,3 +144,47 @@ def test_no_space_is_one_line_naming_enospc(made, tmp_path, monkeypatch, capsys)
     from checkpoint_tools import ranks  # main called in a process that did torch work:
 
     assert ranks.RANK_START != "fork"  # its ranks are never forks of it
+
+
+def _tree(root) -> dict:
+    """Every file under `root` and its bytes' sha256 (the independent check that nothing moved)."""
+    import hashlib
+
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(d, n)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def test_no_output_over_its_input_or_a_run_force_or_not(made, tmp_path):
+    """An --out that is, lies inside or contains the input, or that holds a training run, is
+    refused in one line, --force included, and every byte on disk stays (import-hf --out = its
+    --hf, and export-hf --out = the run it reads, once replaced them)."""
+    hf, ck = made
+    src = str(tmp_path / "hf")
+    shutil.copytree(hf, src)
+    run = tmp_path / "run"  # a trainer run: its history and a checkpoint of it
+    step = run / "checkpoints" / "step_000001"
+    shutil.copytree(ck, str(step / "actor"))
+    (run / "checkpoints" / "latest").write_text("step_000001\n")
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    (run / "config.yaml").write_text("trainer: {}\n")
+    other = tmp_path / "other_run"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 0}\n')
+    before = _tree(tmp_path)
+    cases = [
+        (["import-hf", "--hf", src, "--out", src], "is the input"),
+        (["import-hf", "--hf", src, "--out", os.path.join(src, "ck")], "lies inside the input"),
+        (["import-hf", "--hf", src, "--out", str(tmp_path)], "contains the input"),
+        (["export-hf", "--ckpt", str(run), "--out", str(run)], "is the input"),
+        (["export-hf", "--ckpt", str(step), "--out", str(run)], "contains the input"),
+        (["export-hf", "--ckpt", str(step / "actor"), "--out", str(other)], "holds a training run"),
+    ]
+    for argv, needle in cases:
+        for force in ([], ["--force"]):
+            _one_line(_cli(*argv, *force, "--no-verify"), needle)
+            assert _tree(tmp_path) == before, (argv, force)
