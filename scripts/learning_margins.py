@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -95,17 +94,6 @@ def one(case: str, seed: int, steps: int) -> dict:
             "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="prm,warmup")
@@ -119,9 +107,11 @@ def main(argv=None) -> int:
     if a.one:
         print("RESULT " + json.dumps(one(a.one[0], int(a.one[1]), int(a.one[2]))), flush=True)
         return 0
+    from bench_rl_step import cpu_name  # the benchmarks' machine name (scripts/ is on the path)
+
     paths = [p for p in a.paths.split(",") if p in available_paths()]
     runs = []
-    rec = {"machine": _cpu_model(), "cpu_count": os.cpu_count(),
+    rec = {"machine": cpu_name(), "cpu_count": os.cpu_count(),
            "load_before": os.getloadavg(), "warmup_steps": a.warmup_steps, "runs": runs}
     for case in a.cases.split(","):
         for path in paths:
