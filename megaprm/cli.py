@@ -151,6 +151,11 @@ def cmd_compare(args) -> int:
         world = world_size_of(args)
         cfg = load_config(RL_YAML, ccfg.extra)  # the overrides every run gets are valid
         check_batch(cfg, world)
+        if args.only_finished:
+            # deferred: keeps --help fast
+            from megaprm.experiments.arithmetic.compare import check_only_finished
+
+            check_only_finished(ccfg)
 
     def body():
         # deferred: keeps --help fast

@@ -125,13 +125,37 @@ def warmup_stage(ccfg: CompareConfig, groups: Groups, tok) -> tuple[str, dict]:
     return sft_dir, {**rec, "digest": digest}
 
 
+def _prm_digest(ccfg: CompareConfig) -> str:
+    recipe = prm_recipe(ccfg.prm_steps, ccfg.prm_examples)
+    # the logging interval does not change the PRM (normalised so a cache survives it)
+    return json_digest({"recipe": {**recipe, "log_every": 0}, "hidden": ccfg.prm_hidden,
+                        "layers": ccfg.prm_layers})
+
+
+def check_only_finished(ccfg: CompareConfig) -> None:
+    """`--only-finished` runs nothing new, so the run directory must already hold this
+    comparison's warm-up and PRM (same settings) and at least one finished cell; checked before
+    any rank starts, as otherwise the stages would be trained (minutes) to report nothing."""
+    missing = [name for name, d, digest in (
+        ("warm-up", "sft", warmup_digest(WarmupConfig(warmup_steps=ccfg.warmup_steps))),
+        ("PRM", "prm", _prm_digest(ccfg)))
+        if cached_stage(os.path.join(ccfg.run_dir, d), digest) is None]
+    rl = os.path.join(ccfg.run_dir, "rl")
+    if not any(os.path.isfile(os.path.join(rl, name, "result.json"))
+               for name in (os.listdir(rl) if os.path.isdir(rl) else ())):
+        missing.append("finished run")
+    if missing:
+        raise ValueError(f"--only-finished: {ccfg.run_dir} has no {', no '.join(missing)} with "
+                         "these settings, and the flag runs nothing new; run `megaprm compare` "
+                         "without --only-finished first (or pass the --run-dir and settings of "
+                         "a finished comparison)")
+
+
 def prm_stage(ccfg: CompareConfig, groups: Groups, tok) -> tuple[str, dict]:
     """The comparison's PRM: docs/prm.md's recipe from a random-init trunk, cached."""
     prm_dir = os.path.join(ccfg.run_dir, "prm")
     recipe = prm_recipe(ccfg.prm_steps, ccfg.prm_examples)
-    # the logging interval does not change the PRM (normalised so a cache survives it)
-    digest = json_digest({"recipe": {**recipe, "log_every": 0}, "hidden": ccfg.prm_hidden,
-                          "layers": ccfg.prm_layers})
+    digest = _prm_digest(ccfg)
     rec = cached_stage(prm_dir, digest)
     if rec is not None:
         _say(groups, f"PRM: reusing {prm_dir} (same settings, held-out step AUROC "
@@ -376,6 +400,8 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False) -> dic
     `only_finished`: run nothing new, report the cells already finished (a run cut short)."""
 
     t0 = time.perf_counter()
+    if only_finished:  # the launcher checked it too; a direct caller must not train either
+        check_only_finished(ccfg)
     os.makedirs(ccfg.run_dir, exist_ok=True)
     tok = build_char_tokenizer()
     sft_dir, sft = warmup_stage(ccfg, groups, tok)

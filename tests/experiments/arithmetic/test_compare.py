@@ -305,8 +305,33 @@ def test_method_seeds_checked():
     (["--methods", "grpo", "--oracle", "papo"], "add it to --methods"),
     (["--methods", "grpo", "--oracle", "", "actor.nosuch=1"], "actor.nosuch"),
     (["--from-json", "nosuch.json"], "--from-json nosuch.json: no such file"),
+    # a fresh directory: nothing to report, and nothing is trained to find that out
+    (["--only-finished"], "has no warm-up, no PRM, no finished run with these settings"),
 ])
 def test_compare_bad_input_one_line(tmp_path, args, needle):
     p = run([*MEGAPRM, "compare", "--run-dir", str(tmp_path / "x"), *args])
     one_line_error(p, "megaprm compare: error:", needle)
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_only_finished_needs_the_stages_and_a_finished_run(tmp_path):
+    """The check names what is missing: with this comparison's warm-up and PRM marked done (the
+    markers the stages write) but no finished cell it still refuses; a marker of other settings
+    counts as missing; one result.json lets it through."""
+    ccfg = runs.CompareConfig(run_dir=str(tmp_path), methods=("grpo",), seeds=1, oracle=())
+    for d, digest in (("sft", compare.warmup_digest(compare.WarmupConfig(
+            warmup_steps=ccfg.warmup_steps))), ("prm", "other settings")):
+        os.makedirs(tmp_path / d)
+        compare.mark_stage_done(str(tmp_path / d), digest, _Rank0())
+    with pytest.raises(ValueError, match=r"has no PRM, no finished run with these settings"):
+        compare.check_only_finished(ccfg)
+    compare.mark_stage_done(str(tmp_path / "prm"), compare._prm_digest(ccfg), _Rank0())
+    with pytest.raises(ValueError, match=r"has no finished run with these settings"):
+        compare.check_only_finished(ccfg)
+    os.makedirs(tmp_path / "rl" / "grpo-learned-s0")
+    (tmp_path / "rl" / "grpo-learned-s0" / "result.json").write_text("{}")
+    compare.check_only_finished(ccfg)
+
+
+class _Rank0:
+    rank, world_size = 0, 1
