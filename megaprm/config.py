@@ -140,7 +140,10 @@ class RolloutConfig:
     acc_high] (PRIME's filter); `std`: outcomes not all equal (verl's filter_groups, std > 0);
     `none`: one round, the batch as generated."""
 
-    engine: str = "hf"
+    # auto: vLLM where it is installed and CUDA is present, else the transformers engine (hf);
+    # resolved where the engine is built (rollout/factory.py), so a plan made on a CPU laptop
+    # still plans the GPU run's engine
+    engine: str = "auto"
     n: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -185,7 +188,8 @@ class RolloutConfig:
                self.correction, "none, tis (token-level truncated importance sampling) or "
                "decoupled (AReaL's decoupled PPO)")
         _check(self.tis_cap >= 1.0, "rollout.tis_cap", self.tis_cap, ">= 1")
-        _check(self.engine in ("hf", "vllm"), "rollout.engine", self.engine, "hf or vllm")
+        _check(self.engine in ("auto", "hf", "vllm"), "rollout.engine", self.engine,
+               "auto (vLLM where it and CUDA are present, else hf), hf (transformers) or vllm")
         _check(self.refill in REFILL_FILTERS, "rollout.refill", self.refill,
                "none, accuracy (mean outcome in advantage.prime.acc_low..acc_high) or std "
                "(groups whose outcomes are not all equal)")

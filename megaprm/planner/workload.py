@@ -103,7 +103,9 @@ def workload_from_config(cfg, raw: dict, *, world: int, actor: ModelSpec,
         max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch,
         mini_batches=cfg.actor.mini_batches, recompute=cfg.model.recompute,
         needs_ref=needs_ref, implicit=cfg.prm.kind == "implicit", judge=cfg.prm.kind == "judge",
-        engine=cfg.rollout.engine, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        # auto plans the GPU run's engine: vLLM (a plan is made for GPUs, wherever it is made)
+        engine="vllm" if cfg.rollout.engine == "auto" else cfg.rollout.engine,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         # the offload switches (actor/ref/prm.offload); absent: off
         actor_offload=bool(getattr(cfg.actor, "offload", False)),
         ref_offload=bool(getattr(getattr(cfg, "ref", None), "offload", False)),

@@ -1,4 +1,5 @@
-"""Build the rollout engine a run asks for (`rollout.engine`: hf | vllm), placed like the trainer.
+"""Build the rollout engine a run asks for (`rollout.engine`: auto | hf | vllm), placed like the
+trainer.
 
 The trainer calls this once per rank, after its models exist:
 
@@ -10,13 +11,43 @@ Building never changes the caller's RNG states or current CUDA device.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
-from megaprm.config import RolloutConfig
+from megaprm.config import ConfigError, RolloutConfig
 from megaprm.models.hf_files import has_weights
 from megaprm.rollout.engine import RolloutEngine, preserved_rng_and_device
 from megaprm.rollout.hf_engine import HFEngine, HFEngineConfig
 from megaprm.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+
+def resolve_engine(name: str) -> tuple[str, str]:
+    """`rollout.engine` as this machine runs it, and the one line that says why: `auto` is vllm
+    where vLLM is installed and CUDA is present, else hf (the transformers engine); hf and vllm
+    are themselves. vLLM is looked up, not imported (an import costs seconds)."""
+    if name != "auto":
+        return name, f"rollout.engine={name}"
+    missing = [what for what, ok in (("vLLM", importlib.util.find_spec("vllm") is not None),
+                                     ("CUDA", torch.cuda.is_available())) if not ok]
+    if not missing:
+        return "vllm", "rollout.engine=auto: vLLM (installed, CUDA present)"
+    return "hf", (f"rollout.engine=auto: the transformers engine (no {' and no '.join(missing)} "
+                  "here; vLLM needs both)")
+
+
+def check_engine(name: str, key: str = "rollout.engine") -> None:
+    """Before any rank starts: `key`=vllm on a machine without vLLM or CUDA is one line naming
+    the settings that run here (rather than a traceback from every rank)."""
+    if name != "vllm":
+        return
+    fix = f"pass {key}=hf (transformers)" + (" or rollout.engine=auto" if key ==
+                                             "rollout.engine" else "")
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"{key}=vllm: vLLM is not installed (pip install -e '.[gpu]' on a "
+                          f"CUDA machine); {fix}")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{key}=vllm: vLLM needs CUDA and this machine has none; {fix}")
 
 
 def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, world_size: int,
@@ -39,7 +70,7 @@ def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, worl
     weights = load_weights and has_weights(model_path)
     eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
     pad = tokenizer.pad_token_id
-    if rollout_cfg.engine == "vllm":
+    if resolve_engine(rollout_cfg.engine)[0] == "vllm":
         pad = pad if pad is not None else (eos or (0,))[0]
 
         cfg = VLLMEngineConfig(tensor_parallel_size=tp_size, external_launcher=world_size > 1,

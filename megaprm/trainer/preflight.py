@@ -12,6 +12,7 @@ from megaprm.models.hf_spec import spec_from_hf
 from megaprm.parallel.init import check_layout
 from megaprm.planner import plan as planner
 from megaprm.planner.hardware import local_gpu
+from megaprm.rollout.factory import check_engine, resolve_engine
 from megaprm.trainer.checkpoint.load import other_runs
 from megaprm.trainer.checkpoint.run_dir import refuse_overwrite
 from megaprm.trainer.checkpoint.store import CheckpointError, step_dirs, verified_trainer_json
@@ -34,6 +35,11 @@ def check_rl_launch(cfg: Config, world_size: int) -> None:
         print(f"megaprm train: warning: prm.path={cfg.prm.path!r} is not read with prm.kind="
               f"{cfg.prm.kind}", file=sys.stderr)
     model_source.check_tokenizer(src.hf_dir, "model.path")
+    check_engine(cfg.rollout.engine)
+    if cfg.prm.kind == "judge":
+        check_engine(cfg.prm.judge.engine, "prm.judge.engine")
+    if cfg.rollout.engine == "auto":
+        print(f"megaprm train: {resolve_engine('auto')[1]}", flush=True)
     for key in ("path", "eval_path"):
         path = getattr(cfg.data, key)
         if cfg.data.task != "math" or (path is None and key == "eval_path"):

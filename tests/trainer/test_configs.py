@@ -24,7 +24,7 @@ def test_recipe_loads(path):
     name = os.path.basename(path)[:-5].removesuffix("_tiny")
     assert cfg.advantage.method == name
     if not path.endswith("_tiny.yaml"):
-        assert cfg.model.dtype == "bf16" and cfg.rollout.engine == "vllm"
+        assert cfg.model.dtype == "bf16" and cfg.rollout.engine == "auto"
 
 
 def test_released_defaults():
