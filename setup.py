@@ -30,6 +30,8 @@ setup(
         "psutil",  # megatron-core's dist_checkpointing async writer imports it
         "wandb",
         "math-verify[antlr4_13_2]>=0.7",
+        # reward.verifier=prime_math: PRM800K's grader turns LaTeX into text with it (as released)
+        "pylatexenc>=2.10",
         "pyarrow",
         "matplotlib",
     ],

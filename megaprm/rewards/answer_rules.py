@@ -8,8 +8,7 @@
 * `prime_extract_answer` - PRIME's (and verl's `prime_math`, which PAPO uses) answer extraction
   (PRIME-RL/PRIME training/verl/utils/reward_score/evaluation_utils/math_util `match_answer`):
   answer markers, then the last boxed content, then the tail after the last "is", "=", ...
-  `prime_normalize` is the mathd normalisation its `grade_answer` tries first (PRM800K's
-  `math_normalize`: a `\\text{}` wrapper dropped, then the MATH normalisation).
+  (its grading stages are in `rewards.prime_grader`).
 
 Every rule that fails on odd input (a `\\sqrt` at the very end, two "\\text{ " units) makes the
 check fall back, as released, to comparing the raw strings.
@@ -157,7 +156,7 @@ def _prime_boxed(text: str) -> str | None:
     left = text.find("{", start)
     if left < 0:
         return None
-    end = closing_brace(text, left)
+    end = closing_brace(text, start)  # counted from the marker, as released
     return None if end is None else text[left + 1:end].strip()
 
 
@@ -188,22 +187,3 @@ def prime_extract_answer(response: str) -> tuple[bool, str]:
         if i != -1:
             matched, out = True, out[i + len(marker):].strip()
     return matched and any(c.isdigit() for c in out), out
-
-
-def prime_normalize(s: str) -> str:
-    """PRM800K's mathd normalisation (the first test of PRIME's grade_answer): a whole-string
-    `\\text{...}` unwrapped, then the MATH normalisation (raw string where a rule fails); and
-    from its second test, an integer-valued number written as an integer."""
-    s = s.strip()
-    m = re.fullmatch(r"\\text\{(.+?)\}", s)
-    if m is not None:
-        s = m.group(1).strip()
-    try:
-        s = math_normalize(s)
-    except _RuleFailed:
-        return s
-    try:  # an integer written as a float ("5.", "12.0"): grade_answer's _normalize does this
-        x = float(s)
-    except ValueError:
-        return s
-    return str(round(x)) if abs(x - round(x)) <= 1e-7 else s

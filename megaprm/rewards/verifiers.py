@@ -1,10 +1,11 @@
 """Outcome rewards: math answers by `reward.verifier`, arithmetic answers exactly.
 
 Verifiers (`VERIFIERS`, each paper's checker; the string rules are in `rewards.answer_rules`):
-math_verify (PROF-GRPO; the default), hendrycks_math (PURE: last boxed answer, MATH string
-normalisation, no symbolic check), prime_math (PRIME, and PAPO through verl's prime_math:
-PRIME's answer extraction, mathd-normalised equality, else math-verify on the extracted answer,
-where the release runs PRM800K's sympy check and Qwen's math_equal; docs/estimators.md).
+math_verify (the default and the lenient one: math-verify with the boxed answer first),
+prof_math_verify (PROF-GRPO's call of math-verify: its default extraction priorities,
+expressions before LaTeX, 20 s per sample), hendrycks_math (PURE: last boxed answer, MATH
+string normalisation, no symbolic check), prime_math (PRIME, and PAPO through verl's
+prime_math: the released grader's stages, `rewards.prime_grader`, 300 s per sample).
 
 math-verify bounds its own work with `signal.alarm`, which (a) only works on the main thread
 (it raises elsewhere, e.g. in a rollout thread), (b) takes whole seconds, and (c) cannot stop
@@ -36,7 +37,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
-from megaprm.rewards.answer_rules import hendrycks_math_equal, prime_extract_answer, prime_normalize
+from megaprm.rewards.answer_rules import hendrycks_math_equal
 from megaprm.tasks.arithmetic import Problem, check_steps, extract_boxed_int
 
 if TYPE_CHECKING:
@@ -55,28 +56,45 @@ def _inner_timeout(timeout_s: float) -> int | None:
 
 
 def _worker_main(fd: int) -> None:
-    """Worker loop on socket `fd`: receive (response, ground_truth, inner_timeout), send back
-    0.0 / 1.0. Started as `python -c` (not multiprocessing's spawn), so the parent's __main__
-    is never re-imported and scripts need no `if __name__ == "__main__"` guard."""
+    """Worker loop on socket `fd`: receive (checker, response, ground_truth, inner_timeout), send
+    back 0.0 / 1.0. Started as `python -c` (not multiprocessing's spawn), so the parent's
+    __main__ is never re-imported and scripts need no `if __name__ == "__main__"` guard."""
     import logging
 
     conn = Connection(fd)
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    from math_verify.metric import math_metric
+
+    from megaprm.rewards.prime_grader import prime_grade
 
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # per-sample timeout chatter
     pred_cfg = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
     gold_cfg = [LatexExtractionConfig(boxed_match_priority=0)]
+    # PROF-GRPO's call (verl/utils/reward_score/math_verify.py compute_score): math-verify's
+    # default extraction priorities, expressions tried before LaTeX, its own 5 s alarms
+    prof_metric = math_metric(gold_extraction_target=(LatexExtractionConfig(),),
+                              pred_extraction_target=(ExprExtractionConfig(),
+                                                      LatexExtractionConfig()))
+
+    def lenient(response, ground_truth, inner):
+        gold = parse("\\boxed{" + ground_truth + "}", gold_cfg, parsing_timeout=inner)
+        pred = parse(response, pred_cfg, parsing_timeout=inner)
+        return bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=inner)
+
+    checkers = {
+        "math_verify": lenient,
+        "prof_math_verify": lambda r, g, _: prof_metric(["\\boxed{" + g + "}"], [r])[0] == 1.0,
+        "prime_math": lambda r, g, _: prime_grade(r, g),
+    }
     conn.send("ready")
     while True:
         try:
             job = conn.recv()
         except EOFError:
             return
-        response, ground_truth, inner = job
+        checker, response, ground_truth, inner = job
         try:
-            gold = parse("\\boxed{" + ground_truth + "}", gold_cfg, parsing_timeout=inner)
-            pred = parse(response, pred_cfg, parsing_timeout=inner)
-            ok = bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=inner)
+            ok = checkers[checker](response, ground_truth, inner)
         except BaseException:  # noqa: BLE001 - any failure of the checker means "not verified"
             ok = False
         conn.send(1.0 if ok else 0.0)
@@ -137,8 +155,10 @@ class MathVerifier:
         ground_truths: Sequence[str],
         timeout_s: float = DEFAULT_TIMEOUT_S,
         inner_timeout: int | None | str = "auto",
+        checker: str = "math_verify",
     ) -> list[float]:
-        """1.0 where the response's answer is equivalent to the ground truth, else 0.0; each
+        """1.0 where the response's answer is equivalent to the ground truth under `checker`
+        (math_verify, prof_math_verify or prime_math: the worker's checkers), else 0.0; each
         sample gets at most `timeout_s` seconds of wall time in a worker."""
         if len(responses) != len(ground_truths):
             raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
@@ -146,9 +166,10 @@ class MathVerifier:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         inner = _inner_timeout(timeout_s) if inner_timeout == "auto" else inner_timeout
         with self._lock:
-            return self._run(list(responses), [str(g) for g in ground_truths], timeout_s, inner)
+            return self._run(list(responses), [str(g) for g in ground_truths], timeout_s, inner,
+                             checker)
 
-    def _run(self, responses, truths, timeout_s, inner) -> list[float]:
+    def _run(self, responses, truths, timeout_s, inner, checker) -> list[float]:
         scores = [0.0] * len(responses)
         pending = list(range(len(responses)))[::-1]  # pop() from the end = in order
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (sample, deadline)
@@ -159,7 +180,7 @@ class MathVerifier:
                     if pool[slot] is None:
                         pool[slot] = _Worker()  # start time is not charged to the sample
                     i = pending.pop()
-                    pool[slot].conn.send((responses[i], truths[i], inner))
+                    pool[slot].conn.send((checker, responses[i], truths[i], inner))
                     busy[slot] = (i, time.monotonic() + timeout_s)
             next_deadline = min(d for _, d in busy.values())
             ready = wait([pool[s].conn for s in busy], timeout=max(0.0, next_deadline - time.monotonic()))
@@ -211,50 +232,28 @@ def _arithmetic_truth_reward(response: str, truth: Problem | str | int) -> float
     return 1.0 if extract_boxed_int(response) == expected else 0.0
 
 
-VERIFIERS = ("math_verify", "hendrycks_math", "prime_math")
-
-
-def prime_math_scores(responses: Sequence[str], truths: Sequence[str],
-                      timeout_s: float = DEFAULT_TIMEOUT_S,
-                      verifier: MathVerifier | None = None) -> list[float]:
-    """PRIME's check: the extracted answer (answer_rules.prime_extract_answer) equals the truth
-    after the mathd normalisation, else math-verify decides on `\\boxed{answer}`; an empty
-    answer is wrong."""
-    scores = [0.0] * len(responses)
-    ask: list[tuple[int, str, str]] = []
-    for i, (response, truth) in enumerate(zip(responses, truths)):
-        answer = prime_extract_answer(response)[1]
-        if not answer.strip():
-            continue
-        if prime_normalize(answer) == prime_normalize(truth):
-            scores[i] = 1.0
-        else:
-            ask.append((i, "\\boxed{" + answer + "}", truth))
-    if ask:
-        verdicts = (verifier or _DEFAULT).score([a for _, a, _ in ask], [t for _, _, t in ask],
-                                                timeout_s)
-        for (i, _, _), v in zip(ask, verdicts):
-            scores[i] = v
-    return scores
+VERIFIERS = ("math_verify", "prof_math_verify", "hendrycks_math", "prime_math")
+# each verifier's per-sample limit where its release sets one: PRIME's process pool waits 300 s
+# (reward_score/prime.py), PROF's 20 s (reward_score/math_verify.py parallel_compute_score)
+TIMEOUT_S = {"prime_math": 300.0, "prof_math_verify": 20.0, "math_verify": DEFAULT_TIMEOUT_S}
 
 
 def math_scores(responses: Sequence[str], truths: Sequence[str], verifier: str = "math_verify",
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> list[float]:
-    """1.0 / 0.0 per response under `verifier` (module docstring)."""
-    if verifier == "math_verify":
-        return _DEFAULT.score(responses, truths, timeout_s)
+                timeout_s: float | None = None) -> list[float]:
+    """1.0 / 0.0 per response under `verifier` (module docstring); `timeout_s` per sample,
+    default the verifier's own (TIMEOUT_S)."""
     if verifier == "hendrycks_math":
         return [float(hendrycks_math_equal(r, t)) for r, t in zip(responses, truths)]
-    if verifier == "prime_math":
-        return prime_math_scores(responses, truths, timeout_s)
-    raise ValueError(f"verifier={verifier!r}; valid verifiers are {VERIFIERS}")
+    if verifier not in VERIFIERS:
+        raise ValueError(f"verifier={verifier!r}; valid verifiers are {VERIFIERS}")
+    return _DEFAULT.score(responses, truths, timeout_s or TIMEOUT_S[verifier], checker=verifier)
 
 
 def score_outcomes(
     responses: Sequence[str],
     ground_truths: Sequence[str | Problem | int],
     kind: str = "math",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
     verifier: str = "math_verify",
 ) -> torch.Tensor:
     """Outcome rewards r_out in {0, 1}, float32 [B]. kind "math": `verifier` (ground truths are

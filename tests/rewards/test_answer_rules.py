@@ -5,9 +5,9 @@ import pytest
 from megaprm.rewards.answer_rules import (
     hendrycks_math_equal,
     prime_extract_answer,
-    prime_normalize,
     pure_boxed_answer,
 )
+from megaprm.rewards.prime_grader import mathd_normalize
 from megaprm.rewards.verifiers import math_scores
 
 
@@ -54,9 +54,9 @@ def test_prime_answer_extraction(response, matched, answer):
     assert prime_extract_answer(response) == (matched, answer)
 
 
-def test_prime_normalize_unwraps_text():
-    assert prime_normalize("\\text{(B)}") == prime_normalize("(B)")
-    assert prime_normalize(" \\dfrac{1}{2} ") == "\\frac{1}{2}"
+def test_prime_mathd_normalize_unwraps_text():
+    assert mathd_normalize("\\text{(B)}") == mathd_normalize("(B)")
+    assert mathd_normalize(" \\dfrac{1}{2} ") == "\\frac{1}{2}"
 
 
 def test_verifiers_differ_where_the_papers_do():
