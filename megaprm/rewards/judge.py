@@ -16,8 +16,9 @@ llm_proof_grading.py) is reproduced here:
 
 The grader is any megaprm `RolloutEngine` (`generate(prompt_ids, SamplingParams)`): vLLM on
 GPU, the transformers engine on CPU. The prompt is one user message through the grader's chat
-template (the released code calls an OpenAI-compatible chat endpoint); a gpt-oss "final"
-channel, when the decoded text has one, is what gets parsed (the endpoint returns only it).
+template (the released code calls an OpenAI-compatible chat endpoint); of a gpt-oss completion
+only the "final" channel is parsed (the endpoint returns only it), and one cut off before its
+final channel grades 0 (the endpoint's content is empty then).
 
 `llm_answer_fallback` is PAPO's other grader call (its outcome checker's LLM fallback, below).
 
@@ -66,6 +67,7 @@ Score: \boxed{{...}}"""
 
 _THINK = re.compile(r"<think>.*?</think>", flags=re.DOTALL)
 _SCORE_LINE = re.compile(r"(?:score|Score)\s*(?:is\s*:?|:)\s*([\d.]+)")
+_HARMONY_CHANNEL = "<|channel|>"
 _HARMONY_FINAL = "<|channel|>final<|message|>"
 _HARMONY_ENDS = ("<|return|>", "<|end|>")
 
@@ -98,10 +100,12 @@ def strip_think(text: str) -> str:
 
 def final_channel(text: str) -> str:
     """The gpt-oss final answer of a decoded completion (what a chat endpoint returns as
-    content), or the text itself when it has no final channel."""
+    content); "" for a harmony completion cut off before its final channel (max_tokens reached
+    in the analysis: the endpoint returns empty content, which the release scores 0); the text
+    itself when it is no harmony completion (a grader without channels)."""
     i = text.rfind(_HARMONY_FINAL)
     if i < 0:
-        return text
+        return "" if _HARMONY_CHANNEL in text else text
     out = text[i + len(_HARMONY_FINAL):]
     for end in _HARMONY_ENDS:
         out = out.split(end, 1)[0]

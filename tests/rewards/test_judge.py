@@ -54,6 +54,9 @@ def test_think_and_harmony_channels():
            "<|channel|>final<|message|>Score: \\boxed{0.5}<|return|>")
     assert J.parse_grade(J.final_channel(raw)) == 0.5
     assert J.final_channel("plain \\boxed{1}") == "plain \\boxed{1}"
+    # cut off in the analysis (max_tokens): the endpoint's content is empty, graded 0
+    cut = "<|channel|>analysis<|message|>The student is right. Score: \\boxed{1}"
+    assert J.final_channel(cut) == "" and J.parse_grade(J.final_channel(cut)) is None
 
 
 class _CannedEngine:
