@@ -17,7 +17,7 @@ x dtype bytes), split over the engine's tp ranks.
 Separate placement (`rollout.placement=separate`, docs/rollout.md): the trainer's GPUs hold no
 engine (no sync phase on them; train as above plus, on trainer rank 0, the packed HF copies of
 the weight versions still in flight to the rollout ranks: up to max(1, k), rollout/remote.py);
-a rollout GPU holds its engine alone (tp 1): the rollout column is that GPU's.
+a rollout GPU holds its engine's share alone (tp rollout.tp): the rollout column is that GPU's.
 """
 from __future__ import annotations
 
@@ -85,8 +85,8 @@ def kv_bytes_per_token(w: Workload) -> float:
 
 def engine_sequences(w: Workload) -> int:
     """Sequences each engine generates per step: colocated one engine per tp group, separate
-    one per rollout GPU."""
-    engines = w.rollout_ranks if w.separate else w.world // w.tp
+    one per rollout.tp rollout GPUs."""
+    engines = w.rollout_ranks // w.rollout_tp if w.separate else w.world // w.tp
     return math.ceil(w.samples / engines)
 
 

@@ -77,7 +77,8 @@ class Plan:
         return not self.problems() and not self.kv_short
 
     @property
-    def step_seconds(self) -> float:
+    def step_seconds(self) -> float | None:
+        """None when the rollout has no time (the KV cache holds no sequence)."""
         w = self.workload
         return timing.step_seconds(self.seconds, overlap=w.separate and w.max_staleness >= 1)
 
@@ -133,12 +134,15 @@ def plan_workload(w: Workload, gpu: GPU, *, sources: dict | None = None,
     if w.separate:
         plan.notes.append(
             f"rollout.placement=separate: {w.trainer_world} trainer GPUs (train column; no "
-            f"engine, so no sync phase) + {w.rollout_ranks} rollout GPUs (rollout column: one "
-            f"tp-1 engine each)" + (f"; max_staleness {w.max_staleness}: the step overlaps "
+            f"engine, so no sync phase) + {w.rollout_ranks} rollout GPUs (rollout column: "
+            f"engines of tp {w.rollout_tp})" + (f"; max_staleness {w.max_staleness}: the step overlaps "
                                     "generation with training" if w.max_staleness else ""))
     if w.mean_response >= w.max_tokens:
         plan.notes.append("times assume every response runs to rollout.max_tokens (an upper "
                           "bound); --mean-response sets the expected length")
+    if plan.seconds["rollout"] is None:
+        plan.notes.append("rollout time: not applicable (the engine's KV cache holds no "
+                          "whole sequence)")
     if with_knobs and not plan.fits:
         plan.knobs = knobs_that_fit(w, gpu, eff, exact, knobs_of or set())
     return plan
@@ -194,7 +198,7 @@ def knobs_that_fit(w: Workload, gpu: GPU, eff: Efficiency, exact: bool, keys: se
                                               for f in dataclasses.fields(w)
                                               if getattr(changed, f.name) != getattr(w, f.name)})
             p = plan_workload(x, gpu, eff=eff, exact=exact, with_knobs=False)
-            if p.fits:
+            if p.fits and p.step_seconds is not None:
                 found.append((p.step_seconds, " ".join(text for text, _ in combo)))
         if found:
             return [text for _, text in sorted(found)[:3]]
@@ -227,7 +231,7 @@ def search(w: Workload, gpu: GPU, eff: Efficiency = DEFAULT_EFFICIENCY,
         for recompute in sorted({w.recompute, True}):
             x = dataclasses.replace(w, tp=tp, pp=pp, recompute=recompute)
             p = plan_workload(x, gpu, eff=eff, exact=exact, with_knobs=False)
-            if p.fits:
+            if p.fits and p.step_seconds is not None:
                 found.append(p)
                 break
     return sorted(found, key=lambda p: p.step_seconds)
@@ -271,8 +275,9 @@ def table(plan: Plan) -> str:
     lines += ["", "time per step (s)"]
     for k, v in plan.seconds.items():
         if not k.startswith("_"):
-            lines.append(f"  {k:<40}{v:8.1f}")
-    lines.append(f"  {'step':<40}{plan.step_seconds:8.1f}")
+            lines.append(f"  {k:<40}" + ("  not applicable" if v is None else f"{v:8.1f}"))
+    step = plan.step_seconds
+    lines.append(f"  {'step':<40}" + ("  not applicable" if step is None else f"{step:8.1f}"))
     lines += ["", plan.verdict()]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
@@ -314,7 +319,8 @@ def search_table(plans: list) -> str:
 
 # ------------------------------------------------------------------------------- from a config
 
-def workload_of(cfg, raw: dict, world: int, *, prompt_tokens=None, mean_response=None):
+def workload_of(cfg, raw: dict, world: int, *, prompt_tokens=None, mean_response=None,
+                max_response=None):
     """(Workload, {role: config.json source}) of a validated config on `world` GPUs: the HF
     config.json of model.path (and a discriminative prm.path), else the shipped copy."""
     # deferred: megatron
@@ -331,6 +337,8 @@ def workload_of(cfg, raw: dict, world: int, *, prompt_tokens=None, mean_response
         sources["prm"] = s.where
     w = workload_from_config(cfg, raw, world=world, actor=actor, prm=prm,
                              prompt_tokens=prompt_tokens, mean_response=mean_response)
+    if max_response:
+        w = dataclasses.replace(w, max_response=min(float(max_response), w.max_tokens))
     if w.trainer_world < 1:
         raise ValueError(f"--gpus {world} leaves no trainer GPU beside rollout.ranks="
                          f"{w.rollout_ranks}")

@@ -40,10 +40,17 @@ class Workload:
     prm_offload: bool = False
     distributed_optimizer: bool | None = None   # None: Megatron's default here (dp > 1)
     logprob_chunk: int = CHUNK_TOKENS_ACCELERATOR  # the trainer's log-prob chunk on a GPU
-    # rollout.placement=separate: the last `rollout_ranks` GPUs run the engine alone (tp 1
-    # each, rollout/remote.py), the first world - rollout_ranks train; 0 = colocated
+    # rollout.placement=separate: the last `rollout_ranks` GPUs run the engines alone (tp
+    # `rollout_tp` each, rollout/remote.py), the first world - rollout_ranks train; 0 = colocated
     rollout_ranks: int = 0
     max_staleness: int = 0        # rollout.max_staleness (separate only)
+    rollout_tp: int = 1           # one engine's GPUs in the separate placement
+    # the longest response of a step's batch (time only; None: rollout.max_tokens, which an RL
+    # batch of hundreds of samples nearly always reaches). A synchronous batch waits for it;
+    # `in_flight` (in-flight weight updates, partial rollout) keeps the engine fed instead
+    max_response: float | None = None
+    in_flight: bool = False
+    rollout_logprobs: bool = False  # the old log-probs are the engine's: no trainer pass
 
     @property
     def separate(self) -> bool:
@@ -56,8 +63,12 @@ class Workload:
 
     @property
     def engine_tp(self) -> int:
-        """Tensor parallelism of one engine: the trainer's tp colocated, 1 on a rollout rank."""
-        return 1 if self.separate else self.tp
+        """Tensor parallelism of one engine: the trainer's tp colocated, rollout_tp separate."""
+        return self.rollout_tp if self.separate else self.tp
+
+    @property
+    def longest_response(self) -> float:
+        return float(self.max_response or self.max_tokens)
 
     @property
     def dp(self) -> int:
