@@ -380,6 +380,10 @@ class TrainerConfig:
         _check(self.eval_problems >= 1, "trainer.eval_problems", self.eval_problems, ">= 1")
         _check(self.wandb in ("offline", "online", "disabled"), "trainer.wandb", self.wandb,
                "offline, online or disabled")
+        if self.replace_run and self.resume:  # it would resume the run it is meant to replace
+            raise ConfigError("trainer.replace_run=true starts a new run (moving the earlier "
+                              "one aside) but trainer.resume=true resumes it; set "
+                              "trainer.resume=false with it")
 
 
 @dataclass
@@ -518,7 +522,14 @@ def read_yaml_with_overrides(path: Optional[str], overrides: Optional[list], *,
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r}: expected key=value, e.g. {override_example}")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:  # e.g. an unbalanced `{` in a template
+            why = str(getattr(e, "problem", None) or e).splitlines()[0]
+            raise ConfigError(
+                f"override {key.strip()}={raw!r}: the value is not valid YAML ({why}); quote "
+                f"it as a string, e.g. \"{key.strip()}='{raw}'\"") from None
+        _set_dotted(data, key.strip(), value)
     return data
 
 

@@ -3,6 +3,7 @@ multi-rank through the launcher, two "nodes" on one machine, the HF -> RL -> exp
 trip, the demo's cached warm-up, and each README troubleshooting row -> one line, exit 2."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -162,6 +163,27 @@ def test_resume_with_other_layout_and_config_is_refused_before_ranks(policy, tmp
                                         "advantage.method=rloo")),
                           "another config", "advantage.method")
     assert "grpo" in line and "rloo" in line
+    # the same run resumed as it finished: one line, exit 0, no rank started, nothing written
+    before = _tree(run_dir)
+    p = run(train_cmd(policy, run_dir, "--nproc", "1", "trainer.steps=1"))
+    assert p.returncode == 0 and p.stderr.strip() == "", p.stderr[-3000:]
+    assert p.stdout.strip().splitlines() == [
+        f"[train] {run_dir} already finished at step 0 (trainer.steps=1): nothing to train; "
+        "raise trainer.steps to train on, or pass a new trainer.run_dir"], p.stdout
+    assert _tree(run_dir) == before
+    # its checkpoints removed, the default trainer.resume=true once rewrote metrics.jsonl from
+    # step 0 without a word: refused before any rank, as trainer.resume=false is
+    shutil.rmtree(run_dir / "checkpoints")
+    before = _tree(run_dir)
+    one_line_error(run(train_cmd(policy, run_dir, "--nproc", "1", "trainer.steps=1")),
+                   "no checkpoint", "trainer.replace_run=true")
+    assert _tree(run_dir) == before
+
+
+def _tree(root) -> dict:
+    """Every path under `root` with its bytes (None for a directory)."""
+    return {p.relative_to(root): p.read_bytes() if p.is_file() else None
+            for p in sorted(root.rglob("*"))}
 
 
 @pytest.mark.slow

@@ -31,7 +31,7 @@ def check_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
     if world_size % mp:
         raise ParallelConfigError(
             f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {mp}; "
-            f"launch a multiple of {mp} processes (torchrun --nproc-per-node) or lower tp/pp/cp")
+            f"launch a multiple of {mp} processes (megaprm's --nproc) or lower tp/pp/cp")
     return world_size // mp
 
 

@@ -270,8 +270,9 @@ def _rows_jsonl(path: Path, report: LoadReport):
         first = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
         if first.startswith(b"["):
             raise DataError(f"{path} holds a JSON array; prompt files are JSON Lines, one object "
-                            f"per line (convert it: jq -c '.[]' {path.name} > "
-                            f"{path.stem}.jsonl)")
+                            f"per line (convert it into a new file, never onto itself: "
+                            f"jq -c '.[]' {path.name} > {path.stem}.lines.jsonl, then pass "
+                            "that as data.path)")
         fh.seek(0)
         for line_no, raw in enumerate(fh, start=1):
             start, offset = offset, offset + len(raw)

@@ -138,6 +138,7 @@ class RLTrainer:
             os.makedirs(self.run_dir, exist_ok=True)
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
         self.skipped_steps = 0
+        self.last_row = None  # the metrics row of the last step logged (a checkpoint keeps it)
         self.start_step = 0
         self._step = 0  # the step being run (seeds the judge, places the NaN hook)
         self.lifecycle, self.source = rollout_source.make_source(self)
@@ -315,7 +316,7 @@ class RLTrainer:
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
                 metrics.update(self.evaluate())
             step_metrics.warn_on_drift(g.rank, step, metrics)
-            self.logger.log(step, metrics)
+            self.last_row = self.logger.log(step, metrics)  # a save of this step keeps it
             faults.kill_at(step, "after_log")
             history.append(metrics)
             bar.set_postfix(reward=f"{metrics.get('reward/outcome_mean', float('nan')):.3f}")

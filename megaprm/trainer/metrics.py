@@ -46,27 +46,40 @@ class MetricsLogger:
                 print(f"[megaprm] wandb disabled ({type(e).__name__}: {e}); metrics go to "
                       f"{self.path}")
 
-    def truncate_after(self, step: int) -> None:
-        """On resume, drop lines of steps that the restored checkpoint had not reached, and a
-        torn last line (a full disk or a kill mid-write: its step did not finish), saying so."""
+    def truncate_after(self, step: int, saved_row: Optional[dict] = None) -> None:
+        """On resume from the checkpoint of `step`, drop lines of steps it had not reached, and
+        a torn last line (a full disk or a kill mid-write), saying so. `saved_row`: the row of
+        `step` as its checkpoint stored it; it replaces that step's row when the row is missing
+        (torn: the step finished and is not run again)."""
         if not self.enabled or not os.path.exists(self.path):
             return
         rows, torn = _parse(self.path)
+        rows = [r for r in rows if r.get("step", 0) <= step]
+        restore = saved_row is not None and saved_row.get("step") == step and \
+            not any(r.get("step") == step for r in rows)
         if torn:
-            print(f"[megaprm] {self.path}: dropped a torn last line ({torn!r:.80}); its step "
-                  "did not finish and runs again", flush=True)
+            fate = (f"step {step}'s row restored from its checkpoint" if restore else
+                    "its step did not finish and runs again"
+                    if any(r.get("step") == step for r in rows) or step < 0 else
+                    f"step {step} was checkpointed, so its row is lost and it is not run again")
+            print(f"[megaprm] {self.path}: dropped a torn last line ({torn!r:.80}); {fate}",
+                  flush=True)
+        if restore:
+            rows.append(saved_row)
         with open(self.path + ".tmp", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= step)
+            f.writelines(json.dumps(r) + "\n" for r in rows)
         os.replace(self.path + ".tmp", self.path)
 
-    def log(self, step: int, metrics: dict) -> None:
-        if not self.enabled:
-            return
+    def log(self, step: int, metrics: dict) -> dict:
+        """Append step `step`'s row; returns it (a checkpoint of the step stores it too)."""
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        if not self.enabled:
+            return row
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
+        return row
 
     def close(self) -> None:
         if self._wandb is not None:

@@ -9,19 +9,37 @@ import sys
 from checkpoint_tools import model_source
 from megaprm.config import Config, ConfigError
 from megaprm.models.hf_spec import spec_from_hf
-from megaprm.parallel.init import check_layout
+from megaprm.parallel.init import ParallelConfigError, check_layout
 from megaprm.planner import plan as planner
 from megaprm.planner.hardware import local_gpu
 from megaprm.rollout.factory import check_engine, resolve_engine
 from megaprm.trainer.checkpoint.load import other_runs
-from megaprm.trainer.checkpoint.run_dir import refuse_overwrite
+from megaprm.trainer.checkpoint.run_dir import refuse_lost_checkpoints, refuse_overwrite
 from megaprm.trainer.checkpoint.store import CheckpointError, step_dirs, verified_trainer_json
 from megaprm.trainer.run_config import config_diff, config_digest_fields
 
 
-def check_rl_launch(cfg: Config, world_size: int) -> None:
+def check_launch_layout(cfg: Config, world_size: int) -> int:
+    """The checks of a launch of `world_size` ranks that need no file: the trainer's share of
+    them, tp/pp against it, the batch against dp. Returns dp. `megaprm train` (before any rank
+    starts) and `megaprm plan` (before it says "fits") both run it: one refusal everywhere."""
+    trainers = trainer_world(cfg, world_size)
+    try:
+        dp = check_layout(trainers, cfg.parallel.tp, cfg.parallel.pp)
+    except ParallelConfigError as e:
+        if trainers == world_size:
+            raise
+        raise ParallelConfigError(f"{world_size} ranks - rollout.ranks={cfg.rollout.ranks} = "
+                                  f"{trainers} trainer ranks: {e}") from None
+    check_batch(cfg, dp)
+    return dp
+
+
+def check_rl_launch(cfg: Config, world_size: int):
+    """Every check of `megaprm train` before its ranks start. Returns the trainer.json of the
+    checkpoint the ranks will resume from (None: a fresh start)."""
+    check_launch_layout(cfg, world_size)
     world_size = trainer_world(cfg, world_size)
-    dp = check_layout(world_size, cfg.parallel.tp, cfg.parallel.pp)
     src = model_source.resolve(cfg.model.path, "model.path")
     spec_from_hf(src.hf_dir).check_parallel(cfg.parallel.tp, cfg.parallel.pp)
     if cfg.prm.kind == "discriminative":
@@ -50,8 +68,7 @@ def check_rl_launch(cfg: Config, world_size: int) -> None:
         if not os.path.isfile(path):
             raise ConfigError(f"data.{key}={path!r} does not exist; pass a .jsonl or verl-style "
                               ".parquet prompt file")
-    check_batch(cfg, dp)
-    check_resume(cfg, world_size)
+    return check_resume(cfg, world_size)
 
 
 def trainer_world(cfg: Config, world_size: int) -> int:
@@ -86,7 +103,9 @@ def check_plan(cfg: Config, world_size: int, gpu=None) -> None:
 def check_batch(cfg: Config, dp: int) -> None:
     P = cfg.data.prompts_per_step
     if P % dp:
-        raise ConfigError(f"data.prompts_per_step={P} must be a multiple of dp={dp}")
+        raise ConfigError(f"data.prompts_per_step={P} must be a multiple of dp={dp} (the "
+                          "ranks over tp*pp); choose data.prompts_per_step, or the ranks "
+                          "(--nproc), to make it one")
     rows = P // dp * cfg.rollout.n
     if rows % cfg.actor.mini_batches:
         raise ConfigError(
@@ -95,14 +114,26 @@ def check_batch(cfg: Config, dp: int) -> None:
             "a divisor of it")
 
 
-def check_resume(cfg: Config, world_size: int) -> None:
+def finished_line(cfg: Config, state) -> str | None:
+    """The one line for a resume of a run that has already run all its trainer.steps (`state`:
+    its newest checkpoint's trainer.json), else None."""
+    if state is None or state.get("next_step", 0) < cfg.trainer.steps:
+        return None
+    return (f"[train] {cfg.trainer.run_dir} already finished at step {state['next_step'] - 1} "
+            f"(trainer.steps={cfg.trainer.steps}): nothing to train; raise trainer.steps to "
+            "train on, or pass a new trainer.run_dir")
+
+
+def check_resume(cfg: Config, world_size: int):
     """A run directory with a checkpoint resumes only with the same layout and config; a fresh
-    start (trainer.resume=false) never overwrites a run there. Only files that match their
-    checkpoint's MANIFEST are read: a damaged newest checkpoint is passed over for the previous
-    one, as the ranks' resume falls back (or refused, trainer.resume_fallback=false)."""
+    start (trainer.resume=false) never overwrites a run there, nor a resume one whose
+    checkpoints were removed. Returns the trainer.json resumed from (None: a fresh start).
+    Only files that match their checkpoint's MANIFEST are read: a damaged newest checkpoint
+    is passed over for the previous one, as the ranks' resume falls back (or refused,
+    trainer.resume_fallback=false)."""
     if not cfg.trainer.resume:
         refuse_overwrite(cfg.trainer.run_dir, cfg.trainer.replace_run)
-        return
+        return None
     root = os.path.join(cfg.trainer.run_dir, "checkpoints")
     state = path = None
     names = step_dirs(root)
@@ -116,8 +147,10 @@ def check_resume(cfg: Config, world_size: int) -> None:
             raise CheckpointError(
                 f"checkpoint {path} is damaged: {problem}; set trainer.resume_fallback=true to "
                 "resume from the previous intact checkpoint, or delete it")
+    if not names:
+        refuse_lost_checkpoints(cfg.trainer.run_dir, cfg.trainer.steps, cfg.trainer.save_every)
     if state is None:
-        return  # none, or none intact: the ranks report it
+        return None  # none, or none intact: the ranks report it
     have = (state.get("world_size"), state.get("tp"), state.get("pp"))
     want = (world_size, cfg.parallel.tp, cfg.parallel.pp)
     if have != want:
@@ -131,3 +164,4 @@ def check_resume(cfg: Config, world_size: int) -> None:
             raise CheckpointError(
                 f"{path} was trained with another config: {', '.join(changed[:6])}; use a new "
                 "trainer.run_dir, or trainer.allow_config_change=true to resume anyway")
+    return state

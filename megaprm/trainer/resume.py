@@ -10,7 +10,8 @@ from megaprm.parallel.host import agree
 from megaprm.trainer.checkpoint.load import load
 from megaprm.trainer.checkpoint.save import SideFiles
 from megaprm.trainer.checkpoint.save import save as save_checkpoint
-from megaprm.trainer.checkpoint.store import CheckpointError
+from megaprm.trainer.checkpoint.run_dir import refuse_lost_checkpoints
+from megaprm.trainer.checkpoint.store import CheckpointError, agreed
 from megaprm.trainer.run_config import LOCK_ENV
 from megaprm.trainer.run_lock import RunLock, RunLockError
 
@@ -32,6 +33,8 @@ def save(tr, step: int, crash_after_models: bool = False) -> str:
         sources={k: SideFiles(src.hf_dir, dtype) for k, src in sources.items()},
         trainer_state={"next_step": step + 1, "skipped_steps": tr.skipped_steps,
                        "next_block": tr.next_block, "run_id": tr.run_id,
+                       # the step's metrics row: restored on resume when a full disk tore it
+                       "metrics_row": tr.last_row,
                        **_requeue_state(tr)},
         config=tr.digest_fields, keep_last=tr.cfg.trainer.keep_last,
         crash_after_models=crash_after_models)
@@ -62,13 +65,18 @@ def maybe_resume(tr) -> int:
                  fallback=tr.cfg.trainer.resume_fallback,
                  allow_config_change=tr.cfg.trainer.allow_config_change,
                  log=print if tr.groups.rank == 0 else (lambda _m: None))
-    if state is None:
+    if state is None:  # a fresh start: never over a run whose checkpoints were removed
+        steps, every = tr.cfg.trainer.steps, tr.cfg.trainer.save_every
+        _, failures = agreed(tr.groups, lambda: tr.groups.rank != 0 or refuse_lost_checkpoints(
+            tr.cfg.trainer.run_dir, steps, every))
+        if failures:
+            raise CheckpointError(failures[0][2].removeprefix("CheckpointError: "))
         return 0
     tr.skipped_steps = state.get("skipped_steps", 0)
     tr.run_id = state.get("run_id") or tr.run_id
     tr.next_block = state.get("next_block", state["next_step"])
     tr.requeue = list(state.get("requeue", {}).get(str(tr.groups.dp_rank), []))
-    tr.logger.truncate_after(state["step"])
+    tr.logger.truncate_after(state["step"], state.get("metrics_row"))
     tr.sync_weights()
     if tr.groups.rank == 0:
         print(f"[megaprm] resumed from {state['path']} (next step {state['next_step']})",

@@ -400,6 +400,72 @@ def test_fresh_start_never_overwrites_a_run(tmp_path, g1):
     check_resume(_cfg(run, "trainer.resume=false"), 1)  # nothing of a run left at the top
 
 
+def test_resume_where_a_finished_runs_checkpoints_were_removed_is_refused(tmp_path):
+    """A finished run whose checkpoints/ was removed, started again with trainer.resume=true,
+    had its metrics.jsonl rewritten from step 0 without a word (resume=false was refused).
+    Refused in one line naming the flags, every byte kept; a run killed before its first save
+    (its rows up to that step) still starts over."""
+    from megaprm.config import save_config
+    from megaprm.trainer.checkpoint.store import CheckpointError
+    from megaprm.trainer.preflight import check_resume
+
+    run = tmp_path / "run"
+    run.mkdir()
+    earlier = _cfg(run, "trainer.steps=4")
+    save_config(earlier, str(run / "config.yaml"))
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {i}}}\n' for i in range(4)))
+    before = _tree(run)
+    for more in ((), ("trainer.steps=8",), ("trainer.save_every=1",)):
+        with pytest.raises(CheckpointError) as e:
+            check_resume(_cfg(run, *more), 1)
+        msg = str(e.value)
+        assert "\n" not in msg and "no checkpoint" in msg and "trainer.replace_run=true" in msg
+    assert _tree(run) == before
+    # rows past the earlier run's first save (save_every=2: step 1) with no checkpoint
+    save_config(_cfg(run, "trainer.steps=8", "trainer.save_every=2"), str(run / "config.yaml"))
+    (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n')
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        check_resume(_cfg(run, "trainer.steps=8"), 1)
+    # killed after logging step 1, before its first save (of step 1): runs again
+    (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    assert check_resume(_cfg(run, "trainer.steps=8"), 1) is None
+
+
+def test_replace_run_without_resume_false_is_refused():
+    """trainer.replace_run=true with trainer.resume left true resumed the old run, trained 0
+    steps and exited 0."""
+    from megaprm.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["trainer.replace_run=true"])
+    assert "\n" not in str(e.value) and "trainer.resume=false" in str(e.value)
+    assert load_config(None, ["trainer.replace_run=true", "trainer.resume=false"]).trainer.replace_run
+
+
+def test_an_override_that_is_not_yaml_names_the_field():
+    """`data.prompt_template={question} {` ended in a 37-line YAML traceback."""
+    from megaprm.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["data.prompt_template={question} {"])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("override data.prompt_template=") and "quote" in msg
+    quoted = msg.split("e.g. ", 1)[1].strip('"')  # the fix it names, as one shell word
+    with pytest.raises(ConfigError, match=r"^data.prompt_template='\{question\} \{' is not "
+                       "valid: .* braces doubled"):  # now read as a string: the field's check
+        load_config(None, [quoted])
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(None, ["data.prompt_template={question} {{x}}"])
+    assert load_config(None, ["data.prompt_template='{question} {{x}}'"]).data.prompt_template \
+        == "{question} {{x}}"
+
+
+def _tree(root) -> dict:
+    """Every path under `root` with its bytes (None for a directory)."""
+    return {p.relative_to(root): p.read_bytes() if p.is_file() else None
+            for p in sorted(root.rglob("*"))}
+
+
 @pytest.mark.parametrize("override, says", [
     ("trainer.steps=true", "trainer.steps=True must be a number (int), not bool"),  # 35.4
     ("actor.kl_coef=nan", "actor.kl_coef=nan must be a finite number"),  # 35.4
@@ -443,6 +509,19 @@ def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path, capsys):
     log.log(2, {"reward": 7.0})
     assert read_metrics(str(run)) == [{"step": 0, "reward": 0.0}, {"step": 1, "reward": 0.5},
                                       {"step": 2, "reward": 7.0}]
+    # the torn line is the row of the step its checkpoint saved: restored from it, not lost
+    saved = {"step": 2, "reward": 7.0}
+    with open(log.path, "r+") as f:
+        f.truncate(os.path.getsize(log.path) - 5)
+    log.truncate_after(2, saved)
+    assert "step 2's row restored from its checkpoint" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(str(run))] == [0, 1, 2]
+    assert read_metrics(str(run))[-1] == saved
+    with open(log.path, "r+") as f:  # no row in the checkpoint (an older one): said to be lost
+        f.truncate(os.path.getsize(log.path) - 5)
+    log.truncate_after(2)
+    assert "step 2 was checkpointed, so its row is lost" in capsys.readouterr().out
+    log.log(2, {"reward": 7.0})
     with open(log.path, "a") as f:  # a bad line before the last is no torn write: named
         f.write("garbage\n" + '{"step": 3}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:4 is not a metrics row"):
@@ -511,10 +590,32 @@ def test_unclear_inputs_are_one_line_naming_what_and_where(tmp_path, hf_dir):
     array.write_text(json.dumps([{"problem": "1+1", "answer": "2"}], indent=1))
     with pytest.raises(DataError, match=r"p.json holds a JSON array; .* jq -c"):
         load_prompts(array)
+    _follow_the_array_hint(data_dir / "array.jsonl")
     with open(os.path.join(pol, "config.json"), "r+") as f:
         f.truncate(40)
     with pytest.raises(ValueError, match=r"pol/config.json is not valid JSON"):
         spec_from_hf(pol)
+
+
+def _follow_the_array_hint(array):
+    """The hint for a JSON array in a .jsonl file, run as written in the file's directory: it
+    once redirected jq's output onto its own input (the shell empties the file first, so the
+    data was gone). Now the array is still there and the new file loads."""
+    from megaprm.tasks.datasets import DataError, load_prompts
+
+    rows = [{"problem": "1+1", "answer": "2"}, {"problem": "2+2", "answer": "4"}]
+    array.write_text(json.dumps(rows, indent=1))
+    before = array.read_bytes()
+    with pytest.raises(DataError) as e:
+        load_prompts(array)
+    hint = str(e.value).split("convert it into a new file, never onto itself: ", 1)[1]
+    command = hint.split(", then pass", 1)[0]
+    if shutil.which("jq") is None:
+        pytest.skip("jq is not installed: the hint's command cannot be run")
+    subprocess.run(["bash", "-c", command], cwd=array.parent, check=True)
+    assert array.read_bytes() == before
+    out = array.parent / command.rsplit("> ", 1)[1]
+    assert [json.loads(x) for x in out.read_text().splitlines()] == rows
 
 
 def test_a_wrong_shaped_tensor_is_named_before_loading(tmp_path, hf_dir, g1):

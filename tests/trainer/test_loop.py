@@ -524,8 +524,9 @@ def _killable_run(run_dir, policy, prm, kill_at, crash_at):
 
 def test_metrics_hold_each_step_once_after_kills_at_random_points(models, tmp_path):
     """6 seeded trials, each kill point at two steps drawn at random: SIGKILL after a step is
-    logged, inside a save (after the model files), or right after a save; the restart resumes
-    and metrics.jsonl holds steps 0..3 exactly once."""
+    logged, inside a save (after the model files), or right after a save (its row then torn,
+    as a full disk leaves it); the restart resumes and metrics.jsonl holds steps 0..3 exactly
+    once, a torn row of a saved step restored from its checkpoint (it was lost: [0, 1, 3])."""
     import random
 
     policy, prm = models
@@ -538,9 +539,16 @@ def test_metrics_hold_each_step_once_after_kills_at_random_points(models, tmp_pa
         crash = step if where == "mid_save" else -1
         with pytest.raises(launch.RankFailed):
             launch.spawn(_killable_run, 1, run_dir, policy, prm, kill_at, crash)
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if where == "after_save":  # and the saved step's row torn (a full disk): restored
+            saved = json.loads(open(path).readlines()[-1])
+            with open(path, "r+") as f:
+                f.truncate(os.path.getsize(path) - 9)
         launch.spawn(_killable_run, 1, run_dir, policy, prm, "", -1)
-        steps = [json.loads(x)["step"] for x in open(os.path.join(run_dir, "metrics.jsonl"))]
-        assert steps == [0, 1, 2, 3], (trial, step, where, steps)
+        rows = [json.loads(x) for x in open(path)]
+        assert [r["step"] for r in rows] == [0, 1, 2, 3], (trial, step, where, rows)
+        if where == "after_save":
+            assert rows[step] == saved, (trial, step)
 
 
 # ------------------------------------------------------------------ the oracle process reward
