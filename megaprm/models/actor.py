@@ -15,11 +15,12 @@ from typing import Callable, Optional
 import torch
 
 from megaprm.models.hf_spec import ModelSpec, decoder_spec, llama3_inv_freq, transformer_config
+from megaprm.models.moe import allow_tp_without_sequence_parallel
 from megaprm.parallel.device import resolve_dtype
 from megaprm.parallel.groups import Groups
 
 
-def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
+def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, ep: int = 1,
               dtype: Optional[torch.dtype] = None, impl: Optional[str] = None,
               seq_length: Optional[int] = None, model_cls: Optional[Callable] = None,
               compile=False, recompute: bool = False, **config_overrides):
@@ -29,6 +30,7 @@ def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
     `model_cls` builds a GPTModel subclass with the same arguments (the PRM: `models.prm`).
     `dtype`: of the parameters (default: bf16 on CUDA, fp32 on the CPU: `device.resolve_dtype`).
     `impl`: "te" | "sdpa" | "local" (default: "te" where TE imports with CUDA, else "sdpa").
+    `ep`: expert parallelism of an MoE model (this rank builds num_experts / ep experts).
     `recompute`: recompute each layer's activations in backward (less memory, ~1/3 more
     compute). `compile`: torch.compile each transformer layer (first steps pay the compile);
     True = inductor, a string names another torch.compile backend (tests use "eager").
@@ -39,7 +41,8 @@ def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
     if recompute:
         config_overrides = {"recompute_granularity": "full", "recompute_method": "uniform",
                             "recompute_num_layers": 1, **config_overrides}
-    config = transformer_config(spec, tp=tp, pp=pp, dtype=dtype, impl=impl, **config_overrides)
+    config = transformer_config(spec, tp=tp, pp=pp, dtype=dtype, impl=impl, ep=ep,
+                                **config_overrides)
     model = (model_cls or GPTModel)(
         config=config,
         transformer_layer_spec=decoder_spec(spec, pp, impl),
@@ -52,6 +55,8 @@ def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int,
         rotary_base=int(spec.rope_theta),
         parallel_output=True,
     )
+    if spec.is_moe and tp > 1:
+        allow_tp_without_sequence_parallel(model)
     inv_freq = llama3_inv_freq(spec)
     if inv_freq is not None:  # the config's own llama3 factors (Megatron hard-codes 1/4/8192)
         model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
@@ -70,7 +75,7 @@ def build_stage(spec: ModelSpec, groups: Groups, *, dtype=None, **kw):
     """Build this rank's GPTModel stage for `spec` under `groups` (dtype None: bf16 on CUDA,
     fp32 on the CPU)."""
     return build_gpt(spec, tp=groups.tp_size, pp=groups.pp_size, pp_rank=groups.pp_rank,
-                     dtype=dtype, **kw)
+                     ep=groups.ep_size, dtype=dtype, **kw)
 
 
 def _batch_major_logits(output_layer) -> None:

@@ -1,4 +1,5 @@
-"""Hugging Face config (Qwen2 / Qwen2.5, Llama 3.x, Qwen3) -> Megatron TransformerConfig + layer spec.
+"""Hugging Face config (Qwen2 / Qwen2.5, Llama 3.x, Qwen3, Qwen2-MoE, Qwen3-MoE) -> Megatron
+TransformerConfig + layer spec.
 
 `ModelSpec` is everything needed to build one pipeline stage of a GPTModel that computes the same
 function as the HF model. It never imports torch.distributed: the tp/pp sizes come in as ints.
@@ -20,7 +21,10 @@ _FAMILIES = {
     "Qwen2ForProcessRewardModel": "qwen2",
     "LlamaForCausalLM": "llama", "LlamaForTokenClassification": "llama",
     "Qwen3ForCausalLM": "qwen3", "Qwen3ForTokenClassification": "qwen3",
+    # mixture-of-experts: the attention of their dense family, every layer's MLP an MoE block
+    "Qwen2MoeForCausalLM": "qwen2", "Qwen3MoeForCausalLM": "qwen3",
 }
+_MOE_ARCHS = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # HF head kinds: "lm" = lm_head (causal LM), "token_cls" = Linear(hidden, num_labels) named `score`,
 # "prm_mlp" = Qwen2.5-Math-PRM's Sequential(Linear(h, h), ReLU, Linear(h, 2)) named `score`.
 _HEADS = {"ForCausalLM": "lm", "ForTokenClassification": "token_cls", "ForProcessRewardModel": "prm_mlp"}
@@ -52,6 +56,16 @@ class ModelSpec:
     tie_embeddings: bool
     num_labels: int = 2
     rope_scaling: Optional[dict] = None
+    # mixture-of-experts (num_experts = 0: a dense model). Every layer's MLP is a router over
+    # `num_experts` SwiGLU experts of width `moe_ffn_hidden_size`, `moe_topk` chosen per token;
+    # `norm_topk_prob`: the chosen probabilities renormalised to sum to 1. Qwen2-MoE adds a
+    # shared expert (`shared_expert_ffn_hidden_size`) scaled by sigmoid(its own gate).
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_ffn_hidden_size: int = 0
+    router_aux_loss_coef: float = 0.0
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     def padded_vocab_size(self, tp: int, multiple: int = 128) -> int:
@@ -62,14 +76,25 @@ class ModelSpec:
     def layers_per_stage(self, pp: int) -> int:
         return self.num_layers // pp
 
-    def check_parallel(self, tp: int, pp: int) -> None:
-        """Raise a clear error when tp/pp cannot split this model evenly."""
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def check_parallel(self, tp: int, pp: int, ep: int = 1) -> None:
+        """Raise a clear error when tp/pp/ep cannot split this model evenly (experts are split
+        over tp too: Megatron's expert tensor parallelism defaults to tp)."""
         problems = []
         if self.num_heads % tp:
             problems.append(f"num_attention_heads={self.num_heads}")
         if self.num_kv_heads % tp:
             problems.append(f"num_key_value_heads={self.num_kv_heads}")
-        if self.ffn_hidden_size % tp:
+        if self.is_moe:
+            if self.moe_ffn_hidden_size % tp:
+                problems.append(f"moe_intermediate_size={self.moe_ffn_hidden_size}")
+            if self.shared_expert_ffn_hidden_size % tp:
+                problems.append(
+                    f"shared_expert_intermediate_size={self.shared_expert_ffn_hidden_size}")
+        elif self.ffn_hidden_size % tp:
             problems.append(f"intermediate_size={self.ffn_hidden_size}")
         if problems:
             raise UnsupportedModelError(
@@ -79,6 +104,16 @@ class ModelSpec:
             raise UnsupportedModelError(
                 f"pp={pp} does not divide num_hidden_layers={self.num_layers}; "
                 f"choose pp among the divisors of {self.num_layers}")
+        if not isinstance(ep, int) or ep < 1:
+            raise UnsupportedModelError(f"parallel.ep={ep!r}: must be a positive integer")
+        if ep > 1 and not self.is_moe:
+            raise UnsupportedModelError(
+                f"parallel.ep={ep} needs a mixture-of-experts model; {self.architecture} is "
+                "dense: set parallel.ep=1")
+        if self.is_moe and self.num_experts % ep:
+            raise UnsupportedModelError(
+                f"parallel.ep={ep} does not divide num_experts={self.num_experts} of "
+                f"{self.architecture}; choose ep among the divisors of {self.num_experts}")
 
 
 def _get(cfg: dict, key: str, default=None):
@@ -126,8 +161,7 @@ def spec_from_hf(path_or_config) -> ModelSpec:
     family = _FAMILIES[arch]
     head = next(v for k, v in _HEADS.items() if arch.endswith(k))
     unsupported = []
-    if cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("moe_intermediate_size"):
-        unsupported.append("mixture-of-experts (num_experts/num_local_experts)")
+    moe = _moe_fields(cfg, arch, unsupported)
     if cfg.get("use_sliding_window"):
         unsupported.append("sliding window attention (use_sliding_window=true)")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -151,15 +185,42 @@ def spec_from_hf(path_or_config) -> ModelSpec:
         num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
         num_heads=heads, num_kv_heads=_get(cfg, "num_key_value_heads", heads),
         head_dim=_get(cfg, "head_dim", cfg["hidden_size"] // heads),
-        ffn_hidden_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+        ffn_hidden_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"], **moe,
         max_position_embeddings=_get(cfg, "max_position_embeddings", 4096),
         rms_norm_eps=_get(cfg, "rms_norm_eps", 1e-6), rope_theta=float(theta),
-        qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+        qkv_bias=family == "qwen2" and bool(cfg.get("qkv_bias", True)), qk_norm=family == "qwen3",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", family != "llama")),
         num_labels=_get(cfg, "num_labels", len(cfg.get("id2label") or {}) or 2),
         rope_scaling=dict(rope) if rope_type == "llama3" else None,
         hf_config=cfg,
     )
+
+
+def _moe_fields(cfg: dict, arch: str, unsupported: list) -> dict:
+    """ModelSpec's mixture-of-experts fields from an HF config (transformers 5 writes Qwen3-MoE's
+    expert count as num_local_experts, the released configs as num_experts); what Megatron's
+    MoE layer would compute differently goes into `unsupported`."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if arch not in _MOE_ARCHS:
+        if experts or cfg.get("moe_intermediate_size"):
+            unsupported.append(f"mixture-of-experts (num_experts) on {arch}; MoE is read from "
+                               f"{' and '.join(_MOE_ARCHS)}")
+        return {}
+    if not experts or not cfg.get("moe_intermediate_size") or not cfg.get("num_experts_per_tok"):
+        unsupported.append("a mixture-of-experts config without num_experts, "
+                           "moe_intermediate_size and num_experts_per_tok")
+        return {}
+    if _get(cfg, "decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        # Megatron's moe_layer_freq could mix dense and MoE layers; not mapped yet
+        unsupported.append(f"dense layers among MoE layers (decoder_sparse_step="
+                           f"{cfg.get('decoder_sparse_step')}, mlp_only_layers="
+                           f"{cfg.get('mlp_only_layers')}); only every layer MoE")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return dict(num_experts=int(experts), moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                moe_topk=int(cfg["num_experts_per_tok"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_ffn_hidden_size=shared,
+                router_aux_loss_coef=float(_get(cfg, "router_aux_loss_coef", 0.0)))
 
 
 def te_available() -> bool:
@@ -192,9 +253,15 @@ def layer_spec(spec: ModelSpec, impl: Optional[str] = None):
     impl = impl or default_impl()
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: choose one of {IMPLS}")
+    # MoE: Megatron's MoELayer (router + experts + shared expert). Experts are TEGroupedMLP under
+    # TE (one grouped GEMM; parameters `experts.linear_fc1.weight{j}`), SequentialMLP on the
+    # local specs (one MLP per local expert: `experts.local_experts.{j}.linear_fc1.weight`).
+    experts = spec.num_experts or None
     if impl == "te":
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    local = specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=spec.is_moe, qk_layernorm=spec.qk_norm)
+    local = specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=spec.qk_norm,
+                                           normalization="RMSNorm")
     if impl == "local":
         return local
     # deferred: megatron
@@ -206,7 +273,11 @@ def layer_spec(spec: ModelSpec, impl: Optional[str] = None):
     if spec.qk_norm:
         attn.q_layernorm = attn.k_layernorm = RMSNorm
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
-    layer.mlp.submodules.activation_func = SwiGLU  # called when use_te_activation_func is set
+    # called when use_te_activation_func is set: the dense MLP, or each expert and shared expert
+    mlps = ([layer.mlp.submodules.experts.submodules, layer.mlp.submodules.shared_experts.submodules]
+            if spec.is_moe else [layer.mlp.submodules])
+    for mlp in mlps:
+        mlp.activation_func = SwiGLU
     return local
 
 
@@ -228,16 +299,45 @@ def decoder_spec(spec: ModelSpec, pp: int, impl: Optional[str] = None):
         layer_specs=[layer] * spec.layers_per_stage(pp), layer_norm=RMSNorm))
 
 
+def moe_config(spec: ModelSpec, ep: int = 1, *, aux_loss_coef: float = 0.0,
+               z_loss_coef: float = 0.0, dispatcher: Optional[str] = None) -> dict:
+    """TransformerConfig fields of Megatron's MoE layer that compute HF's Qwen MoE block.
+
+    HF: p = softmax(router logits) over all experts, the top-k kept, renormalised to sum 1 when
+    norm_topk_prob. Megatron's softmax router either takes softmax then top-k
+    (moe_router_pre_softmax) or top-k logits then softmax over those k; the latter equals
+    p_i / sum_topk p (the softmax's normaliser cancels), so norm_topk_prob picks it.
+    `aux_loss_coef` > 0: Megatron's switch load-balancing loss (HF's router_aux_loss_coef
+    applies it the same way; off by default for RL); `z_loss_coef` > 0: the router z-loss.
+    Tokens are never dropped (no capacity factor), as in HF. `dispatcher` (default: "alltoall"
+    on CUDA; on the CPU "allgather", since the all-to-all dispatcher opens a CUDA stream when it
+    is built) moves tokens to the ep rank of their experts and back."""
+    if not spec.is_moe:
+        return {}
+    dispatcher = dispatcher or ("alltoall" if torch.cuda.is_available() else "allgather")
+    return dict(
+        num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_topk=spec.moe_topk, moe_router_score_function="softmax",
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coef > 0 else "none",
+        moe_aux_loss_coeff=aux_loss_coef, moe_z_loss_coeff=z_loss_coef or None,
+        moe_router_dtype="fp32", moe_token_dispatcher_type=dispatcher,
+        moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=spec.shared_expert_ffn_hidden_size > 0,
+        moe_grouped_gemm=False, expert_model_parallel_size=ep,
+    )
+
+
 def transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
                        dtype: torch.dtype = torch.float32, impl: Optional[str] = None,
-                       **overrides):
+                       ep: int = 1, **overrides):
     """TransformerConfig equal to the HF model's math (no dropout, no fused CUDA-only kernels),
     for the layer implementation `impl` (default as `layer_spec`'s): the fast local spec's MLP
     calls its own activation module (`attention.SwiGLU`) on the whole fc1 output, which Megatron
-    does when `use_te_activation_func` is set."""
+    does when `use_te_activation_func` is set. MoE fields: `moe_config` (override them here)."""
     from megatron.core.transformer import TransformerConfig
 
-    spec.check_parallel(tp, pp)
+    spec.check_parallel(tp, pp, ep)
     impl = impl or default_impl()
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
@@ -259,7 +359,10 @@ def transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         calculate_per_token_loss=True,
         sequence_parallel=False,
         use_te_activation_func=impl == "sdpa",
+        **moe_config(spec, ep),
     )
+    if spec.is_moe and impl == "te":
+        kwargs["moe_grouped_gemm"] = True  # TEGroupedMLP, as `layer_spec` builds it
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

@@ -12,6 +12,13 @@ engines all go through `rule_for` + `to_megatron_shard` / `to_hf`. Layouts handl
 
 Megatron names are local to a pipeline stage (`decoder.layers.{i}` with i counted from the
 stage's first layer); HF names are global (`model.layers.{offset + i}`).
+
+Mixture-of-experts (Qwen2-MoE, Qwen3-MoE): the router `mlp.router.weight` is HF's `mlp.gate.weight`;
+expert e's SwiGLU (`mlp.experts.{e}.gate_proj/up_proj/down_proj`) is a gate_up + row pair like a
+dense MLP, split over tp the same way (Megatron's expert tensor parallelism = tp). Megatron names an
+expert by its index on this ep rank, j (`experts.local_experts.{j}.` on the local specs,
+`experts.linear_fc1.weight{j}` in TE's grouped MLP); e = ep_rank * num_experts / ep + j. Qwen2-MoE's
+shared expert is `mlp.shared_experts.*` with its sigmoid gate `gate_weight` ([1, hidden]).
 """
 from __future__ import annotations
 
@@ -25,6 +32,12 @@ import torch
 from megaprm.models.hf_spec import ModelSpec, spec_from_hf
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# an expert's parameter: SequentialMLP's `local_experts.{j}.linear_fcN.weight`, or TEGroupedMLP's
+# `linear_fcN.weight{j}` -> (j, "linear_fcN.weight")
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12]\.weight)|"
+                     r"(linear_fc[12]\.weight)(\d+))$")
+_EXPERT_RULES = {"linear_fc1.weight": ("gate_up", ["gate_proj.weight", "up_proj.weight"]),
+                 "linear_fc2.weight": ("row", ["down_proj.weight"])}
 
 # Megatron suffix inside a layer -> (kind, HF suffixes). Both the local and the TE layer spec.
 _LAYER_RULES = {
@@ -41,6 +54,12 @@ _LAYER_RULES = {
     "self_attention.linear_proj.weight": ("row", ["self_attn.o_proj.weight"]),
     "mlp.linear_fc1.weight": ("gate_up", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
     "mlp.linear_fc2.weight": ("row", ["mlp.down_proj.weight"]),
+    # MoE: router and Qwen2-MoE's shared expert (experts: `_EXPERT`)
+    "mlp.router.weight": ("replicated", ["mlp.gate.weight"]),
+    "mlp.shared_experts.linear_fc1.weight": (
+        "gate_up", ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"]),
+    "mlp.shared_experts.linear_fc2.weight": ("row", ["mlp.shared_expert.down_proj.weight"]),
+    "mlp.shared_experts.gate_weight": ("replicated", ["mlp.shared_expert_gate.weight"]),
 }
 # tp split dimension of each kind (None = replicated on every tp rank)
 TP_DIM = {"replicated": None, "qkv": 0, "gate_up": 0, "row": 1, "vocab": 0, "head": None}
@@ -63,12 +82,21 @@ def layer_offset(spec: ModelSpec, pp: int, pp_rank: int) -> int:
     return pp_rank * spec.layers_per_stage(pp)
 
 
-def rule_for(name: str, spec: ModelSpec, pp: int = 1, pp_rank: int = 0) -> Optional[Rule]:
-    """The rule of Megatron parameter `name` on stage `pp_rank`; None for parameters that have
-    no HF counterpart of their own (the tied output layer copy, a PRM's unused LM head)."""
+def rule_for(name: str, spec: ModelSpec, pp: int = 1, pp_rank: int = 0, *, ep: int = 1,
+             ep_rank: int = 0) -> Optional[Rule]:
+    """The rule of Megatron parameter `name` on stage `pp_rank` (and expert-parallel rank
+    `ep_rank` of `ep`); None for parameters that have no HF counterpart of their own (the tied
+    output layer copy, a PRM's unused LM head)."""
     m = _LAYER.match(name)
     if m:
         idx, suffix = int(m.group(1)) + layer_offset(spec, pp, pp_rank), m.group(2)
+        e = _EXPERT.match(suffix)
+        if e:
+            j, fc = (int(e.group(1)), e.group(2)) if e.group(1) else (int(e.group(4)), e.group(3))
+            expert = ep_rank * (spec.num_experts // ep) + j
+            kind, hf = _EXPERT_RULES[fc]
+            return Rule(name, kind, tuple(f"model.layers.{idx}.mlp.experts.{expert}.{s}"
+                                          for s in hf))
         if suffix not in _LAYER_RULES:
             raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
         kind, hf = _LAYER_RULES[suffix]
@@ -185,24 +213,28 @@ def to_hf(rule: Rule, full: torch.Tensor, spec: ModelSpec, tp_size: int) -> list
     raise AssertionError(rule.kind)
 
 
-def stage_rules(model, spec: ModelSpec, pp: int, pp_rank: int) -> Iterator[tuple]:
+def stage_rules(model, spec: ModelSpec, pp: int, pp_rank: int, *, ep: int = 1,
+                ep_rank: int = 0) -> Iterator[tuple]:
     """(rule, parameter) for every parameter of a stage that has an HF counterpart, in order."""
     for name, param in model.named_parameters():
         name = name.removeprefix("module.")
-        rule = rule_for(name, spec, pp, pp_rank)
+        rule = rule_for(name, spec, pp, pp_rank, ep=ep, ep_rank=ep_rank)
         if rule is not None:
             yield rule, param
 
 
-def required_hf_names(model, spec: ModelSpec, pp: int, pp_rank: int) -> list:
-    return [n for rule, _ in stage_rules(model, spec, pp, pp_rank) for n in rule.hf_names]
+def required_hf_names(model, spec: ModelSpec, pp: int, pp_rank: int, *, ep: int = 1,
+                      ep_rank: int = 0) -> list:
+    return [n for rule, _ in stage_rules(model, spec, pp, pp_rank, ep=ep, ep_rank=ep_rank)
+            for n in rule.hf_names]
 
 
 @torch.no_grad()
 def load_stage(model, get_hf: Callable[[str], torch.Tensor], spec: ModelSpec, *,
-               tp_rank: int, tp_size: int, pp: int, pp_rank: int) -> None:
+               tp_rank: int, tp_size: int, pp: int, pp_rank: int, ep: int = 1,
+               ep_rank: int = 0) -> None:
     """Copy HF tensors into this rank's stage; shape mismatches and NaN/inf name the tensor."""
-    for rule, param in stage_rules(model, spec, pp, pp_rank):
+    for rule, param in stage_rules(model, spec, pp, pp_rank, ep=ep, ep_rank=ep_rank):
         load_param(rule, param, get_hf, spec, tp_rank=tp_rank, tp_size=tp_size)
 
 
@@ -323,8 +355,15 @@ def expected_hf_names(spec: ModelSpec) -> set:
     """Every HF tensor name of the whole model `spec` describes (all pipeline stages)."""
     layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
              "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-             "mlp.down_proj.weight"]
+             "self_attn.o_proj.weight"]
+    mlp = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+    if spec.is_moe:
+        layer += ["mlp.gate.weight"] + [f"mlp.experts.{e}.{s}" for e in range(spec.num_experts)
+                                        for s in mlp]
+        if spec.shared_expert_ffn_hidden_size:
+            layer += [f"mlp.shared_expert.{s}" for s in mlp] + ["mlp.shared_expert_gate.weight"]
+    else:
+        layer += [f"mlp.{s}" for s in mlp]
     if spec.qkv_bias:
         layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if spec.qk_norm:
@@ -341,10 +380,13 @@ def expected_hf_names(spec: ModelSpec) -> set:
 
 
 def load_hf_weights(model, model_dir: str, spec: ModelSpec, *, tp_rank: int, tp_size: int,
-                    pp: int, pp_rank: int, ignore_unexpected: bool = False) -> None:
-    """Load an HF directory into this rank's stage, reading only this stage's tensors. Every
-    tensor of the directory must belong to the model (`HFWeights.check`)."""
+                    pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0,
+                    ignore_unexpected: bool = False) -> None:
+    """Load an HF directory into this rank's stage, reading only this stage's tensors (and of
+    the experts, only this ep rank's). Every tensor of the directory must belong to the model
+    (`HFWeights.check`)."""
     weights = HFWeights(model_dir)
-    weights.check(required_hf_names(model, spec, pp, pp_rank), expected=expected_hf_names(spec),
-                  ignore_unexpected=ignore_unexpected)
-    load_stage(model, weights, spec, tp_rank=tp_rank, tp_size=tp_size, pp=pp, pp_rank=pp_rank)
+    weights.check(required_hf_names(model, spec, pp, pp_rank, ep=ep, ep_rank=ep_rank),
+                  expected=expected_hf_names(spec), ignore_unexpected=ignore_unexpected)
+    load_stage(model, weights, spec, tp_rank=tp_rank, tp_size=tp_size, pp=pp, pp_rank=pp_rank,
+               ep=ep, ep_rank=ep_rank)

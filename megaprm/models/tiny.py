@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-FAMILIES = ("qwen2", "llama", "qwen3")
+FAMILIES = ("qwen2", "llama", "qwen3", "qwen2_moe", "qwen3_moe")
 
 
 def tiny_config(family: str, *, head: str = "lm", vocab_size: int = 96, hidden_size: int = 64,
@@ -36,9 +36,22 @@ def tiny_config(family: str, *, head: str = "lm", vocab_size: int = 96, hidden_s
         cfg = tf.Qwen3Config(**common, head_dim=hidden_size // num_heads * 2,
                              tie_word_embeddings=False if tie is None else tie,
                              rope_theta=1000000.0)
+    elif family == "qwen3_moe":  # 4 experts, 2 per token, renormalised top-k (as Qwen3-30B-A3B)
+        cfg = tf.Qwen3MoeConfig(**common, head_dim=hidden_size // num_heads * 2,
+                                moe_intermediate_size=intermediate_size // 4, num_experts=4,
+                                num_experts_per_tok=2, norm_topk_prob=True,
+                                tie_word_embeddings=False if tie is None else tie,
+                                rope_theta=1000000.0)
+    elif family == "qwen2_moe":  # + a gated shared expert; top-k probabilities not renormalised
+        cfg = tf.Qwen2MoeConfig(**common, moe_intermediate_size=intermediate_size // 4,
+                                shared_expert_intermediate_size=intermediate_size // 2 + 16,
+                                num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                                tie_word_embeddings=False if tie is None else tie,
+                                rope_theta=1000000.0)
     else:
         raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
-    arch = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3"}[family]
+    arch = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3", "qwen2_moe": "Qwen2Moe",
+            "qwen3_moe": "Qwen3Moe"}[family]
     cfg.architectures = [arch + {"lm": "ForCausalLM", "token_cls": "ForTokenClassification"}[head]]
     if head == "token_cls":
         cfg.num_labels = 2

@@ -118,6 +118,12 @@ def _redirect_entry_points() -> None:
         sq, sq, dtype=torch.bool, device=_CPU).triu(1)
     fused_softmax.get_sliding_window_causal_mask = _cpu_sliding_window_mask
     schedules.backward_step = _without_mode(schedules.backward_step)
+    # 6. The MoE router's gating matmul names `te_general_gemm`, which moe_utils defines only
+    # when Transformer Engine imports: None selects its torch.mm path.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _cpu_sliding_window_mask(sq, skv, window_size):

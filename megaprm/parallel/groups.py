@@ -39,6 +39,11 @@ class Groups:
     dp_host: Optional[Any] = None
     world_host: Optional[Any] = None
     agree: Optional[Any] = None  # gloo, all ranks, short timeout (trainer fault agreement)
+    # expert parallelism (MoE models): the experts of each layer are split over the ep ranks of
+    # a pipeline stage (ranks that hold different data); each expert over tp as a dense MLP
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep: Optional[Any] = None
 
     @property
     def host_dp(self) -> Optional[Any]:

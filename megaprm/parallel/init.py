@@ -22,9 +22,9 @@ class ParallelConfigError(ValueError):
     """A tp/pp/cp/world-size combination that cannot be laid out."""
 
 
-def check_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
+def check_layout(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> int:
     """Return dp for a layout, or raise naming the sizes and a valid alternative."""
-    for name, v in (("tp", tp), ("pp", pp), ("cp", cp)):
+    for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if not isinstance(v, int) or v < 1:
             raise ParallelConfigError(f"parallel.{name}={v!r}: must be a positive integer")
     mp = tp * pp * cp
@@ -32,12 +32,20 @@ def check_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
         raise ParallelConfigError(
             f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {mp}; "
             f"launch a multiple of {mp} processes (megaprm's --nproc) or lower tp/pp/cp")
+    # Experts are split over ep ranks within one pipeline stage, each expert over tp (Megatron's
+    # expert tensor parallelism = tp): tp*ep must divide a stage's tp*cp*dp ranks.
+    if (world_size // pp) % (tp * ep):
+        raise ParallelConfigError(
+            f"parallel.ep={ep}: tp*ep = {tp}*{ep} = {tp * ep} does not divide the "
+            f"{world_size // pp} ranks of a pipeline stage (world size {world_size} / pp {pp}); "
+            f"launch a multiple of {tp * ep * pp} processes or lower ep")
     return world_size // mp
 
 
 def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None,
                      seed: int = 1234, backend: Optional[str] = None,
-                     timeout_minutes: int = 30, agree_timeout_s: float = 300.0) -> Groups:
+                     timeout_minutes: int = 30, agree_timeout_s: float = 300.0,
+                     ep: int = 1) -> Groups:
     """Create (or reuse) the default process group, initialise Megatron, seed its RNG tracker.
 
     torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; without them this is
@@ -49,7 +57,7 @@ def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] =
     cpu.install()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    dp = check_layout(world_size, tp, pp, cp)
+    dp = check_layout(world_size, tp, pp, cp, ep)
     if vpp is not None and pp == 1:
         raise ParallelConfigError(f"parallel.vpp={vpp} needs pp > 1 (interleaved pipeline)")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -73,6 +81,7 @@ def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] =
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
+        expert_model_parallel_size=ep,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     dp_host = world_host = None
@@ -96,7 +105,8 @@ def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] =
         mp=ps.get_model_parallel_group(),
         embd=ps.get_embedding_group(),
         vpp_size=vpp, backend=backend, dp_host=dp_host, world_host=world_host,
-        agree=agree,
+        agree=agree, ep_size=ep, ep_rank=ps.get_expert_model_parallel_rank(),
+        ep=ps.get_expert_model_parallel_group(),
     )
 
 

@@ -5,7 +5,8 @@ The shipped configs (hf_configs/*.json) hold the architecture numbers of the pub
 config.json files on the Hugging Face Hub (hidden size, layers, heads, KV heads, intermediate
 size, vocabulary, tying): Qwen/Qwen2.5-Math-7B, Qwen/Qwen2.5-7B, Qwen/Qwen2.5-Math-1.5B,
 Qwen/Qwen2.5-Math-PRM-7B, PRIME-RL/Eurus-2-7B-SFT (a Qwen2.5-Math-7B fine-tune),
-jinachris/PURE-PRM-7B (a Qwen2.5-Math-7B token classifier), meta-llama/Llama-3.1-8B.
+jinachris/PURE-PRM-7B (a Qwen2.5-Math-7B token classifier), meta-llama/Llama-3.1-8B,
+Qwen/Qwen3-30B-A3B (mixture-of-experts: experts, experts per token, expert width).
 """
 from __future__ import annotations
 

@@ -1,0 +1,133 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its gated shared expert) on Megatron's
+MoE layer: the config read, the parallel checks, and the actor's log-probs against transformers'
+own forward of the same HF checkpoint at ep1 (in process) and at ep2 / tp2 / pp2 (2 gloo ranks).
+"""
+import os
+import re
+
+import pytest
+import torch
+
+from megaprm import planner
+from megaprm.models.hf_spec import UnsupportedModelError, spec_from_hf
+from megaprm.models.tiny import save_tiny_model, tiny_config
+from megaprm.parallel import launch
+from megaprm.parallel.init import ParallelConfigError, check_layout
+
+MOE = ("qwen3_moe", "qwen2_moe")
+B, S = 4, 10
+
+
+def test_moe_configs_read():
+    q3 = spec_from_hf(tiny_config("qwen3_moe").to_dict())
+    assert (q3.num_experts, q3.moe_topk, q3.moe_ffn_hidden_size, q3.norm_topk_prob) == (4, 2, 32, True)
+    assert q3.qk_norm and not q3.qkv_bias and q3.shared_expert_ffn_hidden_size == 0
+    q2 = spec_from_hf(tiny_config("qwen2_moe").to_dict())
+    assert q2.qkv_bias and not q2.norm_topk_prob and q2.shared_expert_ffn_hidden_size == 80
+    # the released Qwen3-30B-A3B config spells the expert count num_experts
+    real = spec_from_hf(os.path.join(os.path.dirname(planner.__file__), "hf_configs",
+                                     "Qwen3-30B-A3B.json"))
+    assert (real.num_experts, real.moe_topk, real.moe_ffn_hidden_size) == (128, 8, 768)
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"decoder_sparse_step": 2}, "dense layers among MoE layers"),
+    ({"mlp_only_layers": [0]}, "dense layers among MoE layers"),
+    ({"num_experts_per_tok": None}, "without num_experts, moe_intermediate_size"),
+])
+def test_unsupported_moe_named(change, needle):
+    cfg = tiny_config("qwen3_moe").to_dict()
+    cfg.update(change)
+    with pytest.raises(UnsupportedModelError, match=re.escape(needle)):
+        spec_from_hf(cfg)
+
+
+def test_ep_checks():
+    spec = spec_from_hf(tiny_config("qwen3_moe").to_dict())
+    spec.check_parallel(2, 2, 4)
+    with pytest.raises(UnsupportedModelError,
+                       match=r"parallel.ep=3 does not divide num_experts=4 .*divisors of 4"):
+        spec.check_parallel(1, 1, 3)
+    with pytest.raises(UnsupportedModelError, match=r"moe_intermediate_size=32"):
+        spec.check_parallel(64, 1, 1)
+    dense = spec_from_hf(tiny_config("qwen2").to_dict())
+    with pytest.raises(UnsupportedModelError, match=r"parallel.ep=2 needs a mixture-of-experts"):
+        dense.check_parallel(1, 1, 2)
+    assert check_layout(8, 2, 2, 1, 2) == 2
+    with pytest.raises(ParallelConfigError, match=r"parallel.ep=4: tp\*ep = 2\*4 = 8 does not "
+                                                  r"divide the 4 ranks of a pipeline stage"):
+        check_layout(8, 2, 2, 1, 4)
+
+
+def _ids(vocab):
+    return torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(1))
+
+
+def _hf_logprobs(model_dir):
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = _ids(model.config.vocab_size)
+    with torch.no_grad():
+        logits = model(ids).logits
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    return {f: save_tiny_model(f, str(tmp_path_factory.mktemp(f)), seed=3) for f in MOE}
+
+
+def _rank_logprobs(model_dir, tp, pp, ep):
+    from megaprm.models.actor import build_stage
+    from megaprm.models.logprobs import vocab_parallel_logprobs
+    from megaprm.models.mapping import load_hf_weights
+    from megaprm.parallel import pipeline
+    from megaprm.parallel.init import init_distributed
+
+    g = init_distributed(tp=tp, pp=pp, ep=ep)
+    spec = spec_from_hf(model_dir)
+    model = build_stage(spec, g)  # left in training mode: the MoE layer's tp guard is live
+    load_hf_weights(model, model_dir, spec, tp_rank=g.tp_rank, tp_size=tp, pp=pp,
+                    pp_rank=g.pp_rank, ep=ep, ep_rank=g.ep_rank)
+    n_local = sum(1 for n, _ in model.named_parameters()
+                  if n.startswith("decoder.layers.0.mlp.experts.") and n.endswith("fc1.weight"))
+    rows = slice(g.dp_rank * B // g.dp_size, (g.dp_rank + 1) * B // g.dp_size)
+    ids = _ids(spec.vocab_size)[rows]
+
+    def post(mb, logits):
+        return None, vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], tp_group=g.tp,
+                                             tp_rank=g.tp_rank, vocab_size=spec.vocab_size)
+
+    with torch.no_grad():
+        lp = pipeline.run(model, [pipeline.TokenBatch(ids, torch.ones(ids.shape))], groups=g,
+                          post=post, forward_only=True)
+    lp = pipeline.broadcast_from_last_stage(lp, g)[0]
+    return {"rows": (rows.start, rows.stop), "logprobs": lp, "ep_rank": g.ep_rank,
+            "local_experts": n_local}
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_moe_actor_matches_transformers_in_process(moe_dirs, family):
+    from megaprm.parallel.init import destroy
+
+    try:
+        got = _rank_logprobs(moe_dirs[family], 1, 1, 1)
+    finally:
+        destroy()
+    assert got["local_experts"] == 4
+    assert (got["logprobs"] - _hf_logprobs(moe_dirs[family])).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", MOE)
+@pytest.mark.parametrize("layout", [(1, 1, 2), (2, 1, 1), (1, 2, 1)],
+                         ids=["ep2", "tp2", "pp2"])
+def test_moe_actor_matches_transformers_on_two_ranks(moe_dirs, family, layout):
+    ref = _hf_logprobs(moe_dirs[family])
+    results = launch.spawn(_rank_logprobs, 2, moe_dirs[family], *layout)
+    ep = layout[2]
+    assert sorted(r["ep_rank"] for r in results) == list(range(ep)) * (2 // ep)
+    for r in results:
+        assert r["local_experts"] == 4 // ep
+        lo, hi = r["rows"]
+        assert (r["logprobs"] - ref[lo:hi]).abs().max() <= 1e-5
