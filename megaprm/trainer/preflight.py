@@ -12,6 +12,7 @@ from megaprm.models.hf_spec import spec_from_hf
 from megaprm.parallel.init import ParallelConfigError, check_layout
 from megaprm.planner import plan as planner
 from megaprm.planner.hardware import local_gpu
+from megaprm.rewards.prm_input import check_prm_reads_policy, resolve_prm_input_format
 from megaprm.rollout.factory import check_engine, resolve_engine
 from megaprm.trainer.checkpoint.load import other_runs
 from megaprm.trainer.checkpoint.run_dir import refuse_lost_checkpoints, refuse_overwrite
@@ -53,6 +54,10 @@ def check_rl_launch(cfg: Config, world_size: int):
         print(f"megaprm train: warning: prm.path={cfg.prm.path!r} is not read with prm.kind="
               f"{cfg.prm.kind}", file=sys.stderr)
     model_source.check_tokenizer(src.hf_dir, "model.path")
+    if cfg.prm.kind == "discriminative":  # the PRM reads the policy's text, as it was trained
+        prm_config = spec_from_hf(prm.hf_dir).hf_config
+        check_prm_reads_policy(prm.hf_dir, src.hf_dir, prm_vocab_size=prm_config.get("vocab_size"))
+        resolve_prm_input_format(cfg.prm.input_format, prm.hf_dir, hf_config=prm_config)
     check_engine(cfg.rollout.engine)
     if cfg.prm.kind == "judge":
         check_engine(cfg.prm.judge.engine, "prm.judge.engine")
