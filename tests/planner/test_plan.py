@@ -502,12 +502,13 @@ def test_separate_placement_puts_the_engine_on_the_rollout_gpus_alone():
 
 
 def test_plan_of_a_separate_placement_from_the_command_line(capsys):
+    # 4 trainer GPUs: data.prompts_per_step=1024 splits over their dp (6 would be refused)
     rc, js, _ = _plan(capsys, "configs/grpo.yaml", "--gpus", "8", "--json",
-                      "rollout.placement=separate", "rollout.ranks=2",
+                      "rollout.placement=separate", "rollout.ranks=4",
                       "rollout.max_staleness=1")
     data = json.loads(js)
-    assert rc == 0 and data["layout"]["dp"] == 6
-    assert data["placement"] == {"separate": True, "trainer_gpus": 6, "rollout_gpus": 2,
+    assert rc == 0 and data["layout"]["dp"] == 4
+    assert data["placement"] == {"separate": True, "trainer_gpus": 4, "rollout_gpus": 4,
                                  "max_staleness": 1}
     assert data["memory_bytes"]["sync_peak"] == 0
     assert any("separate" in n for n in data["notes"])
