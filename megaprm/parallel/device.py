@@ -1,6 +1,10 @@
 """The one device rule (ARCHITECTURE.md "One device rule").
 
 * A rank's models live on `rank_device()`: `cuda:LOCAL_RANK` when CUDA is present, else the CPU.
+  With MEGAPRM_RANKS_SHARE_DEVICE=1 every local rank takes cuda:0 instead: 2-4 ranks on one GPU
+  (the GPU session's multi-rank checks, scripts/gpu_session.sh). NCCL refuses two ranks of a
+  communicator on one GPU ("Duplicate GPU detected"), so such ranks talk over gloo, with CUDA
+  tensors (`default_backend`; MEGAPRM_BACKEND=gloo|nccl forces one).
 * Host-side work - tokenising, verifiers, estimators' Python bookkeeping, metrics - stays on the
   CPU. Tensors cross between the two only at phase boundaries, through `to_device` (host ->
   model) and `to_host` (model -> host), so a test can check the rule by looking at devices.
@@ -19,10 +23,40 @@ import os
 import torch
 
 
+SHARE_ENV = "MEGAPRM_RANKS_SHARE_DEVICE"
+BACKEND_ENV = "MEGAPRM_BACKEND"
+BACKENDS = ("gloo", "nccl")
+
+
+def ranks_share_device() -> bool:
+    """Every local rank on device 0 (MEGAPRM_RANKS_SHARE_DEVICE=1)."""
+    return os.environ.get(SHARE_ENV, "0") not in ("", "0")
+
+
 def rank_device() -> torch.device:
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        index = 0 if ranks_share_device() else int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def default_backend() -> str:
+    """The default process group's backend: MEGAPRM_BACKEND when set; else NCCL where each rank
+    has its own GPU, gloo where there is no CUDA or local ranks share one GPU (gloo's allreduce,
+    broadcast and allgather take CUDA tensors; what else it does on CUDA is measured by
+    scripts/gpu_checks.py `collectives`)."""
+    forced = os.environ.get(BACKEND_ENV, "")
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={forced!r}: expected one of {BACKENDS}")
+        if forced == "nccl" and not torch.cuda.is_available():
+            raise ValueError(f"{BACKEND_ENV}=nccl needs CUDA, and this machine has none; "
+                             "unset it (gloo is the CPU's backend)")
+        return forced
+    if not torch.cuda.is_available():
+        return "gloo"
+    sharing = ranks_share_device() and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
+    return "gloo" if sharing else "nccl"
 
 
 # Parameter dtypes by config name. "auto": bf16 where the models run on CUDA (tensor cores; fp32

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megaprm.parallel import cpu
-from megaprm.parallel.device import configure_cuda_math
+from megaprm.parallel.device import configure_cuda_math, default_backend, rank_device
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.ports import free_port
 
@@ -49,7 +49,8 @@ def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] =
     """Create (or reuse) the default process group, initialise Megatron, seed its RNG tracker.
 
     torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; without them this is
-    a single process on a private loopback port. NCCL when CUDA is present, gloo otherwise.
+    a single process on a private loopback port. NCCL when each rank has its own GPU, gloo
+    otherwise (no CUDA, or local ranks sharing one GPU: `device.default_backend`).
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -60,9 +61,9 @@ def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] =
     dp = check_layout(world_size, tp, pp, cp, ep)
     if vpp is not None and pp == 1:
         raise ParallelConfigError(f"parallel.vpp={vpp} needs pp > 1 (interleaved pipeline)")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or default_backend()
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(rank_device())
     configure_cuda_math()
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=timeout_minutes)

@@ -18,7 +18,8 @@
   `checkpoint_tools verify`, benches). Each child gets the environment torchrun would give it
   (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), runs `fn(*args)` and sends back its
   return value or its traceback. With more ranks than GPUs the children see no GPU
-  (`CUDA_VISIBLE_DEVICES=""`): multi-rank work on a one-GPU machine runs under gloo on the CPU.
+  (`CUDA_VISIBLE_DEVICES=""`): multi-rank work on a one-GPU machine runs under gloo on the CPU,
+  unless MEGAPRM_RANKS_SHARE_DEVICE=1 (device.ranks_share_device): then they all run on GPU 0.
   On a machine without a GPU the children are forks of a forkserver that imported torch,
   megatron-core and the trainer once (`PRELOAD`; seconds per rank saved), each taking the
   caller's environment and new RNG seeds; `start_context`/`rank_env`/`enter_rank` give other
@@ -120,10 +121,14 @@ def resolve_nproc(args) -> int:
     nproc = args.nproc if args.nproc is not None else default_nproc(args._launch_cpu_default)
     if nproc < 1:
         raise LaunchError(f"--nproc={nproc}: must be >= 1")
+    # deferred: device imports torch, which --help must not pay
+    from megaprm.parallel.device import ranks_share_device
+
     gpus = gpu_count()
-    if gpus and nproc > gpus:
+    if gpus and nproc > gpus and not ranks_share_device():
         raise LaunchError(f"--nproc={nproc} local ranks but this machine has {gpus} GPU(s); "
-                          f"use --nproc {gpus} or fewer (one rank per GPU)")
+                          f"use --nproc {gpus} or fewer (one rank per GPU), or set "
+                          "MEGAPRM_RANKS_SHARE_DEVICE=1 to put every rank on GPU 0")
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise LaunchError(f"--node-rank={args.node_rank} with --nnodes={args.nnodes}: the node "
                           f"rank must be in 0..{args.nnodes - 1}")
@@ -442,11 +447,14 @@ def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 600.0,
     with its imports (for callers that have started no threads or GPU work yet)."""
     import torch
 
+    # deferred: device imports torch, which --help must not pay
+    from megaprm.parallel.device import ranks_share_device
+
     ctx = start_context(start_method)
     queue = ctx.Queue()
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    with hidden_gpus(world_size > gpu_count()):
+    with hidden_gpus(world_size > gpu_count() and not ranks_share_device()):
         env = rank_env(ctx)
         procs = [ctx.Process(target=_child,
                              args=(r, world_size, port, fn, args, queue, threads, env))

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from megaprm.config import ConfigError
-from megaprm.parallel.device import rank_device
+from megaprm.parallel.device import default_backend, rank_device
 
 CTRL, DATA, EVAL = 11, 12, 13  # message tags: orders (trainer 0 -> rollout), batches, evaluation
 
@@ -109,8 +109,7 @@ def split_world(cfg, timeout_minutes: int = 30) -> Optional[Placement]:
                                          timeout)
     if rank < trainers:
         os.environ["WORLD_SIZE"] = str(trainers)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, store=dist.PrefixStore("megaprm/trainer", store),
+        dist.init_process_group(default_backend(), store=dist.PrefixStore("megaprm/trainer", store),
                                 rank=rank, world_size=trainers, timeout=timeout)
     _CURRENT = Placement(rank, world, trainers, list(range(trainers, world)), xfer, store,
                          weights=weights, device=device)
@@ -118,13 +117,16 @@ def split_world(cfg, timeout_minutes: int = 30) -> Optional[Placement]:
 
 
 def _weights_group(store, rank: int, size: int, timeout) -> tuple:
-    """The weights group (trainer rank 0 = 0, rollout ranks 1 .. size-1) and its device: NCCL
-    on this rank's GPU where CUDA is present (the trainer's tensors and the engine's weights are
-    there), else gloo on the CPU. Built by its members only, from their launch store."""
+    """The weights group (trainer rank 0 = 0, rollout ranks 1 .. size-1) and its device: this
+    rank's GPU where CUDA is present (the trainer's tensors and the engine's weights are there),
+    over NCCL, or over gloo with CUDA tensors where the ranks share one GPU
+    (`device.default_backend`); else gloo on the CPU. Built by its members only, from their
+    launch store."""
     device = rank_device()
     wstore = dist.PrefixStore("megaprm/weights", store)
-    if device.type == "cuda":  # untested here (no GPU on the development machine)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
+    if device.type == "cuda" and default_backend() == "nccl":  # never run: needs 2 GPUs
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         group = dist.ProcessGroupNCCL(wstore, rank, size, opts)
