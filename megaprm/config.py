@@ -325,24 +325,25 @@ class RefConfig:
         _check(isinstance(self.offload, bool), "ref.offload", self.offload, "true or false")
 
 
-VERIFIERS = ("math_verify", "hendrycks_math", "prime_math")
+VERIFIERS = ("math_verify", "prof_math_verify", "hendrycks_math", "prime_math")
 
 
 @dataclass
 class RewardConfig:
     """The outcome verifier of data.task=math (rewards.verifiers, docs/estimators.md):
-    math_verify (PROF-GRPO: LaTeX/symbolic equivalence), hendrycks_math (PURE: the last \\boxed{}
-    equals the answer as a string after the MATH normalisation), prime_math (PRIME and PAPO:
-    PRIME's answer extraction, normalised string equality, else math-verify on the extracted
-    answer). `llm_fallback` (PAPO's USE_LLM_VERIFIER): a response the rules call wrong is
-    asked again of the prm.kind=judge grader, which may flip it to correct."""
+    math_verify (lenient: LaTeX/symbolic equivalence, the boxed answer first),
+    prof_math_verify (PROF-GRPO's call of math-verify), hendrycks_math (PURE: the last
+    \\boxed{} equals the answer as a string after the MATH normalisation), prime_math (PRIME and
+    PAPO: the released grader, rewards.prime_grader). `llm_fallback` (PAPO's
+    USE_LLM_VERIFIER): a response the rules call wrong is asked again of the prm.kind=judge
+    grader, which may flip it to correct."""
 
     verifier: str = "math_verify"
     llm_fallback: bool = False
 
     def __post_init__(self):
         _check(self.verifier in VERIFIERS, "reward.verifier", self.verifier,
-               "math_verify, hendrycks_math or prime_math")
+               "math_verify, prof_math_verify, hendrycks_math or prime_math")
 
 
 @dataclass

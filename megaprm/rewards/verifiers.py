@@ -65,6 +65,7 @@ def _worker_main(fd: int) -> None:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
     from math_verify.metric import math_metric
 
+    # deferred: sympy and pylatexenc load in the worker process only
     from megaprm.rewards.prime_grader import prime_grade
 
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # per-sample timeout chatter

@@ -17,10 +17,12 @@ as PAPO's released grader does (llm_proof_grading.py:171-173), from
 problem statement it is shown (`PromptRecord.question`) from `extra_info.question` /
 `extra_info.problem`, else the prompt.
 
-What the policy is given is built from a record by `policy_prompt` (`data.prompt_format`): the
-question as is or through an instruction template (PURE), the tokenizer's chat template over
-the row's messages or over [system, user] (PRIME, PROF-GRPO), or the first message as is (PAPO's
-pass-through template).
+What the policy is given is built from a record by `policy_prompt` (`data.prompt_format`,
+`data.prompt_template`, `data.system_prompt`): the question through the recipe's instruction
+template, as is (PURE, PAPO) or in the tokenizer's chat template with the recipe's system
+message (PRIME, PROF-GRPO). A row that carries chat messages must be the recipe's layout (the
+release's preprocessing output); its question is read back from it, so a plain question row and
+a release-format row give the same prompt, and any other row is a bad row ("layout").
 
 A row that cannot be read is skipped, counted by reason and reported (`LoadReport`: file,
 1-based line or row number, reason; `LoadReport.text()` is the printable report with the first
@@ -28,7 +30,8 @@ examples), or with `on_bad_row="error"` stops the load with a DataError naming t
 Invalid UTF-8 is always an error naming the file and byte offset (never silently replaced).
 A row without an answer is skipped, or kept with answer "" (`keep_unanswered=True`: PURE
 trains on such prompts with verifiable reward 0). `max_prompt_tokens` (with a tokenizer)
-truncates, drops or refuses longer prompts (`long_prompt`). A row over `MAX_ROW_BYTES` (1 MiB)
+truncates, drops or refuses prompts longer than that, counted on the rendered prompt
+(`long_prompt`). A row over `MAX_ROW_BYTES` (1 MiB)
 is a bad row before it is decoded, parsed or tokenised. A missing file raises
 FileNotFoundError naming the path; a directory or a .json file holding one JSON array is a
 DataError saying what to pass instead.
@@ -65,9 +68,55 @@ class PromptRecord:
     meta: dict = field(default_factory=dict, compare=False)
     reference: Optional[str] = None  # reference solution text (module docstring), or None
     question: Optional[str] = None   # problem statement for a judge; None: the prompt
+    text: Optional[str] = None       # the rendered policy prompt (load_prompts' `render`)
 
 
 PROMPT_FORMATS = ("raw", "chat", "first_message")
+
+
+class LayoutError(ValueError):
+    """A row whose chat messages are not the recipe's prompt layout (a bad row, named)."""
+
+
+def _template_parts(template: str) -> tuple[str, str]:
+    """The text `template` puts before and after the question (doubled braces undone)."""
+    parts = template.split("{question}")
+    if len(parts) != 2:
+        raise LayoutError("data.prompt_template holds {question} more than once, so a row's "
+                          "messages cannot be read back to a question; give plain questions")
+    unescape = lambda t: t.replace("{{", "{").replace("}}", "}")  # noqa: E731
+    return unescape(parts[0]), unescape(parts[1])
+
+
+def question_of_messages(messages: list, *, fmt: str = "raw", template: str = "{question}",
+                         system: Optional[str] = None) -> tuple[str, Optional[str]]:
+    """(question, the row's system message or None) of a release-format row: its messages are
+    what the recipe builds from a plain question, [system_prompt (chat), user:
+    template(question)]. Raises LayoutError saying what differs, so such a row is refused or
+    reported by name instead of being prompted differently.
+
+    The row's own system message is accepted where the recipe sets none (prompt_format chat
+    keeps it; raw and first_message have no place for one, so it is refused there)."""
+    msgs = [{"role": m.get("role"), "content": m.get("content")} for m in messages]
+    row_system = msgs.pop(0)["content"] if msgs and msgs[0]["role"] == "system" else None
+    roles = [m["role"] for m in msgs]
+    if roles != ["user"]:
+        raise LayoutError(f"messages with roles {(['system'] if row_system is not None else []) + roles}"
+                          "; a prompt row holds an optional system message and one user message")
+    if system is not None and row_system != system:
+        what = "no system message" if row_system is None else "another system message"
+        raise LayoutError(f"{what} (data.system_prompt is {system[:40]!r}...); give the "
+                          "plain question, or the release's messages")
+    if row_system is not None and system is None and fmt != "chat":
+        raise LayoutError(f"a system message, which data.prompt_format={fmt} has no place for")
+    user = msgs[0]["content"]
+    head, tail = _template_parts(template)
+    if not (isinstance(user, str) and len(user) >= len(head) + len(tail)
+            and user.startswith(head) and user.endswith(tail)):
+        raise LayoutError("its user message is not data.prompt_template around a question "
+                          f"(expected {head[:30]!r}...{{question}}...{tail[-40:]!r}); give the "
+                          "plain question, or convert the file with `megaprm data`")
+    return user[len(head):len(user) - len(tail)], row_system
 
 
 def policy_prompt(question: str, messages: Optional[list] = None, *, fmt: str = "raw",
@@ -76,30 +125,30 @@ def policy_prompt(question: str, messages: Optional[list] = None, *, fmt: str = 
     """The policy's prompt text for one row (encoded without special tokens, as verl's
     tokenize_and_postprocess_data and OpenRLHF's tokenizer call do).
 
-    A plain question (`messages` None) first goes through `template` ("{question}" = as is;
-    PURE's input_template, PROF-GRPO's instruction suffix). A row that carries chat messages
-    (verl's parquet layout) is its release's prompt already: the template does not touch it.
+    A plain question goes through `template` ("{question}" = as is; PURE's input_template,
+    PROF-GRPO's and PRIME's instruction, PAPO's wrapper) into the user text. A row that carries
+    chat messages (verl's parquet layout) must be that recipe's layout already
+    (`question_of_messages`, LayoutError otherwise): its question is read back from it, so both
+    kinds of row give the same prompt.
 
-    fmt raw: the user text (for a message row: its last user message, `question`);
-    first_message: the first message's content (PAPO's pass-through chat template), else the
-    user text; chat: `tokenizer.apply_chat_template(messages, add_generation_prompt=True)`
-    over the row's messages or [system, user], `system` added where the row has no system
-    message (without one, the template's own default system text applies, as released)."""
+    fmt raw and first_message: the user text (first_message is PAPO's pass-through chat
+    template, `{{ messages[0]["content"] }}`, over [user]); chat:
+    `tokenizer.apply_chat_template([system, user], add_generation_prompt=True)`, the system
+    message `system`, else the row's own, else none (the template's default system text
+    applies, as released)."""
     if fmt not in PROMPT_FORMATS:
         raise ValueError(f"prompt format {fmt!r}: expected one of {PROMPT_FORMATS}")
-    if messages is None:
-        user = template.format(question=question)
-        if fmt != "chat":
-            return user
-        messages = [{"role": "user", "content": user}]
-    elif fmt == "raw":
-        return question
-    elif fmt == "first_message":
-        return messages[0]["content"]
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-    if system is not None and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": system})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    row_system = None
+    if messages is not None:
+        question, row_system = question_of_messages(messages, fmt=fmt, template=template,
+                                                    system=system)
+    user = template.format(question=question)
+    if fmt != "chat":
+        return user
+    system = system if system is not None else row_system
+    chat = ([] if system is None else [{"role": "system", "content": system}]) + \
+        [{"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
 
 
 def _reference_of(row: dict, extra: dict) -> tuple[Optional[str], Optional[str]]:
@@ -336,15 +385,20 @@ def load_prompts(
     on_bad_row: str = "skip", keep_unanswered: bool = False,
     max_prompt_tokens: Optional[int] = None, long_prompt: str = "error", tokenizer=None,
     log: Optional[Callable[[str], None]] = None,
+    render: Optional[Callable[[PromptRecord], str]] = None,
 ) -> tuple[list[PromptRecord], LoadReport]:
     """Read a .parquet, .jsonl or .json(l) prompt file. `data_source` is used for rows that do
     not name one (default: the parent folder's name). Returns the records and a LoadReport.
 
     on_bad_row: "skip" (count and report) or "error" (DataError naming file, line, reason).
     keep_unanswered: keep rows without an answer, with answer "" (verifiable reward 0).
-    max_prompt_tokens (needs `tokenizer`, an HF tokenizer; counted without special tokens or
-    chat template): longer prompts are cut to that many tokens (long_prompt="truncate"),
-    skipped ("drop"), or refused ("error"). log: called once with `LoadReport.text()`.
+    render: record -> the policy's prompt text (`PromptRecord.text`; the trainer's
+    `policy_prompt`); a row it refuses (LayoutError) is a bad row of kind "layout".
+    max_prompt_tokens (needs `tokenizer`, an HF tokenizer): counted on the rendered prompt's
+    ids (chat template included, no special tokens added: what the engine is given, and what
+    the releases' filters count), else on the question; longer prompts are cut to that many
+    tokens (long_prompt="truncate"), skipped ("drop"), or refused ("error"). log: called once
+    with `LoadReport.text()`.
     """
     if on_bad_row not in ON_BAD_ROW:
         raise ValueError(f"on_bad_row={on_bad_row!r}: expected one of {ON_BAD_ROW}")
@@ -374,8 +428,14 @@ def load_prompts(
             if isinstance(row, _BadRow):
                 raise row
             rec = _record(row, source, position=line_no - 1, keep_unanswered=keep_unanswered)
+            if render is not None:
+                try:
+                    rec = dataclasses.replace(rec, text=render(rec))
+                except LayoutError as exc:
+                    raise _BadRow(f"not this recipe's prompt layout: {exc}", "layout") from None
             if max_prompt_tokens is not None:
-                over = _over_limit(rec.prompt, tokenizer, max_prompt_tokens)
+                counted = rec.prompt if rec.text is None else rec.text
+                over = _over_limit(counted, tokenizer, max_prompt_tokens)
                 if over is not None:
                     prompt, many = over
                     if long_prompt == "error":
@@ -386,7 +446,8 @@ def load_prompts(
                     if long_prompt == "drop":
                         raise _BadRow(f"prompt has {many} > max_prompt_tokens="
                                       f"{max_prompt_tokens}", "too long")
-                    rec = dataclasses.replace(rec, prompt=prompt)
+                    rec = dataclasses.replace(rec, **{"prompt" if rec.text is None else
+                                                      "text": prompt})
                     report.truncated += 1
         except _BadRow as exc:
             if on_bad_row == "error":

@@ -55,11 +55,18 @@ def prompt_formatter(d, tokenizer):
     return fmt
 
 
+def render_with(fmt):
+    """A `load_prompts` render: a record -> its policy prompt under `fmt` (prompt_formatter)."""
+    return lambda rec: fmt(rec.prompt, rec.meta.get("messages"))
+
+
 def make_data(cfg: Config, tokenizer=None, log=None):
     """block -> `Prompts`: the global prompt batch number `block`, deterministic in it (a step
     without refill uses block = step, so resume needs nothing else; with refill the next block
-    is saved trainer state). A prompt file is read once, with its load report printed (`log`)
-    and `data.*` row rules applied; it is walked in order, block after block."""
+    is saved trainer state). A prompt file is read once, each row rendered into its prompt
+    (a row that is not the recipe's layout is a bad row), with its load report printed (`log`)
+    and `data.*` row rules applied (max_prompt_tokens on the rendered prompt); it is walked in
+    order, block after block."""
     P = cfg.data.prompts_per_step
     d = cfg.data
     fmt = prompt_formatter(d, tokenizer)
@@ -76,13 +83,14 @@ def make_data(cfg: Config, tokenizer=None, log=None):
                                    keep_unanswered=d.keep_unanswered,
                                    max_prompt_tokens=d.max_prompt_tokens,
                                    long_prompt=d.long_prompt,
-                                   tokenizer=tokenizer if d.max_prompt_tokens else None, log=log)
+                                   tokenizer=tokenizer if d.max_prompt_tokens else None, log=log,
+                                   render=render_with(fmt))
     if not records:
         raise ConfigError(f"data.path={d.path!r}: no usable rows ({report.summary()})")
 
     def math(block):
         rows = [records[(block * P + i) % len(records)] for i in range(P)]
-        return Prompts([fmt(r.prompt, r.meta.get("messages")) for r in rows],
+        return Prompts([r.text for r in rows],
                        [r.answer for r in rows],
                        [r.question or r.prompt for r in rows], [r.reference for r in rows])
     math.report = report

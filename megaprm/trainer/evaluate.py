@@ -10,7 +10,7 @@ from megaprm.rewards.verifiers import score_outcomes
 from megaprm.rollout.engine import SamplingParams
 from megaprm.tasks.arithmetic import check_steps, generate_problems
 from megaprm.tasks.datasets import load_prompts
-from megaprm.trainer.data import HELD_OUT_SEED, prompt_formatter
+from megaprm.trainer.data import HELD_OUT_SEED, prompt_formatter, render_with
 
 
 def shard(problems: list, groups: Groups) -> tuple[int, int]:
@@ -93,8 +93,7 @@ def evaluate_with(cfg, engine, tok, groups) -> dict:
         return evaluate_arithmetic(engine, tok, groups, problems,
                                    max_tokens=cfg.rollout.max_tokens, fmt=fmt)
 
-    records, _ = load_prompts(cfg.data.eval_path, limit=n)
-    return evaluate_math(engine, tok, groups,
-                         [fmt(x.prompt, x.meta.get("messages")) for x in records],
+    records, _ = load_prompts(cfg.data.eval_path, limit=n, render=render_with(fmt))
+    return evaluate_math(engine, tok, groups, [x.text for x in records],
                          [x.answer for x in records], max_tokens=cfg.rollout.max_tokens,
                          verifier=cfg.reward.verifier)

@@ -69,7 +69,7 @@ def test_recipes_follow_the_released_scripts():
     assert (pure.rollout.temperature, pure.actor.logprob_temperature) == (0.5, 1.0)
     assert (pure.reward.verifier, prime.reward.verifier) == ("hendrycks_math", "prime_math")
     prof = _recipe("prof_grpo")
-    assert (prof.reward.verifier, prof.advantage.prof.precision) == ("math_verify", "released")
+    assert (prof.reward.verifier, prof.advantage.prof.precision) == ("prof_math_verify", "released")
     assert (prof.data.prompt_format, prof.prm.forward) == ("chat", "compact")
     dr = _recipe("drgrpo")
     assert dr.actor.loss_agg == "seq-mean-token-sum-norm" and dr.advantage.method == "drgrpo"
