@@ -308,3 +308,29 @@ def test_doc_commands_run_as_written(doc, tiny_run, request):
             _check_run(doc, cmd, p)
         print(f"{k:5s} {time.perf_counter() - t0:5.1f}s {cmd.splitlines()[0][:90]}")
     print(doc, {k: seen.count(k) for k in set(seen)})
+
+
+def test_no_doc_train_command_resumes_a_run_an_earlier_one_finished():
+    """In doc order (README first, then docs/*.md), a `megaprm train` whose run directory an
+    earlier doc command already trained as far would print 'already finished' and train
+    nothing (README's Ray command and docs/lifecycle.md's offload command resumed the finished
+    runs/prof_grpo-tiny and trained 0 steps): each such command takes a run directory of its
+    own."""
+    from megaprm import cli
+    from megaprm.config import load_config
+
+    trained, clashes = {}, []
+    for doc, cmds in ALL.items():
+        for cmd in cmds:
+            words = cmd.splitlines()[0].split()
+            if words[:2] != [".venv/bin/megaprm", "train"] or kind(cmd) != "dry":
+                continue
+            args, rest = cli._parser().parse_known_args(words[1:])
+            t = load_config(args.config, [*args.overrides, *rest]).trainer
+            run_dir = os.path.normpath(t.run_dir)
+            if t.resume and trained.get(run_dir, -1) >= t.steps:
+                clashes.append(f"{doc}: {cmd.splitlines()[0]} (trainer.run_dir={run_dir} "
+                               f"already trained to {trained[run_dir]} steps)")
+            trained[run_dir] = max(trained.get(run_dir, 0), t.steps)
+    assert not clashes, "\n".join(clashes)
+    assert len(trained) >= 5  # README's and the docs' train commands were read
