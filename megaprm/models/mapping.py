@@ -115,6 +115,12 @@ def rule_for(name: str, spec: ModelSpec, pp: int = 1, pp_rank: int = 0, *, ep: i
     raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
 
 
+def is_expert(megatron_name: str) -> bool:
+    """Whether a Megatron parameter is one of an MoE layer's experts (split over ep)."""
+    m = _LAYER.match(megatron_name)
+    return bool(m and _EXPERT.match(m.group(2)))
+
+
 def exported(rule: Rule) -> bool:
     """A tied output layer is a copy of the embedding: export it once (from the embedding)."""
     return not (rule.megatron_name == "output_layer.weight"

@@ -75,9 +75,22 @@ def mapping_spec(model):
 
 
 def _own_params(model, spec, groups: Groups) -> list:
-    """(rule, parameter) of this stage that the HF stream carries (tied copies excluded)."""
-    return [(rule, p) for rule, p in mapping.stage_rules(model, spec, groups.pp_size,
-                                                        groups.pp_rank) if mapping.exported(rule)]
+    """(rule, parameter) of this stage that the HF stream carries (tied copies excluded); the
+    experts of an MoE model named as this ep rank's."""
+    return [(rule, p) for rule, p in mapping.stage_rules(
+        model, spec, groups.pp_size, groups.pp_rank, ep=groups.ep_size, ep_rank=groups.ep_rank)
+        if mapping.exported(rule)]
+
+
+def _gather_ep(full: torch.Tensor, rule, spec, stage: int, groups: Groups) -> list:
+    """[(rule, full tensor)] of one expert parameter on every ep rank (the same local index j,
+    expert r * num_experts / ep + j on rank r); any other parameter as it is."""
+    if groups.ep_size == 1 or not mapping.is_expert(rule.megatron_name):
+        return [(rule, full)]
+    parts = [torch.empty_like(full) for _ in range(groups.ep_size)]
+    dist.all_gather(parts, full.contiguous(), group=groups.ep)
+    return [(mapping.rule_for(rule.megatron_name, spec, groups.pp_size, stage, ep=groups.ep_size,
+                              ep_rank=r), t) for r, t in enumerate(parts)]
 
 
 def _stage_meta(own: list, groups: Groups) -> list:
@@ -92,7 +105,9 @@ def _stage_meta(own: list, groups: Groups) -> list:
 
 @torch.no_grad()
 def iter_hf_weights(model, groups: Groups, spec=None) -> Iterator[tuple]:
-    """Yield (hf_name, tensor) for the whole model, in stage order, identically on all ranks."""
+    """Yield (hf_name, tensor) for the whole model, in stage order, identically on all ranks.
+    An MoE model's expert parameters are gathered over the ep group too (after tp, before the
+    pp broadcast): each local expert index yields that expert of every ep rank."""
     spec = spec or mapping_spec(model)
     own = _own_params(model, spec, groups)
     device = own[0][1].device if own else torch.device("cpu")
@@ -105,9 +120,11 @@ def iter_hf_weights(model, groups: Groups, spec=None) -> Iterator[tuple]:
                 if rule.tp_dim is not None:
                     full_shape[rule.tp_dim] *= groups.tp_size
                 full = torch.empty(full_shape, dtype=dtype, device=device)
-            if groups.pp_size > 1:
-                dist.broadcast(full, src=dist.get_global_rank(groups.pp, stage), group=groups.pp)
-            yield from mapping.to_hf(rule, full, spec, groups.tp_size)
+            for rule_e, full_e in _gather_ep(full, rule, spec, stage, groups):
+                if groups.pp_size > 1:
+                    dist.broadcast(full_e, src=dist.get_global_rank(groups.pp, stage),
+                                   group=groups.pp)
+                yield from mapping.to_hf(rule_e, full_e, spec, groups.tp_size)
 
 
 # ------------------------------------------------------------------------------- bucketed
@@ -475,6 +492,9 @@ def iter_hf_buckets(model, groups: Groups, bucket_bytes: int | None = None,
     `transport`: "collective" (the above), "shm" (CPU, one host: the shards are copied into a
     shared-memory buffer in HF layout, no collective moves bytes; see the module docstring) or
     "auto" (shm where it applies, else collective). The streams are identical, bit for bit.
+
+    With expert parallelism (ep > 1) the buckets are `iter_hf_weights`' tensors one by one:
+    the bucketed gathers and the shared buffer know tp and pp only.
     """
     bucket_bytes = default_bucket_bytes() if bucket_bytes is None else bucket_bytes
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -482,6 +502,10 @@ def iter_hf_buckets(model, groups: Groups, bucket_bytes: int | None = None,
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r}: must be one of {', '.join(TRANSPORTS)}")
     spec = spec or mapping_spec(model)
+    if groups.ep_size > 1:
+        for pair in iter_hf_weights(model, groups, spec):
+            yield [pair]
+        return
     own = _own_params(model, spec, groups)
     device = own[0][1].device if own else torch.device("cpu")
     metas = _stage_meta(own, groups)

@@ -1,6 +1,7 @@
 """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its gated shared expert) on Megatron's
 MoE layer: the config read, the parallel checks, and the actor's log-probs against transformers'
-own forward of the same HF checkpoint at ep1 (in process) and at ep2 / tp2 / pp2 (2 gloo ranks).
+own forward of the same HF checkpoint at ep1 (in process) and at ep2 / tp2 / pp2 (2 gloo ranks),
+and HF -> Megatron -> HF through the weight-sync streams (per tensor and bucketed), bit for bit.
 """
 import os
 import re
@@ -63,6 +64,15 @@ def _ids(vocab):
     return torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(1))
 
 
+def _assert_hf_weights(got: dict, model_dir: str):
+    from safetensors.torch import load_file
+
+    ref = load_file(f"{model_dir}/model.safetensors")
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+
+
 def _hf_logprobs(model_dir):
     import transformers as tf
 
@@ -84,6 +94,7 @@ def _rank_logprobs(model_dir, tp, pp, ep):
     from megaprm.models.mapping import load_hf_weights
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
+    from megaprm.rollout import weight_sync
 
     g = init_distributed(tp=tp, pp=pp, ep=ep)
     spec = spec_from_hf(model_dir)
@@ -103,8 +114,12 @@ def _rank_logprobs(model_dir, tp, pp, ep):
         lp = pipeline.run(model, [pipeline.TokenBatch(ids, torch.ones(ids.shape))], groups=g,
                           post=post, forward_only=True)
     lp = pipeline.broadcast_from_last_stage(lp, g)[0]
+    # HF names back from every rank's shards: the per-tensor stream and the bucketed one
+    weights = {k: v.clone() for k, v in weight_sync.iter_hf_weights(model, g)}
+    buckets = {k: v.clone() for b in weight_sync.iter_hf_buckets(model, g, bucket_bytes=1 << 14)
+               for k, v in b}
     return {"rows": (rows.start, rows.stop), "logprobs": lp, "ep_rank": g.ep_rank,
-            "local_experts": n_local}
+            "local_experts": n_local, "weights": weights, "buckets": buckets}
 
 
 @pytest.mark.parametrize("family", MOE)
@@ -117,6 +132,8 @@ def test_moe_actor_matches_transformers_in_process(moe_dirs, family):
         destroy()
     assert got["local_experts"] == 4
     assert (got["logprobs"] - _hf_logprobs(moe_dirs[family])).abs().max() <= 1e-5
+    _assert_hf_weights(got["weights"], moe_dirs[family])
+    _assert_hf_weights(got["buckets"], moe_dirs[family])
 
 
 @pytest.mark.parametrize("family", MOE)
@@ -131,3 +148,5 @@ def test_moe_actor_matches_transformers_on_two_ranks(moe_dirs, family, layout):
         assert r["local_experts"] == 4 // ep
         lo, hi = r["rows"]
         assert (r["logprobs"] - ref[lo:hi]).abs().max() <= 1e-5
+        _assert_hf_weights(r["weights"], moe_dirs[family])  # every rank gets the whole model
+        _assert_hf_weights(r["buckets"], moe_dirs[family])
