@@ -1,4 +1,4 @@
-"""`megaprm {demo,compare,train,train-prm,plan,eval,bench,plot,convert}`: thin wrappers over the
+"""`megaprm {demo,compare,train,train-prm,plan,data,eval,bench,plot,convert}`: thin wrappers over the
 packages.
 
 Commands that need several ranks validate everything they can without ranks (config, model vs
@@ -252,8 +252,33 @@ def _say_where_the_run_is(run_dir: str) -> None:
         drawn = f"plots {plots}/ (`megaprm plot {run_dir}` redraws them)"
     except (FileNotFoundError, ValueError):  # no step logged (e.g. trainer.steps=0)
         drawn = "no plots (no step logged)"
+    last = _last_step_line(run_dir)
+    if last:
+        print(last, flush=True)
     print(f"[train] done: run {run_dir} (config.yaml, checkpoints/), metrics "
           f"{os.path.join(run_dir, 'metrics.jsonl')}, {drawn}", flush=True)
+
+
+# what megaprm's own summary shows of the last step (wandb's is off by default)
+SUMMARY_KEYS = ("reward/outcome_mean", "prm/score_mean", "prm/outcome_agreement",
+                "exact/correct_with_wrong_step_frac",
+                "actor/entropy", "actor/kl_loss", "response/length_mean", "timing/step_s")
+
+
+def _last_step_line(run_dir: str) -> str | None:
+    """One line of the last logged step's headline metrics, or None when none was logged."""
+    # deferred: keeps --help fast
+    from megaprm.trainer.metrics import read_metrics
+
+    try:
+        rows = read_metrics(run_dir)
+    except (OSError, ValueError):
+        return None
+    if not rows:
+        return None
+    row = rows[-1]
+    shown = [f"{k}={row[k]:.4g}" for k in SUMMARY_KEYS if isinstance(row.get(k), (int, float))]
+    return f"[train] last step {row.get('step')}: " + ", ".join(shown)
 
 
 def cmd_train_prm(args) -> int:
@@ -289,6 +314,26 @@ def cmd_train_prm(args) -> int:
         return 0
 
     return _on_ranks(args, sys.argv[1:], preflight, body)
+
+
+def cmd_data(args) -> int:
+    # deferred: keeps --help fast
+    from megaprm.config import load_config
+    from megaprm.tasks.convert import LAYOUTS, convert
+
+    cfg = load_config(args.config, args.overrides)
+    layout = args.layout or cfg.advantage.method
+    if layout not in LAYOUTS:
+        raise ValueError(f"{args.config} is a {layout} recipe, which has no released row "
+                         f"layout; pass --layout {' | '.join(LAYOUTS)}")
+    rows, _ = convert(args.src, args.out, layout, cfg.data, force=args.force, log=print)
+    print(f"[megaprm] data: wrote {len(rows)} rows in {layout}'s released layout to {args.out}")
+    if layout == "papo":
+        missing = sum(not r["extra_info"]["reference_solution"] for r in rows)
+        if missing:
+            print(f"[megaprm] data: {missing} rows have no reference solution (no `solution` or "
+                  "`reference_solution` field); PAPO's grader scores their process grade 0")
+    return 0
 
 
 def cmd_plot(args) -> int:
@@ -476,6 +521,30 @@ def _parser() -> argparse.ArgumentParser:
     add_launch_args(p, cpu_default=1)
     add_ray_args(p)
     p.set_defaults(fn=cmd_train_prm)
+
+    dt = sub.add_parser("data", help="write a plain question file (JSONL/parquet) in a recipe's "
+                                     "released row layout (PRIME, PROF-GRPO, PAPO, PURE)",
+                        description="Read a prompt file of plain questions (fields problem | "
+                        "question | prompt, answer | final_answer | a \\boxed{} in solution; "
+                        "PAPO's grader also reads solution or reference_solution) and write it "
+                        "in the row layout of the recipe's release: its system message and "
+                        "instruction (data.system_prompt, data.prompt_template) put where the "
+                        "release's preprocessing puts them. megaprm train renders the same "
+                        "prompt from either file; the converted one also runs in the released "
+                        "code. Rows of another layout are skipped and reported.")
+    dt.add_argument("config", help="the recipe whose prompt settings apply, e.g. "
+                                   "configs/prime.yaml")
+    dt.add_argument("overrides", nargs="*", help="section.key=value, e.g. "
+                                                 "data.prompt_template='{question}'")
+    dt.add_argument("--in", dest="src", required=True, metavar="FILE",
+                    help="the plain question file (.jsonl or .parquet)")
+    dt.add_argument("--out", required=True, metavar="FILE",
+                    help="the converted file; .parquet (as the verl-based releases read) or "
+                    ".jsonl. Never the input; an existing file only with --force")
+    dt.add_argument("--layout", default=None, choices=("prime", "prof_grpo", "papo", "pure"),
+                    help="the release's layout (default: the recipe's advantage.method)")
+    dt.add_argument("--force", action="store_true", help="replace an existing --out file")
+    dt.set_defaults(fn=cmd_data)
 
     pl = sub.add_parser("plot", help="draw a run's metrics.jsonl curves into PNGs")
     pl.add_argument("run_dir", help="a run directory holding metrics.jsonl")
