@@ -52,7 +52,7 @@ def test_converted_rows_are_the_release_layout_and_prompt_the_same(recipe, suffi
         assert [m["role"] for m in first["prompt"]] == ["system", "user"]
         assert first["prompt"][1]["content"] == QUESTION + (
             " Let's think step by step and output the final answer within \\boxed{}.")
-    elif recipe == "papo":  # data/convert_numina_math.py:48-68
+    elif recipe == "papo":  # data/convert_numina_math.py:51-68
         assert first["prompt"] == [{"role": "user", "content": (
             "You are a knowledgeable math assistant. Answer the following questions and think "
             "step by step. " + QUESTION + " Please output the final answer within \\boxed{}.")}]

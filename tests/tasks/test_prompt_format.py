@@ -160,7 +160,7 @@ def test_prof_prompt_and_prm_input(tok, tmp_path):
 
 
 def test_papo_prompt_from_a_plain_row_and_from_a_release_row(tok, tmp_path):
-    # data/convert_numina_math.py:27,48: one user message, system text + problem + instruction;
+    # data/convert_numina_math.py:27,51: one user message, system text + problem + instruction;
     # the 7B-base script's pass-through chat template `{{ messages[0]["content"] }}` (script:72)
     user = ("You are a knowledgeable math assistant. Answer the following questions and think "
             "step by step. " + QUESTION + " Please output the final answer within \\boxed{}.")
@@ -220,7 +220,7 @@ def test_a_row_of_neither_layout_is_reported_by_name(recipe, messages, why, tok,
 def test_the_prompt_limit_counts_the_rendered_prompt(tok, tmp_path):
     """Each recipe's limit as released, counted on the rendered prompt's ids: a question that
     fits the limit bare but not with the recipe's system message and instruction is dropped by
-    PRIME (rl_dataset.py:115-118) and cut to the limit by PURE (experience_maker.py:191-199)."""
+    PRIME (rl_dataset.py:115-117) and cut to the limit by PURE (experience_maker.py:191-199)."""
     limits = {r: (c.data.max_prompt_tokens, c.data.long_prompt) for r, c in
               ((r, load_config(str(CONFIGS / f"{r}.yaml"))) for r in
                ("prime", "pure", "prof_grpo", "papo"))}
