@@ -12,13 +12,19 @@ install: $(STAMP)
 
 # torch goes in first: the CPU wheel (2.13.0) unless a CUDA torch is already importable,
 # so that megatron-core/transformers never pull the multi-GB CUDA build of torch.
+# pip runs quiet (-q); each step says what it installs first (the whole install takes minutes)
 $(STAMP): setup.py
+	@echo "[install 1/4] $(VENV): a virtualenv (once)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "[install 2/4] pip upgrade"
 	$(PY) -m pip install -q --upgrade pip
+	@echo "[install 3/4] torch 2.13.0, the CPU build (skipped where a CUDA torch imports)"
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() or torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
 		|| $(PY) -m pip install -q torch==2.13.0
+	@echo "[install 4/4] megaprm and its dependencies (megatron-core, transformers, ...; minutes)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
+	@echo "[install] done: $(VENV)"
 
 # `make test KERNEL_PATH=avx2` (or default, avx512) runs under that CPU kernel path of torch,
 # as a CPU of that kind computes (docs/testing.md; tests/kernel_paths.py holds the table)

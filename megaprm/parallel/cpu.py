@@ -124,6 +124,11 @@ def _redirect_entry_points() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # 7. The tp linear layers warn once per process to set CUDA_DEVICE_MAX_CONNECTIONS=1 (a CUDA
+    # stream setting; it means nothing on the host): marked as warned already.
+    from megatron.core.tensor_parallel import layers
+
+    layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
 
 
 def _cpu_sliding_window_mask(sq, skv, window_size):

@@ -95,16 +95,18 @@ class RLTrainer:
         # The engine first, then asleep: vLLM's start-up check wants utilisation x total memory
         # free, which the actor, reference and PRM would no longer leave; the first
         # `sync_weights` wakes its weights with the actor's.
+        say = print if cfg.trainer.progress and groups.rank == 0 else (lambda *_a, **_k: None)
+        t_build = time.perf_counter()
+        say(f"[train] building the rollout engine and the models (actor{', reference' if ref_needed(cfg) else ''}"
+            f"{', PRM' if cfg.prm.kind in ('discriminative', 'implicit') else ''}) ...", flush=True)
         self.engine = rollout_source.build_engine(self)  # None: the rollout ranks hold it
         kw = dict(dtype=dtype, batching=self.batching,
                   build={"impl": cfg.model.impl, "compile": cfg.model.compile,
                          "recompute": cfg.model.recompute})
         self.actor = Policy(self.spec, groups, self.src, trainable=True, optim=cfg.actor.optim,
                             temperature=self.temperature, **kw)
-        needs_ref = (cfg.actor.kl_coef or cfg.prm.kind == "implicit"
-                     or (cfg.advantage.method == "pure" and cfg.advantage.pure.kl_coef))
         self.ref = (Policy(self.spec, groups, self.src, trainable=False,
-                           temperature=self.temperature, **kw) if needs_ref else None)
+                           temperature=self.temperature, **kw) if ref_needed(cfg) else None)
         self.prm = self.implicit = self.disc_prm = None
         if cfg.prm.kind == "discriminative":
             self.disc_prm = reward_phase.build_discriminative_prm(cfg, groups)
@@ -121,6 +123,7 @@ class RLTrainer:
         if cfg.prm.kind == "judge":
             grader = reward_phase.build_grader(cfg, groups)
             self.grader, self.grader_tok = grader.engine, grader.tok
+        say(f"[train] models built ({time.perf_counter() - t_build:.0f} s)", flush=True)
         # data position: block b = the b-th batch of prompts_per_step prompts. Without refill a
         # step uses block `step`; with refill a step uses one block per generation round and the
         # next unused block is trainer state (saved in checkpoints, so resume draws the same).
@@ -309,6 +312,9 @@ class RLTrainer:
         if start == 0:  # a fresh start (or a kill before the first checkpoint): no old rows
             self.logger.truncate_after(-1)
         history = []
+        if cfg.progress and g.rank == 0 and start < cfg.steps:  # the bar moves only after it
+            print(f"[train] step {start}: generating, scoring and updating (the bar below moves "
+                  "when the step ends)", flush=True)
         bar = tqdm(range(start, cfg.steps), desc=f"RL {self.cfg.advantage.method}",
                    disable=not (cfg.progress and g.rank == 0), initial=start, total=cfg.steps)
         for step in bar:
@@ -337,3 +343,8 @@ class RLTrainer:
             self.lock.release()
         return history
 
+
+def ref_needed(cfg: Config) -> bool:
+    """A reference policy is built for the KL penalty, PRIME's implicit PRM and PURE's KL."""
+    return bool(cfg.actor.kl_coef or cfg.prm.kind == "implicit"
+                or (cfg.advantage.method == "pure" and cfg.advantage.pure.kl_coef))

@@ -40,8 +40,15 @@ class MetricsLogger:
             try:
                 import wandb
 
+                # quiet by default: wandb's banner and ~30-line history/summary say what
+                # metrics.jsonl and megaprm's own last lines say; WANDB_SILENT / WANDB_QUIET set
+                # in the environment are the user's choice and win. reinit="finish_previous":
+                # what reinit=True meant (the boolean is deprecated, with a warning per run)
+                quiet = not ({"WANDB_SILENT", "WANDB_QUIET"} & set(os.environ))
+                settings = wandb.Settings(silent=True) if quiet else None
                 self._wandb = wandb.init(project=project, dir=run_dir, mode=wandb_mode,
-                                         config=config, reinit=True)
+                                         config=config, reinit="finish_previous",
+                                         settings=settings)
             except Exception as e:  # wandb missing or unable to start: JSONL still has it all
                 print(f"[megaprm] wandb disabled ({type(e).__name__}: {e}); metrics go to "
                       f"{self.path}")

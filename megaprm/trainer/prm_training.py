@@ -550,8 +550,13 @@ def train_prm(cfg: PRMTrainConfig, groups: Groups,
     train, held, skipped = _load_data(cfg, tokenizer, fmt)
     if skipped:
         log(f"skipped {len(skipped)} unusable rows, e.g. " + "; ".join(skipped[:3]))
+    # progress before the first step's line (data and model build took ~40 s silent on a CPU)
+    log(f"{len(train)} training and {len(held)} held-out solutions; building the PRM from "
+        f"{cfg.model_dir} ...")
     model, spec = build_trainable_prm(cfg, groups)
     ddp = pipeline.wrap_ddp(model, groups)
+    log(f"training: {cfg.stage1_steps} head step(s), then {cfg.stage2_steps} whole-model "
+        "step(s) ...")
     # stage 1 trains the head (and the auxiliary LM head, which is as new to the task)
     head_params = [p for n, p in ddp.module.named_parameters()
                    if n.startswith("score.") or n.startswith("output_layer.")]
