@@ -65,11 +65,17 @@ def _frac_arguments(s: str) -> str:
     return out
 
 
-def _slash_fraction(s: str) -> str:
-    """"3/4" (two plain integers, nothing else) -> `\\frac{3}{4}`."""
+def _slash_fraction(s: str, strict: bool = False) -> str:
+    """"3/4" (two plain integers, nothing else) -> `\\frac{3}{4}`. strict (PURE's copy of the
+    rule, which catches only its assert): a side that is not an integer at all fails the rule."""
     parts = s.split("/")
     if len(parts) != 2:
         return s
+    if strict:
+        try:
+            int(parts[0]), int(parts[1])
+        except ValueError:
+            raise _RuleFailed("a non-integer side of a/b") from None
     if re.fullmatch(r"-?\d+", parts[0]) and re.fullmatch(r"-?\d+", parts[1]) \
             and s == f"{int(parts[0])}/{int(parts[1])}":
         return f"\\frac{{{int(parts[0])}}}{{{int(parts[1])}}}"
@@ -87,13 +93,13 @@ def _sqrt_arguments(s: str) -> str:
     return out
 
 
-def math_normalize(s: str) -> str:
+def math_normalize(s: str, strict_slash: bool = False) -> str:
     """The MATH dataset's answer normalisation (rules in this order): drop newlines, `\\!`,
     doubled backslashes, t/dfrac -> frac, `\\left`/`\\right`, degree marks, `\\$`, a unit after
     "\\text{ ", `\\%`; " ." -> " 0.", a leading "." -> "0."; "k = v" with a short left side ->
     "v"; `\\sqrt3` -> `\\sqrt{3}`; remove spaces; brace `\\frac` arguments; "0.5" -> 1/2 as
-    `\\frac{1}{2}`; "a/b" of integers -> `\\frac{a}{b}`. Raises _RuleFailed where released
-    code raised."""
+    `\\frac{1}{2}`; "a/b" of integers -> `\\frac{a}{b}` (`strict_slash`: PURE's copy, where
+    "x/y" raises). Raises _RuleFailed where released code raised."""
     s = s.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
     s = s.replace("tfrac", "frac").replace("dfrac", "frac")
     s = s.replace("\\left", "").replace("\\right", "")
@@ -117,14 +123,14 @@ def math_normalize(s: str) -> str:
     s = _frac_arguments(s)
     if s == "0.5":
         s = "\\frac{1}{2}"
-    return _slash_fraction(s)
+    return _slash_fraction(s, strict_slash)
 
 
 def strings_equal_after_math_normalize(answer: str, truth: str) -> bool:
     """PURE's is_equiv: normalised strings equal (or equal to the truth without its commas:
     45,000 = 45000); raw equality where a rule fails."""
     try:
-        a, t = math_normalize(answer), math_normalize(truth)
+        a, t = math_normalize(answer, True), math_normalize(truth, True)
     except _RuleFailed:
         return answer == truth
     return a == t or a == t.replace(",", "")

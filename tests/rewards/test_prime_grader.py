@@ -1,8 +1,9 @@
 """`reward.verifier: prime_math` (rewards.prime_grader, run in the verifiers' worker) against
-the release's grader transcribed in tests/rewards/prime_release_reference.py, and
-`prof_math_verify` against PROF-GRPO's math-verify call, on answer pairs of the kinds where
-graders part: percentages, pi, fractions and decimals, several or empty boxes, numbers inside
-prose, order, intervals, units, LaTeX spacing."""
+the release's grader transcribed in tests/rewards/prime_release_reference.py, `prof_math_verify`
+against PROF-GRPO's math-verify call and `hendrycks_math` against PURE's math_score.py
+(tests/rewards/pure_release_reference.py), on answer pairs of the kinds where graders part:
+percentages, pi, fractions and decimals, several or empty boxes, numbers inside prose, order,
+intervals, units, LaTeX spacing."""
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
 
 from megaprm.rewards.prime_grader import _eval_arithmetic
 from megaprm.rewards.verifiers import TIMEOUT_S, math_scores
+from tests.rewards import pure_release_reference as pure_release
 from tests.rewards.prime_release_reference import released_score
 
 PAIRS = [  # (response, ground truth)
@@ -117,3 +119,17 @@ def test_prof_math_verify_is_prof_grpos_call():
     assert released[-2:] == [1.0, 0.0]
     assert math_scores(responses[-2:], truths[-2:], "math_verify") == [0.0, 1.0]
     assert TIMEOUT_S["prof_math_verify"] == 20.0 and TIMEOUT_S["prime_math"] == 300.0
+
+
+def test_hendrycks_math_is_pures_checker():
+    """PURE's string rules on every pair, and on "a/b" forms where PURE's copy of the MATH
+    normalisation raises (its fix_a_slash_b catches only its assert) and falls back to raw
+    equality, while PRM800K's copy leaves the string as it is."""
+    slash = [("\\boxed{x/ y}", "x/y"), ("\\boxed{x/y}", "\\frac{x}{y}"), ("\\boxed{a/ 2}", "a/2"),
+             ("\\boxed{ 3/4}", "\\frac34"), ("\\boxed{3 /4}", "3/4"), ("\\boxed{1/2/3}", "1/2/3"),
+             ("so $\\boxed 7$ and", "7"), ("\\boxed{45,000}", "45000"), ("\\boxed{45000}", "45,000")]
+    pairs = PAIRS + slash
+    responses, truths = map(list, zip(*pairs))
+    released = [pure_release.compute_score(r, t) for r, t in pairs]
+    assert math_scores(responses, truths, "hendrycks_math") == released
+    assert released[len(PAIRS):len(PAIRS) + 3] == [0.0, 0.0, 0.0]
