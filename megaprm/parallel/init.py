@@ -61,7 +61,8 @@ def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] =
     dp = check_layout(world_size, tp, pp, cp, ep)
     if vpp is not None and pp == 1:
         raise ParallelConfigError(f"parallel.vpp={vpp} needs pp > 1 (interleaved pipeline)")
-    backend = backend or default_backend()
+    # a group started by the caller (tests' run_distributed: gloo) keeps its backend
+    backend = backend or (dist.get_backend() if dist.is_initialized() else default_backend())
     if torch.cuda.is_available():
         torch.cuda.set_device(rank_device())
     configure_cuda_math()

@@ -9,7 +9,8 @@ aside) and each tensor's update (the engine's full HF tensors after the step's s
 on every rank), within `TOL` (fp32, TF32 off). dp2's step draws other samples on its second
 rank, so its reference is the single-batch one of tests/trainer/test_loop.py::
 test_update_metrics_equal_a_single_batch_reference[2ranks-*] and tests/algorithms/
-test_distributed.py (estimators, any placement). ~15 s on two cores.
+test_distributed.py (estimators, any placement). A tp2 run's checkpoint, exported, loads in
+transformers on the device with the weights the run trained. ~1 min on two cores.
 
 The same test is the GPU session's multi-rank check: with MEGAPRM_RANKS_SHARE_DEVICE=1 on a
 one-GPU machine its ranks all run on cuda:0 over gloo (scripts/gpu_session.sh)."""
@@ -22,15 +23,14 @@ from megaprm.parallel import launch
 from tests.rl_setup import rl_config, tiny_policy_and_prm
 
 METHODS = ("pure", "prime")
-EXTRA = ["rollout.max_tokens=12", "actor.micro_batch_size=4", "model.dtype=fp32",
-         "trainer.save_every=0"]
+EXTRA = ["rollout.max_tokens=12", "actor.micro_batch_size=4", "model.dtype=fp32"]
 # PRIME: every group kept (the tiny random policy solves nothing, and the accuracy filter,
 # 0.2..0.8, would drop them all) and two steps: at step 0 the implicit PRM equals its reference,
 # so its process rewards (and with all outcomes 0 the advantages) are 0; the PRM trains, and at
 # step 1 its rewards move the actor. The actor is unchanged by step 0, so step 1 draws the same
 # rollouts in every layout.
-BY_METHOD = {"pure": ["trainer.steps=1"],
-             "prime": ["trainer.steps=2", "advantage.prime.acc_low=0.0",
+BY_METHOD = {"pure": ["trainer.steps=1", "trainer.save_every=1"],
+             "prime": ["trainer.steps=2", "trainer.save_every=0", "advantage.prime.acc_low=0.0",
                        "advantage.prime.acc_high=1.0"]}
 # Tolerances, fp32 (measured on the CPU: PURE's metrics within 2.4e-7 absolute and each tensor's
 # update within 1.4e-5 of its norm at tp2 and pp2). PRIME's step 1: its process rewards are
@@ -63,7 +63,8 @@ def _step(run_root, policy, prm, tp, pp):
         before = _engine_weights(tr)
         history = tr.fit()
         after = _engine_weights(tr)
-        out[method] = {"history": history, "method": method,
+        out[method] = {"history": history, "method": method, "run_dir": cfg.trainer.run_dir,
+                       "after": after if method == "pure" else None,
                        "update": {k: after[k] - before[k] for k in before},
                        "device": str(next(tr.actor.model.parameters()).device)}
     return out
@@ -102,13 +103,25 @@ def reference(models, tmp_path_factory):
     return launch.spawn(_step, 1, str(tmp_path_factory.mktemp("ws1")), policy, prm, 1, 1)[0]
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_a_step_at_tp2_and_pp2_equals_the_step_at_world_size_1(models, reference,
-                                                                 tmp_path_factory, tp, pp):
+@pytest.fixture(scope="module")
+def layouts(models, tmp_path_factory):
+    """layout -> its ranks' results, each layout run once for the tests below."""
     policy, prm = models
+    runs = {}
+
+    def run(tp, pp):
+        if (tp, pp) not in runs:
+            runs[tp, pp] = launch.spawn(_step, tp * pp,
+                                        str(tmp_path_factory.mktemp(f"tp{tp}pp{pp}")), policy,
+                                        prm, tp, pp)
+        return runs[tp, pp]
+    return run
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_a_step_at_tp2_and_pp2_equals_the_step_at_world_size_1(reference, layouts, tp, pp):
     ref = reference
-    ranks = launch.spawn(_step, tp * pp, str(tmp_path_factory.mktemp(f"l{tp}{pp}")), policy,
-                         prm, tp, pp)
+    ranks = layouts(tp, pp)
     for method in METHODS:
         last = ref[method]["history"][-1]
         assert last["actor/grad_norm"] > 0 and last["adv/abs_max"] > 0, last  # the actor trains
@@ -119,3 +132,42 @@ def test_a_step_at_tp2_and_pp2_equals_the_step_at_world_size_1(models, reference
             print(f"{method} tp{tp} pp{pp} rank device {r[method]['device']}: metrics |diff| "
                   f"<= {worst:.2g}, update diff <= {wmax:.2g} of its norm")
 
+def _hf_on_device(hf_dir, ids):
+    """transformers' model of an exported checkpoint on this machine's device (cuda:0 on a
+    GPU), its fp32 state (host) and logits for `ids`."""
+    from transformers import AutoModelForCausalLM
+
+    from megaprm.parallel.device import rank_device
+
+    torch.set_float32_matmul_precision("highest")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(rank_device())
+    with torch.no_grad():
+        logits = model(ids.to(rank_device())).logits.float().cpu()
+    return ({k: v.detach().double().cpu() for k, v in model.state_dict().items()}, logits,
+            str(rank_device()))
+
+
+def test_a_tp2_training_checkpoint_exports_to_what_the_run_trained(layouts, tmp_path):
+    """The tp2 run's checkpoint (written by its 2 ranks) exported by `checkpoint_tools
+    export-hf` and loaded by transformers on the device: every tensor equals the actor's
+    weights after the step as the rollout engine received them (fp32, exact), and the logits
+    of transformers on the device equal those of a host copy within 1e-5."""
+    import subprocess
+    import sys
+
+    rank0 = layouts(2, 1)[0]["pure"]
+    out = str(tmp_path / "exported")
+    p = subprocess.run([sys.executable, "-W", "ignore", "-m", "checkpoint_tools", "export-hf",
+                        "--ckpt", rank0["run_dir"], "--out", out], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ids = torch.randint(0, 30, (2, 16), generator=torch.Generator().manual_seed(0))
+    state, logits, where = launch.spawn(_hf_on_device, 1, out, ids)[0]
+    for name, t in rank0["after"].items():
+        assert torch.equal(state[name], t), name
+    from transformers import AutoModelForCausalLM
+
+    host = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        ref = host(ids).logits.float()
+    assert float((logits - ref).abs().max()) <= 1e-5, where
