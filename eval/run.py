@@ -191,6 +191,12 @@ def _eval_benchmark(name: str, cfg: EvalConfig, loaded, engine, tokenizer, verif
     n_tokens = 0
     for lo in range(0, len(records), cfg.batch_prompts):
         chunk = records[lo:lo + cfg.batch_prompts]
+        # one line per sample batch before it runs (a batch of k samples of up to max_tokens
+        # each can take minutes on a CPU, and the bar moves only when it ends)
+        if cfg.progress:
+            bar.write(f"eval {name}: problems {lo + 1}-{lo + len(chunk)} of {len(records)}, "
+                      f"{len(chunk) * cfg.k} samples (k={cfg.k}) of up to {cfg.max_tokens} "
+                      "tokens ...", file=sys.stderr)
         params = SamplingParams(n=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p,
                                 max_tokens=cfg.max_tokens, seed=cfg.seed + lo * cfg.k)
         batch = engine.generate([prompt_ids(tokenizer, r.prompt) for r in chunk], params)
@@ -227,6 +233,10 @@ def evaluate_benchmarks(cfg: EvalConfig) -> dict:
             cfg = replace(cfg, max_tokens=max_tokens)
         verifier = MathVerifier()
         total = sum(len(records) for records, _ in loaded.values())
+        if cfg.progress:  # the work up front: k and max_tokens are what make an eval long
+            print(f"eval: {total} problem(s) x k={cfg.k} samples of up to {cfg.max_tokens} "
+                  f"tokens on the {cfg.engine} engine, {cfg.batch_prompts} problem(s) per "
+                  "generate call (--k and --max-tokens shrink it)", file=sys.stderr, flush=True)
         per = {}
         try:
             with tqdm(total=total, desc=f"eval avg@{cfg.k}", unit="problem",

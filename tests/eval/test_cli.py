@@ -1,6 +1,8 @@
 """`megaprm eval` end to end on a tiny random model, offline, over all five benchmarks."""
 import json
 import os
+import re
+import sys
 
 import pytest
 import torch
@@ -115,3 +117,36 @@ def test_resolve_model_paths(tiny_model, tmp_path, monkeypatch):
     cmd = calls[0]
     assert cmd[1:4] == ["-m", "checkpoint_tools", "export-hf"]
     assert cmd[cmd.index("--ckpt") + 1] == str(ckpt) and cmd[cmd.index("--out") + 1] == out
+
+
+def test_progress_names_each_sample_batch_before_it_runs(tiny_model, one_thread, capsys,
+                                                         monkeypatch):
+    """Issue 50: `eval --limit 4` sat at 0/4 for 11 minutes (one generate call of 4 x k=16
+    samples). The workload is said up front and each sample batch in one line before its
+    generate call starts (the engine's calls are marked in the same stream to show the order)."""
+    real = run.build_engine
+
+    def marked(cfg, hf_dir, tok):
+        engine = real(cfg, hf_dir, tok)
+        generate = engine.generate
+
+        def gen(prompts, params):
+            print(f"<generate {len(prompts)}x{params.n}>", file=sys.stderr)
+            return generate(prompts, params)
+
+        engine.generate = gen
+        return engine
+
+    monkeypatch.setattr(run, "build_engine", marked)
+    assert main(["eval", "--model", tiny_model, "--benchmarks", "math500", "--limit", "3",
+                 "--k", "2", "--max-tokens", "4", "--batch-prompts", "2"]) == 0
+    # the lines and marks in order (the bar's frames, between them, left out)
+    err = re.findall(r"eval: [^\r\n]*|eval math500: [^\r\n]*|<generate \d+x\d+>",
+                     capsys.readouterr().err)
+    assert err == [
+        "eval: 3 problem(s) x k=2 samples of up to 4 tokens on the hf engine, 2 problem(s) per "
+        "generate call (--k and --max-tokens shrink it)",
+        "eval math500: problems 1-2 of 3, 4 samples (k=2) of up to 4 tokens ...",
+        "<generate 2x2>",
+        "eval math500: problems 3-3 of 3, 2 samples (k=2) of up to 4 tokens ...",
+        "<generate 1x2>"], err
