@@ -17,6 +17,7 @@ complete step; `resolve_checkpoint` accepts any of those paths.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -52,6 +53,28 @@ HF_DTYPE_NAME = {v: k for k, v in _HF_DTYPE_NAMES.items()}  # fp32 -> float32
 
 class ConversionError(ValueError):
     """A problem the user can fix (paths, config, weights, tp/pp); the CLI prints one line."""
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError of a conversion: a full disk named as such, with the path."""
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno == errno.ENOSPC or "No space left on device" in str(e):
+        return (f"no space left on device{where} (ENOSPC); nothing was written to the target: "
+                "free space or choose a target on a larger disk")
+    return f"{e.strerror or e}{where}"
+
+
+def no_space_in(e: BaseException) -> bool:
+    """Whether `e` is, wraps or reports (as torch.distributed.checkpoint's writers do, in the
+    text of a CheckpointException) a full disk."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(e) or "[Errno 28]" in str(e):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 @dataclass
@@ -254,8 +277,13 @@ def check_target(out_dir: str, force: bool, inputs: tuple = ()) -> None:
 def make_tmp(out_dir: str) -> str:
     """A fresh sibling `DIR.tmp-XXXX` (same filesystem, so the final rename is atomic)."""
     out_dir = os.path.abspath(out_dir)
-    return tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-",
-                            dir=os.path.dirname(out_dir))
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-",
+                           dir=os.path.dirname(out_dir))
+    # mkdtemp makes it 700; the renamed output gets the mode any new directory would get
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
 
 
 def commit(tmp_dir: str, out_dir: str, force: bool) -> None:

@@ -4,6 +4,7 @@ checks the checkpoint fits the model. Megatron-core is imported where it is used
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 
@@ -191,9 +192,20 @@ def save_checkpoint(model, ckpt_model_dir: str, *, fsync: bool = False,
     dist.barrier()
     with threaded_writers(fsync, copies):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        dist_checkpointing.save(stages.sharded_state_dict(model), ckpt_model_dir,
-                                sharded_strategy=save_strategy(writer_threads(local)),
-                                validate_access_integrity=False)
+        try:
+            dist_checkpointing.save(stages.sharded_state_dict(model), ckpt_model_dir,
+                                    sharded_strategy=save_strategy(writer_threads(local)),
+                                    validate_access_integrity=False)
+        except BaseException as e:  # torch's CheckpointException is a BaseException
+            # its writers' ENOSPC arrives as text on the coordinator (rank 0), the others get
+            # one with no failures: one line each (the lowest rank's is reported), not 40
+            if layout.no_space_in(e):
+                raise ConversionError(layout.os_error_line(OSError(
+                    errno.ENOSPC, os.strerror(errno.ENOSPC), ckpt_model_dir))) from None
+            if type(e).__name__ == "CheckpointException" and not getattr(e, "failures", 1):
+                raise ConversionError("saving the checkpoint failed on another rank (named "
+                                      "by rank 0)") from None
+            raise
 
 
 def load_checkpoint(model, ckpt_model_dir: str) -> None:

@@ -188,3 +188,108 @@ def test_no_output_over_its_input_or_a_run_force_or_not(made, tmp_path):
         for force in ([], ["--force"]):
             _one_line(_cli(*argv, *force, "--no-verify"), needle)
             assert _tree(tmp_path) == before, (argv, force)
+
+
+def _main(capsys, *argv) -> tuple:
+    """(exit code, stderr lines) of `python -m checkpoint_tools ARGV`, run in this process."""
+    from checkpoint_tools import __main__ as cli
+
+    capsys.readouterr()
+    rc = cli.main(list(argv))
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+def test_export_refuses_tp_or_pp_0_as_import_does(made, tmp_path, capsys):
+    """`export-hf --tp 0` was taken as "as saved" while --tp -1, and --tp 0 on import-hf, were
+    refused."""
+    hf, ck = made
+    for cmd, src in (("export-hf", ["--ckpt", ck]), ("import-hf", ["--hf", hf])):
+        for flag, v in (("--tp", "0"), ("--pp", "0"), ("--tp", "-1")):
+            rc, err = _main(capsys, cmd, *src, "--out", str(tmp_path / "o"), flag, v,
+                            "--no-verify")
+            assert rc == 2 and err == [f"error: {flag}={v}: must be a positive integer"], err
+    assert not os.listdir(tmp_path)
+
+
+def test_a_checkpoint_without_manifest_is_checked_against_its_own_index(made, tmp_path,
+                                                                          capsys):
+    """A checkpoint of the older layout (no MANIFEST.json) with a truncated .distcp: a 70-line
+    EOFError on export. Each tensor's byte range (from model/.metadata) must lie in its file:
+    one line naming the file; the intact one still exports (with one warning)."""
+    from checkpoint_tools.streaming import read_metadata
+
+    _, ck = made
+    intact = str(tmp_path / "intact")
+    shutil.copytree(ck, intact)
+    os.remove(os.path.join(intact, "MANIFEST.json"))
+    rc, err = _main(capsys, "export-hf", "--ckpt", intact, "--out", str(tmp_path / "o"),
+                    "--no-verify")
+    assert rc == 0 and len(err) == 1 and "has no MANIFEST.json" in err[0], err
+    old = _copy(ck, tmp_path)
+    os.remove(os.path.join(old, "MANIFEST.json"))
+    _, storage = read_metadata(os.path.join(old, "model"))  # the independent reference: the
+    part = _distcp(old)  # end of the last item stored in that file
+    end = max(off + n for rel, off, n, *_ in storage.values() if rel == os.path.basename(part))
+    assert manifest.unsealed_problems(old) == []
+    with open(part, "r+b") as f:
+        f.truncate(end - 1)
+    for flags in ((), ("--no-verify",)):  # the ranks' load, and the streaming export
+        rc, err = _main(capsys, "export-hf", "--ckpt", old, "--out", str(tmp_path / "o2"),
+                        *flags)
+        assert rc == 2 and len(err) == 1 and os.path.basename(part) in err[0], err
+        assert f"has {end - 1} bytes" in err[0] and "truncated" in err[0], err
+    os.remove(os.path.join(old, "model", ".metadata"))
+    rc, err = _main(capsys, "export-hf", "--ckpt", old, "--out", str(tmp_path / "o2"))
+    assert rc == 2 and len(err) == 1 and "has no .metadata" in err[0], err
+    assert not os.path.exists(tmp_path / "o2")
+
+
+def test_import_onto_a_full_disk_is_one_line_naming_enospc(made, tmp_path, monkeypatch, capsys):
+    """import-hf onto a full disk: ~40 lines ending in dist_checkpointing's CheckpointException,
+    never saying "no space" (its writers report ENOSPC as text). Simulated here as torch's
+    writers report it; on a real small tmpfs too where `unshare -rm` is allowed."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from checkpoint_tools import __main__ as cli
+    from megatron.core import dist_checkpointing
+
+    hf, _ = made
+
+    def full(*a, **k):
+        raise CheckpointException("write", {0: (RuntimeError(
+            "Worker failure: [Errno 28] No space left on device"), None)})
+
+    monkeypatch.setattr(dist_checkpointing, "save", full)
+    capsys.readouterr()
+    assert cli.main(["import-hf", "--hf", hf, "--out", str(tmp_path / "i"), "--no-verify"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no space left on device" in err[0] and "ENOSPC" in err[0], err
+    assert os.listdir(tmp_path) == []
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("SKIPPED LOUDLY: no `unshare -rm` here for a real tmpfs; simulated above")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    for tp in ("1", "2"):
+        r = subprocess.run(
+            ["unshare", "-rm", "bash", "-c", f"mount -t tmpfs -o size=100k tmpfs {mnt} && "
+             f"{sys.executable} -W ignore -m checkpoint_tools import-hf --hf {hf} --out "
+             f"{mnt}/ck --no-verify --tp {tp}; echo rc=$?; ls -A {mnt}"],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+            env=dict(os.environ, PYTHONPATH=REPO))
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "no space left on device" in lines[0], r.stderr[-3000:]
+        assert r.stdout.split() == ["rc=2"], r.stdout  # exit 2, nothing left on the tmpfs
+
+
+def test_outputs_get_the_mode_of_a_new_directory(made, tmp_path):
+    """import-hf created --out with mode 700 (mkdtemp's): the mode follows the umask."""
+    hf, ck = made
+    umask = os.umask(0o022)
+    try:
+        import_hf(hf, str(tmp_path / "i"), verify=False)
+        export_hf(ck, str(tmp_path / "e"), verify=False)
+    finally:
+        os.umask(umask)
+    for out in ("i", "e"):
+        assert oct((tmp_path / out).stat().st_mode & 0o777) == oct(0o755), out
