@@ -11,11 +11,13 @@ Accepted row layouts (the first that matches wins):
   the answer is in `answer` (AMC: a float, written "27" for 27.0), `final_answer` (a list,
   joined with ", "), or the last `\\boxed{...}` of `solution` (Minerva).
 
-A reference solution (`PromptRecord.reference`, for a generative judge: PAPO's grader) is read,
-as PAPO's released grader does (llm_proof_grading.py:171-173), from
-`extra_info.reference_solution`, else a `reference_solution` or `solution` column; and the
-problem statement it is shown (`PromptRecord.question`) from `extra_info.question` /
-`extra_info.problem`, else the prompt.
+A reference solution (`PromptRecord.reference`, for a generative judge: PAPO's grader) and the
+problem statement it is shown (`PromptRecord.question`): a release-format row (chat messages) is
+read as PAPO's released grader reads it (llm_proof_grading.py:171-173), from
+`extra_info.reference_solution` only (none: graded 0) and `extra_info.question` /
+`extra_info.problem`, else "" (an empty problem); a plain question row as the release's
+preprocessing would have filled them (convert_numina_math.py:44-63): a `reference_solution` or
+`solution` column, and the question itself (`question` None: the prompt).
 
 What the policy is given is built from a record by `policy_prompt` (`data.prompt_format`,
 `data.prompt_template`, `data.system_prompt`): the question through the recipe's instruction
@@ -151,13 +153,16 @@ def policy_prompt(question: str, messages: Optional[list] = None, *, fmt: str = 
     return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
 
 
-def _reference_of(row: dict, extra: dict) -> tuple[Optional[str], Optional[str]]:
-    """(reference solution, problem statement) for a generative judge, None where absent."""
+def _reference_of(row: dict, extra: dict, release_row: bool
+                  ) -> tuple[Optional[str], Optional[str]]:
+    """(reference solution, problem statement) for a generative judge (module docstring)."""
     def text(v):
         return v if isinstance(v, str) and v.strip() else None
+    question = text(extra.get("question")) or text(extra.get("problem"))
+    if release_row:
+        return text(extra.get("reference_solution")), question or ""
     ref = (text(extra.get("reference_solution")) or text(row.get("reference_solution"))
            or text(row.get("solution")))
-    question = text(extra.get("question")) or text(extra.get("problem"))
     return ref, question
 
 
@@ -290,7 +295,7 @@ def _record(row: Any, default_source: str, position: int,
     used = {"prompt", "problem", "question", "context", "reward_model", answer_field}
     meta.update({k: v for k, v in row.items() if k not in used})
     source = row.get("data_source")
-    reference, question = _reference_of(row, extra)
+    reference, question = _reference_of(row, extra, release_row="messages" in meta)
     return PromptRecord(
         prompt=prompt,
         answer=answer,

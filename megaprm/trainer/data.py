@@ -92,6 +92,6 @@ def make_data(cfg: Config, tokenizer=None, log=None):
         rows = [records[(block * P + i) % len(records)] for i in range(P)]
         return Prompts([r.text for r in rows],
                        [r.answer for r in rows],
-                       [r.question or r.prompt for r in rows], [r.reference for r in rows])
+                       [r.prompt if r.question is None else r.question for r in rows], [r.reference for r in rows])
     math.report = report
     return math

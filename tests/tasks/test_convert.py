@@ -104,3 +104,25 @@ def test_refusals_leave_every_file_as_it_was(tmp_path, capsys):
     assert "--layout" in capsys.readouterr().err
     assert cli.main(["data", str(CONFIGS / "grpo.yaml"), "--in", str(plain), "--out",
                      str(tmp_path / "g.jsonl"), "--layout", "prof_grpo", "--force"]) == 0
+
+
+def test_papo_judge_inputs_as_released_and_as_the_preprocessing_fills_them(tok, tmp_path):
+    """A release row is read as PAPO's grader reads it: extra_info only (no reference: graded 0,
+    no question: an empty problem); a plain row as convert_numina_math.py would fill them: its
+    solution column and the question itself."""
+    wrapped = ("You are a knowledgeable math assistant. Answer the following questions and "
+               "think step by step. " + QUESTION + " Please output the final answer within "
+               "\\boxed{}.")
+    rows = [{"prompt": [{"role": "user", "content": wrapped}], "solution": "n=5",
+             "reward_model": {"ground_truth": "5"}},
+            {"prompt": [{"role": "user", "content": wrapped}],
+             "reward_model": {"ground_truth": "5"},
+             "extra_info": {"question": QUESTION, "reference_solution": "n=5"}},
+            {"problem": QUESTION, "answer": "5", "solution": "n=5"}]
+    path = tmp_path / "papo.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(str(CONFIGS / "papo.yaml"), [f"data.path={path}", "data.prompts_per_step=3"])
+    block = make_data(cfg, tok)(0)
+    assert block.references == [None, "n=5", "n=5"]
+    assert block.problems == ["", QUESTION, QUESTION]
+    assert block.texts == [wrapped] * 3
