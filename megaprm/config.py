@@ -79,15 +79,16 @@ class DataConfig:
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     on_bad_row: str = "skip"            # skip (counted, reported) | error (names file + line)
     keep_unanswered: bool = False       # keep rows without an answer, reward 0 (PURE does)
-    max_prompt_tokens: Optional[int] = None
+    max_prompt_tokens: Optional[int] = None  # counted on the rendered prompt's token ids
     long_prompt: str = "error"          # over max_prompt_tokens: truncate | drop | error
-    # the text the policy is given (tasks.datasets.policy_prompt, docs/estimators.md): raw (the
-    # question, through prompt_template) | chat (the tokenizer's chat template, generation
-    # prompt added, over the row's messages or [system_prompt, user: the templated question]) |
-    # first_message (the row's first message as is: PAPO's pass-through template)
+    # the text the policy is given (tasks.datasets.policy_prompt, docs/estimators.md): the
+    # question through prompt_template into the user text, then raw (that text) | chat (the
+    # tokenizer's chat template over [system_prompt, user], generation prompt added) |
+    # first_message (that text: PAPO's pass-through template). A row carrying chat messages
+    # must be that layout already (its question is read back), else it is a bad row
     prompt_format: str = "raw"
-    prompt_template: str = "{question}"  # a plain question -> the user text (PURE's, PROF's)
-    system_prompt: Optional[str] = None  # chat: a system message for rows that carry none
+    prompt_template: str = "{question}"  # a plain question -> the user text
+    system_prompt: Optional[str] = None  # chat: the system message (none: the row's own)
 
     def __post_init__(self):
         _check(self.task in ("arithmetic", "math"), "data.task", self.task, "arithmetic or math")
