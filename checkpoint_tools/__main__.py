@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--out", required=True, help="checkpoint dir to create")
     imp.add_argument("--tp", type=int, default=1)
     imp.add_argument("--pp", type=int, default=1)
+    imp.add_argument("--ep", type=int, default=1,
+                     help="expert parallelism of an MoE model (ranks = tp*pp*ep)")
     imp.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                      help="stored dtype (default: the HF config's dtype)")
 
@@ -33,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-shard-size", default="5GB")
     exp.add_argument("--tp", type=int, default=None, help="tp to load with (default: as saved)")
     exp.add_argument("--pp", type=int, default=None, help="pp to load with (default: as saved)")
+    exp.add_argument("--ep", type=int, default=1, help="expert parallelism to load an MoE "
+                     "model with (the checkpoint loads at any ep)")
 
     for s in (imp, exp):
         s.add_argument("--force", action="store_true", help="replace an existing --out")
@@ -46,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     ver.add_argument("--ckpt", required=True, help="as export-hf's --ckpt")
     ver.add_argument("--tp", type=int, default=1)
     ver.add_argument("--pp", type=int, default=1)
+    ver.add_argument("--ep", type=int, default=1, help="expert parallelism of an MoE model")
     ver.add_argument("--atol", type=float, default=None, help="max abs logit diff allowed")
     ver.add_argument("--min-top1", type=float, default=None, help="min top-1 agreement")
     for s in (exp, ver):
@@ -107,6 +112,16 @@ def _os_cause(e: BaseException):
     return None
 
 
+def _os_error(e: OSError) -> str:
+    import errno
+
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno == errno.ENOSPC or "No space left on device" in str(e):
+        return (f"no space left on device{where} (ENOSPC); nothing was written to the target: "
+                "free space or choose a target on a larger disk")
+    return f"{e.strerror or e}{where}"
+
+
 def main(argv=None, fork_ranks: bool = False) -> int:
     """The CLI. `fork_ranks`: start local ranks as forks of this process (`ranks.RANK_START`);
     only `python -m checkpoint_tools` says so, where this process has done no torch work yet
@@ -121,7 +136,7 @@ def main(argv=None, fork_ranks: bool = False) -> int:
         lean_imports()
     # deferred: after the arguments are checked and `lean_imports` has run (torch, megatron)
     from checkpoint_tools import convert, ranks
-    from checkpoint_tools.layout import ConversionError, os_error_line  # deferred: as above
+    from checkpoint_tools.layout import ConversionError  # deferred: as the line above
 
     if fork_ranks:
         ranks.RANK_START = "fork"
@@ -129,16 +144,16 @@ def main(argv=None, fork_ranks: bool = False) -> int:
     leader = int(os.environ.get("RANK", "0")) == 0
     try:
         if args.command == "import-hf":
-            report = convert.import_hf(args.hf, args.out, tp=args.tp, pp=args.pp,
+            report = convert.import_hf(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
                                        dtype=args.dtype, force=args.force,
                                        verify=not args.no_verify)
         elif args.command == "export-hf":
-            report = convert.export_hf(args.ckpt, args.out, tp=args.tp, pp=args.pp,
+            report = convert.export_hf(args.ckpt, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
                                        max_shard_size=args.max_shard_size, force=args.force,
                                        verify=not args.no_verify, model=args.model)
         else:
-            report = convert.verify(args.hf, args.ckpt, tp=args.tp, pp=args.pp, atol=args.atol,
-                                    min_top1=args.min_top1, model=args.model)
+            report = convert.verify(args.hf, args.ckpt, tp=args.tp, pp=args.pp, ep=args.ep,
+                                    atol=args.atol, min_top1=args.min_top1, model=args.model)
     except ConversionError as e:
         if leader:
             print(f"error: {e}", file=sys.stderr)
@@ -148,7 +163,7 @@ def main(argv=None, fork_ranks: bool = False) -> int:
         if cause is None:
             raise
         if leader:
-            print(f"error: {os_error_line(cause)}", file=sys.stderr)
+            print(f"error: {_os_error(cause)}", file=sys.stderr)
         return 2
     if leader:
         print(json.dumps(report, indent=2))

@@ -81,19 +81,19 @@ def load_spec(hf_dir: str) -> ModelSpec:
         raise ConversionError(str(e)) from None
 
 
-def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
-    for name, v in (("tp", tp), ("pp", pp)):
+def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> None:
+    for name, v in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not isinstance(v, int) or v < 1:
             raise ConversionError(f"--{name}={v!r}: must be a positive integer")
     try:
-        spec.check_parallel(tp, pp)
+        spec.check_parallel(tp, pp, ep)
     except UnsupportedModelError as e:
         raise ConversionError(str(e)) from None
 
 
 def _import_rank(hf_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: int,
-                 dtype: str, verify: bool) -> dict:
-    g = init_ranks(tp, pp)
+                 dtype: str, verify: bool, ep: int = 1) -> dict:
+    g = init_ranks(tp, pp, ep)
     with shared_tmp(tmp_dir, out_dir) as tmp:
         spec = spec_from_hf(hf_dir)
         model = stages.build(spec, g, DTYPES[dtype], init=False)  # every weight is loaded
@@ -126,11 +126,11 @@ def _import_rank(hf_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: in
 
 
 def _export_rank(ckpt_dir: str, out_dir: str, tmp_dir: str | None, tp: int, pp: int,
-                 max_shard_bytes: int, verify: bool) -> dict:
+                 max_shard_bytes: int, verify: bool, ep: int = 1) -> dict:
     """One rank of export-hf. A torchrun world of one without verification streams file to
     file (`_export_streaming`) where the checkpoint allows it, else loads the stage (outside
     torchrun `export_hf` has tried the stream in its own process before starting ranks)."""
-    g = init_ranks(tp, pp)
+    g = init_ranks(tp, pp, ep)
     with shared_tmp(tmp_dir, out_dir) as tmp:
         meta = layout.CheckpointMeta.read(ckpt_dir)
         spec = spec_from_hf(os.path.join(ckpt_dir, layout.HF_SUBDIR))
@@ -180,8 +180,8 @@ def _export_streaming(ckpt_dir: str, spec: ModelSpec, dtype: torch.dtype, tmp: s
             "streamed": True}
 
 
-def _verify_rank(ckpt_dir: str, tp: int, pp: int) -> dict:
-    g = init_ranks(tp, pp)
+def _verify_rank(ckpt_dir: str, tp: int, pp: int, ep: int = 1) -> dict:
+    g = init_ranks(tp, pp, ep)
     meta = layout.CheckpointMeta.read(ckpt_dir)
     spec = spec_from_hf(os.path.join(ckpt_dir, layout.HF_SUBDIR))
     model = stages.build(spec, g, DTYPES[meta.dtype], init=False)
@@ -226,12 +226,15 @@ def _verified(what: str, megatron: torch.Tensor, hf_dir: str, spec: ModelSpec, d
 
 
 def import_hf(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
-              dtype: str | None = None, force: bool = False, verify: bool = True) -> dict:
-    """HF directory -> megaprm checkpoint directory (see `layout`). Returns a report dict."""
+              dtype: str | None = None, force: bool = False, verify: bool = True,
+              ep: int = 1) -> dict:
+    """HF directory -> megaprm checkpoint directory (see `layout`). Returns a report dict.
+    `ep` > 1 (MoE models): tp*pp*ep ranks, each reading only its stage's and its experts'
+    tensors; the checkpoint itself holds every expert by its global index (any ep loads it)."""
     hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
     layout.check_target(out_dir, force, inputs=(hf_dir,))
     spec = load_spec(hf_dir)
-    check_layout(spec, tp, pp)
+    check_layout(spec, tp, pp, ep)
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype={dtype!r}: expected one of {sorted(DTYPES)}")
     dtype = dtype or layout.hf_dtype_name(spec.hf_config)
@@ -242,8 +245,8 @@ def import_hf(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
     tmp_dir = None if launch.under_torchrun() else layout.make_tmp(out_dir)
     t0 = time.perf_counter()
     try:
-        results = run_ranks(_import_rank, world_of(tp, pp), hf_dir, out_dir, tmp_dir, tp, pp,
-                             dtype, verify)
+        results = run_ranks(_import_rank, world_of(tp, pp, ep), hf_dir, out_dir, tmp_dir, tp,
+                             pp, dtype, verify, ep)
     except BaseException:
         discard(tmp_dir)
         raise
@@ -251,7 +254,7 @@ def import_hf(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
 
     def finish() -> dict:
         report = {"command": "import-hf", "hf": hf_dir, "out": out_dir, "tp": tp, "pp": pp,
-                  "dtype": dtype, "architecture": spec.architecture,
+                  "ep": ep, "dtype": dtype, "architecture": spec.architecture,
                   "seconds": time.perf_counter() - t0, "core_s": r0["read_s"] + r0["save_s"],
                   "read_s": r0["read_s"], "save_s": r0["save_s"], **rss_report(results)}
         report["verify"] = _verified("import-hf", r0["outputs"], hf_dir, spec, dtype,
@@ -282,7 +285,7 @@ def _write_hf_config(ckpt_dir: str, tmp_dir: str, dtype: str) -> None:
 
 def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
               pp: int | None = None, max_shard_size: str = "5GB", force: bool = False,
-              verify: bool = True, model: str = "actor") -> dict:
+              verify: bool = True, model: str = "actor", ep: int = 1) -> dict:
     """megaprm checkpoint -> HF directory loadable by transformers / vLLM. Returns a report.
 
     `ckpt_dir` is anything `layout.resolve_checkpoint` accepts (a checkpoint, a trainer step,
@@ -293,9 +296,8 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
     meta = layout.CheckpointMeta.read(ckpt_dir)
     manifest.check(ckpt_dir, ConversionError)
     spec = load_spec(os.path.join(ckpt_dir, layout.HF_SUBDIR))
-    # None is "as saved"; 0 is no layout (refused by check_layout, as import-hf refuses it)
-    tp, pp = meta.tp if tp is None else tp, meta.pp if pp is None else pp
-    check_layout(spec, tp, pp)
+    tp, pp = tp or meta.tp, pp or meta.pp
+    check_layout(spec, tp, pp, ep)
     layout.check_target(out_dir, force, inputs=(given, ckpt_dir))
     max_bytes = layout.parse_size(max_shard_size)
     tmp_dir = None if launch.under_torchrun() else layout.make_tmp(out_dir)
@@ -313,8 +315,8 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
             else:
                 why = streamed["why"]
         if results is None:
-            results = run_ranks(_export_rank, world_of(tp, pp), ckpt_dir, out_dir, tmp_dir, tp,
-                                 pp, max_bytes, verify)
+            results = run_ranks(_export_rank, world_of(tp, pp, ep), ckpt_dir, out_dir, tmp_dir,
+                                 tp, pp, max_bytes, verify, ep)
     except BaseException:
         discard(tmp_dir)
         raise
@@ -323,7 +325,7 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
     def finish() -> dict:
         _write_hf_config(ckpt_dir, r0["tmp_dir"], meta.dtype)
         report = {"command": "export-hf", "ckpt": ckpt_dir, "out": out_dir, "tp": tp, "pp": pp,
-                  "dtype": meta.dtype, "architecture": meta.architecture,
+                  "ep": ep, "dtype": meta.dtype, "architecture": meta.architecture,
                   "seconds": time.perf_counter() - t0, "core_s": r0["load_s"] + r0["write_s"],
                   "load_s": r0["load_s"], "write_s": r0["write_s"], "files": r0["files"],
                   "bytes": r0["bytes"],
@@ -341,7 +343,7 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
 
 def verify(hf_dir: str, ckpt_dir: str, *, tp: int = 1, pp: int = 1,
            atol: float | None = None, min_top1: float | None = None,
-           model: str = "actor") -> dict:
+           model: str = "actor", ep: int = 1) -> dict:
     """Forward the fixed batch through transformers (hf_dir) and Megatron (ckpt_dir at tp/pp,
     resolved like export-hf's); the report's `passed` says whether they agree within tolerance."""
     hf_dir, ckpt_dir = os.path.abspath(hf_dir), layout.resolve_checkpoint(ckpt_dir, model)
@@ -356,13 +358,13 @@ def verify(hf_dir: str, ckpt_dir: str, *, tp: int = 1, pp: int = 1,
     if ckpt_spec != spec:
         raise ConversionError(f"{hf_dir!r} ({spec.architecture}) and checkpoint {ckpt_dir!r} "
                               f"({ckpt_spec.architecture}) describe different models")
-    check_layout(spec, tp, pp)
-    results = run_ranks(_verify_rank, world_of(tp, pp), ckpt_dir, tp, pp)
+    check_layout(spec, tp, pp, ep)
+    results = run_ranks(_verify_rank, world_of(tp, pp, ep), ckpt_dir, tp, pp, ep)
 
     def finish() -> dict:
         report = compare_logits(results[0]["outputs"], reference_outputs(hf_dir, spec, meta.dtype),
                          meta.dtype, atol, min_top1)
-        return {"command": "verify", "hf": hf_dir, "ckpt": ckpt_dir, "tp": tp, "pp": pp,
+        return {"command": "verify", "hf": hf_dir, "ckpt": ckpt_dir, "tp": tp, "pp": pp, "ep": ep,
                 **report, **rss_report(results)}
 
     return finish_on_leader(finish)

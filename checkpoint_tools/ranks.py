@@ -68,12 +68,12 @@ def shared_tmp(tmp_dir: str | None, out_dir: str):
         raise
 
 
-def init_ranks(tp: int, pp: int) -> Groups:
+def init_ranks(tp: int, pp: int, ep: int = 1) -> Groups:
     """This rank's groups. Conversion is host work on a GPU node too: the stages live in host
     memory (file bytes are read into and written from the parameters' storage), gloo connects
     the ranks, and the check forward runs on the CPU (`cpu.host_only`)."""
     cpu.host_only()
-    return agree("parallel layout", lambda: init_distributed(tp=tp, pp=pp))
+    return agree("parallel layout", lambda: init_distributed(tp=tp, pp=pp, ep=ep))
 
 
 @dataclass
@@ -158,8 +158,10 @@ def rank_report(g: Groups, outputs, **extra) -> dict:
             "outputs": outputs if g.rank == 0 else None, **extra}
 
 
-def world_of(tp: int, pp: int) -> int:
-    return int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else tp * pp
+def world_of(tp: int, pp: int, ep: int = 1) -> int:
+    """Ranks to start: torchrun's world, else one per tp x pp x ep position (ep ranks are data
+    parallel ranks of the stage, each holding num_experts / ep experts)."""
+    return int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else tp * pp * ep
 
 
 def rss_report(results: list) -> dict:

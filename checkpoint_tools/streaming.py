@@ -105,8 +105,19 @@ def stage_params(spec) -> list:
     if spec.qk_norm:
         layer += [("self_attention.q_layernorm.weight", (d,)),
                   ("self_attention.k_layernorm.weight", (d,))]
-    layer += [("pre_mlp_layernorm.weight", (h,)), ("mlp.linear_fc1.weight", (2 * ffn, h)),
-              ("mlp.linear_fc2.weight", (h, ffn))]
+    layer.append(("pre_mlp_layernorm.weight", (h,)))
+    if spec.is_moe:  # router, SequentialMLP's experts (global index at tp = pp = ep = 1), shared
+        e, sh = spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size
+        layer.append(("mlp.router.weight", (spec.num_experts, h)))
+        for j in range(spec.num_experts):
+            layer += [(f"mlp.experts.local_experts.{j}.linear_fc1.weight", (2 * e, h)),
+                      (f"mlp.experts.local_experts.{j}.linear_fc2.weight", (h, e))]
+        if sh:
+            layer += [("mlp.shared_experts.gate_weight", (1, h)),
+                      ("mlp.shared_experts.linear_fc1.weight", (2 * sh, h)),
+                      ("mlp.shared_experts.linear_fc2.weight", (h, sh))]
+    else:
+        layer += [("mlp.linear_fc1.weight", (2 * ffn, h)), ("mlp.linear_fc2.weight", (h, ffn))]
     out = [("embedding.word_embeddings.weight", (spec.padded_vocab_size(1), h))]
     out += [(f"decoder.layers.{i}.{s}", shape) for i in range(spec.num_layers)
             for s, shape in layer]
@@ -130,17 +141,24 @@ def stage_params(spec) -> list:
 _SAVED_AS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# SequentialMLP saves its experts stacked along a second axis, by global expert index
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 
 
 def checkpoint_keys(name: str, shape: tuple) -> tuple:
     """(key, global offsets, sizes) of the whole parameter `name` of a tp = pp = 1 stage in a
     torch_dist checkpoint: a layer's parameters are stacked along a leading layer axis under
     one key per layer parameter (megatron-core's layer stacking; global layer numbers, so any
-    pp), other parameters are saved under their own names (tp shards at global offsets)."""
+    pp), other parameters are saved under their own names (tp shards at global offsets). An
+    MoE layer's experts are stacked along an expert axis after the layer axis."""
     m = _LAYER.match(name)
     if m is None:
         return name, (0,) * len(shape), tuple(shape)
     suffix = m.group(2)
+    e = _EXPERT.match(suffix)
+    if e:
+        return (f"decoder.layers.mlp.experts.experts.{e.group(2)}",
+                (int(m.group(1)), int(e.group(1))) + (0,) * len(shape), (1, 1, *shape))
     return (f"decoder.layers.{_SAVED_AS.get(suffix, suffix)}", (int(m.group(1)),)
             + (0,) * len(shape), (1, *shape))
 

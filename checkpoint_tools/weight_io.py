@@ -55,7 +55,8 @@ def _hf_shapes(hf_dir: str) -> dict:
 def _expected_hf_shapes(model, spec: ModelSpec, g: Groups) -> dict:
     """HF name -> shape this stage needs, derived through the mapping on meta tensors."""
     out = {}
-    for rule, p in mapping.stage_rules(model, spec, g.pp_size, g.pp_rank):
+    for rule, p in mapping.stage_rules(model, spec, g.pp_size, g.pp_rank, ep=g.ep_size,
+                                       ep_rank=g.ep_rank):
         full = list(p.shape)
         if rule.tp_dim is not None:
             full[rule.tp_dim] *= g.tp_size
@@ -242,7 +243,8 @@ def plan_stage(model, reads: FileReads, spec: ModelSpec, g: Groups) -> tuple[lis
     one HF tensor). A parameter that needs a dtype cast or another layout is loaded here,
     through `mapping.to_megatron_shard`; vocab padding rows are zeroed here."""
     direct, jobs, columns = [], [], []
-    for rule, param in mapping.stage_rules(model, spec, g.pp_size, g.pp_rank):
+    for rule, param in mapping.stage_rules(model, spec, g.pp_size, g.pp_rank, ep=g.ep_size,
+                                           ep_rank=g.ep_rank):
         if _columns_of_one(rule, param, reads, g.tp_size):  # row-parallel at tp > 1
             columns.append((rule, g.tp_rank * param.shape[1], param))
             continue

@@ -128,7 +128,7 @@ def _check_plan_against_stage(ckpt: str) -> None:
 
 @pytest.mark.parametrize("family,kw", [
     ("qwen2", {"tie": True}), ("qwen2", {"tie": False}), ("qwen3", {}),
-    ("llama", {"head": "token_cls"}), ("prm_mlp", {})])
+    ("llama", {"head": "token_cls"}), ("prm_mlp", {}), ("qwen3_moe", {}), ("qwen2_moe", {})])
 def test_stage_params_are_a_built_stages(tmp_path, family, kw):
     """`stage_params` (from the config) and `checkpoint_keys` against megatron-core: the
     stage's named_parameters (names, shapes, order) and its sharded state dict's keys,
