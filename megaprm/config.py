@@ -8,6 +8,7 @@ Each component's dataclass lives beside the component (advantage estimators in
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import types
@@ -543,7 +544,16 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
 
 
 def save_config(cfg: Config, path: str) -> None:
+    """Write the resolved config to `path` whole or not at all: a failed write (a full disk)
+    leaves no `.tmp` behind and is one line naming the path and the reason."""
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        fix = ("no space left on device (ENOSPC): free space or set trainer.run_dir to a "
+               "larger disk" if e.errno == errno.ENOSPC else f"{e.strerror or e}")
+        raise ConfigError(f"writing {path} failed: {fix}") from None

@@ -460,6 +460,28 @@ def test_an_override_that_is_not_yaml_names_the_field():
         == "{question} {{x}}"
 
 
+def test_config_yaml_on_a_full_disk_is_one_line_and_leaves_no_tmp(tmp_path, monkeypatch):
+    """Room for the run lock but not for config.yaml: 111 lines ending "rank 0 failed with exit
+    code 1", and a 0-byte config.yaml.tmp left behind. Now a user error (one line in the
+    launcher, exit 2) naming the file, ENOSPC and trainer.run_dir, and nothing left."""
+    import errno
+
+    import yaml
+
+    from megaprm import config as config_mod
+
+    def full(data, f, **kw):
+        f.write("parallel:\n")  # a part, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(yaml, "safe_dump", full)
+    with pytest.raises(config_mod.ConfigError) as e:
+        config_mod.save_config(_cfg(tmp_path), str(tmp_path / "config.yaml"))
+    msg = str(e.value)
+    assert "\n" not in msg and "config.yaml" in msg and "ENOSPC" in msg and "trainer.run_dir" in msg
+    assert os.listdir(tmp_path) == []
+
+
 def _tree(root) -> dict:
     """Every path under `root` with its bytes (None for a directory)."""
     return {p.relative_to(root): p.read_bytes() if p.is_file() else None
