@@ -6,6 +6,12 @@
 head) is replicated. One layer is built per stage kind and the rest are copies of it, so a 7B
 plan costs milliseconds. `closed_form_params` is the same count written out by hand; the tests
 hold the two equal and equal to the stages the trainer really builds.
+
+Mixture-of-experts layers hold a router ([experts, hidden], replicated), num_experts / ep experts
+(each a SwiGLU MLP split over tp) and, in Qwen2-MoE, a shared expert with its [1, hidden] gate.
+The meta build is a world of one (ep = 1): at ep > 1 the experts of the other ep ranks are taken
+off its count. `active_params` counts what one token runs through: the top-k experts of each
+layer instead of all of them (the model cards' "activated parameters", embeddings included).
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ class StageParams:
     per_rank: int        # the largest stage's share on one tp rank
     total: int           # the model (one copy, unpadded vocabulary counted as Megatron pads it)
     stage: int           # which pp stage is the largest
+    active: int = 0      # parameters one token runs through (= total for a dense model)
+    expert_per_rank: int = 0  # of per_rank, the MoE experts' (num_experts / ep of each layer)
 
 
 def _heads_params(spec: ModelSpec) -> int:
@@ -38,22 +46,34 @@ def _heads_params(spec: ModelSpec) -> int:
     return 0
 
 
-def _layer_params(spec: ModelSpec, tp: int) -> int:
+def _layer_params(spec: ModelSpec, tp: int, ep: int = 1) -> int:
     h, d = spec.hidden_size, spec.head_dim
     qkv = (spec.num_heads + 2 * spec.num_kv_heads) * d
     n = 2 * h                                   # input and pre-MLP RMSNorm (replicated)
     n += qkv * h // tp + spec.num_heads * d * h // tp   # linear_qkv, linear_proj
     n += (qkv // tp) if spec.qkv_bias else 0
     n += 2 * d if spec.qk_norm else 0           # q/k RMSNorm over head_dim (replicated)
-    n += 3 * spec.ffn_hidden_size * h // tp     # fc1 (gate + up), fc2
+    if not spec.is_moe:
+        return n + 3 * spec.ffn_hidden_size * h // tp   # fc1 (gate + up), fc2
+    n += spec.num_experts * h                   # router (replicated)
+    n += _expert_params(spec, tp, ep)
+    if spec.shared_expert_ffn_hidden_size:      # shared expert's fc1, fc2 + its gate [1, h]
+        n += 3 * spec.shared_expert_ffn_hidden_size * h // tp + h
     return n
 
 
-def closed_form_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int) -> int:
+def _expert_params(spec: ModelSpec, tp: int, ep: int, experts: int | None = None) -> int:
+    """One layer's experts on one rank: `experts` of them (default num_experts / ep), each a
+    SwiGLU MLP (fc1 = gate + up, fc2) of width moe_ffn_hidden_size split over tp."""
+    n = spec.num_experts // ep if experts is None else experts
+    return n * 3 * spec.moe_ffn_hidden_size * spec.hidden_size // tp
+
+
+def closed_form_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int, ep: int = 1) -> int:
     """This rank's parameters, by hand (the reference `stage_params` is tested against)."""
     h, vp = spec.hidden_size, spec.padded_vocab_size(tp)
     first, last = pp_rank == 0, pp_rank == pp - 1
-    n = spec.layers_per_stage(pp) * _layer_params(spec, tp)
+    n = spec.layers_per_stage(pp) * _layer_params(spec, tp, ep)
     n += vp * h // tp if first else 0
     if last:
         n += h                                  # final norm
@@ -128,19 +148,37 @@ def _meta_counts(key: tuple, tp: int, pre: bool, post: bool, tie: bool) -> tuple
     return stage, layer
 
 
-def rank_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int, exact: bool = True) -> int:
+def rank_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int, exact: bool = True,
+                ep: int = 1) -> int:
     """Parameters on one rank of stage `pp_rank` (exact: from Megatron's meta-device build)."""
     if not exact:
-        return closed_form_params(spec, tp, pp, pp_rank)
+        return closed_form_params(spec, tp, pp, pp_rank, ep)
     first, last = pp_rank == 0, pp_rank == pp - 1
     # a tied output layer is a separate copy on the last stage when pp > 1
     stage, layer = _meta_counts(_spec_key(spec), tp, first, last, spec.tie_embeddings and first)
-    return stage + (spec.layers_per_stage(pp) - 1) * layer
+    n = stage + (spec.layers_per_stage(pp) - 1) * layer
+    if spec.is_moe and ep > 1:  # built at ep = 1: the other ep ranks' experts off
+        n -= spec.layers_per_stage(pp) * (_expert_params(spec, tp, 1)
+                                          - _expert_params(spec, tp, ep))
+    return n
 
 
-def stage_params(spec: ModelSpec, tp: int, pp: int, exact: bool = True) -> StageParams:
-    spec.check_parallel(tp, pp)
-    per = [rank_params(spec, tp, pp, r, exact) for r in range(pp)]
+def active_params(spec: ModelSpec) -> int:
+    """Parameters one token runs through (whole model, tp = pp = 1): a dense model's all, an MoE
+    model's with moe_topk experts per layer instead of num_experts."""
+    n = closed_form_params(spec, 1, 1, 0)
+    if spec.is_moe:
+        n -= spec.num_layers * (_expert_params(spec, 1, 1)
+                                - _expert_params(spec, 1, 1, spec.moe_topk))
+    return n
+
+
+def stage_params(spec: ModelSpec, tp: int, pp: int, exact: bool = True,
+                 ep: int = 1) -> StageParams:
+    spec.check_parallel(tp, pp, ep)
+    per = [rank_params(spec, tp, pp, r, exact, ep) for r in range(pp)]
     big = max(range(pp), key=per.__getitem__)
     total = rank_params(spec, 1, 1, 0, exact)
-    return StageParams(per_rank=per[big], total=total, stage=big)
+    experts = spec.layers_per_stage(pp) * _expert_params(spec, tp, ep) if spec.is_moe else 0
+    return StageParams(per_rank=per[big], total=total, stage=big, active=active_params(spec),
+                       expert_per_rank=experts)

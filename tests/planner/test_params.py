@@ -1,0 +1,59 @@
+"""The planner's parameter counts of mixture-of-experts models: Qwen3-30B-A3B's published
+total and activated counts, the meta-device count against the closed form at tp / pp / ep
+layouts, and the count of a stage megaprm really builds at ep2 (2 gloo ranks)."""
+import math
+
+import pytest
+
+from megaprm.models.hf_spec import spec_from_hf
+from megaprm.models.tiny import tiny_config
+from megaprm.parallel import launch
+from megaprm.planner.models import hf_config_for
+from megaprm.planner.params import active_params, closed_form_params, rank_params, stage_params
+
+
+def _qwen3_30b():
+    return spec_from_hf(hf_config_for("Qwen3-30B-A3B", "model").config)
+
+
+def test_qwen3_30b_a3b_has_its_published_counts():
+    # Qwen/Qwen3-30B-A3B model card: 30.5B in total, 3.3B activated, 29.9B non-embedding; the
+    # card cuts to one decimal (the activated count is 3.35B: embeddings, attention, routers and
+    # 8 of 128 experts per layer)
+    spec = _qwen3_30b()
+    p = stage_params(spec, 1, 1)
+    assert p.total == 30_532_122_624 and math.floor(p.total / 1e8) / 10 == 30.5
+    assert p.active == active_params(spec) == 3_353_032_704
+    assert math.floor(p.active / 1e8) / 10 == 3.3
+    embeddings = 2 * spec.vocab_size * spec.hidden_size  # untied: embedding + LM head
+    assert math.floor((p.total - embeddings) / 1e8) / 10 == 29.9
+    # 48 layers x 128 experts x 3 x 2048 x 768 of the total are experts
+    assert p.expert_per_rank == 48 * 128 * 3 * 2048 * 768
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 8), (2, 2, 4)])
+def test_meta_count_equals_the_closed_form_at_ep(tp, pp, ep):
+    for spec in (_qwen3_30b(), spec_from_hf(tiny_config("qwen2_moe"))):
+        if spec.num_experts % ep:
+            continue
+        for r in range(pp):
+            assert rank_params(spec, tp, pp, r, ep=ep) == closed_form_params(spec, tp, pp, r, ep)
+    p = stage_params(_qwen3_30b(), tp, pp, ep=ep)
+    assert p.expert_per_rank == 48 // pp * (128 // ep) * 3 * 2048 * 768 // tp
+
+
+def _built_count(family):
+    from megaprm.models.actor import build_stage
+    from megaprm.parallel.init import init_distributed
+
+    g = init_distributed(ep=2)
+    model = build_stage(spec_from_hf(tiny_config(family)), g)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_counts_equal_a_stage_built_at_ep2():
+    for family in ("qwen2_moe", "qwen3_moe"):
+        spec = spec_from_hf(tiny_config(family))
+        got = launch.spawn(_built_count, 2, family)
+        assert got == [rank_params(spec, 1, 1, 0, ep=2)] * 2
+        assert got[0] < rank_params(spec, 1, 1, 0)  # half the experts
