@@ -158,6 +158,11 @@ def main(argv=None, fork_ranks: bool = False) -> int:
         if leader:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line; the target's .tmp is already discarded
+        if leader:
+            print("error: stopped by SIGINT (Ctrl-C); nothing was written to the target",
+                  file=sys.stderr)
+        return 128 + 2
     except Exception as e:  # noqa: BLE001 - a full disk or a permission, however wrapped: the
         cause = _os_cause(e)  # file and the reason in one line, not a traceback
         if cause is None:

@@ -611,6 +611,10 @@ def main(argv=None) -> int:
         args.overrides = [*args.overrides, *rest]
     try:
         return args.fn(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line (ranks under the launcher ignore SIGINT)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"megaprm {args.cmd}: stopped by SIGINT (Ctrl-C)", file=sys.stderr)
+        return 128 + 2
     except _user_errors() as e:
         # deferred: keeps --help fast
         from megaprm.parallel.launch import report_user_error

@@ -157,9 +157,15 @@ def _set_pdeathsig(sig: int = signal.SIGKILL) -> None:
 
 
 def die_with_parent() -> None:
-    """Called on every rank: die when torchrun (our parent) dies, even by SIGKILL."""
+    """Called on every rank: die when torchrun (our parent) dies, even by SIGKILL. Under
+    megaprm's launcher a rank also ignores SIGINT: a terminal's Ctrl-C reaches every process of
+    the foreground group, and each rank's KeyboardInterrupt traceback (~110 lines for two)
+    came before the launcher's one line; the launcher forwards the signal to torchrun, which
+    stops the ranks with SIGTERM."""
     expected = os.environ.get("MEGAPRM_TORCHRUN_PID")
     _set_pdeathsig()
+    if os.environ.get(ERROR_DIR_ENV):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if expected and str(os.getppid()) != expected:  # the parent died before prctl took effect
         os._exit(1)
 

@@ -692,6 +692,9 @@ def test_a_huge_row_is_refused_before_it_is_tokenised(tmp_path):
 
 _RANK = """import ctypes, os, signal, sys, time
 ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # dies with torchrun, as launch.die_with_parent
+if sys.argv[1] == "ctrlc":  # the hook every megaprm rank calls first
+    from megaprm.parallel import launch
+    launch.die_with_parent()
 rank = int(os.environ["RANK"])
 os.write(1, b"up %d\\n" % rank)  # one write: atomic on a pipe, so the ranks' lines never interleave
 if rank == 1 and sys.argv[1] == "kill1":
@@ -764,6 +767,56 @@ def test_launcher_stops_are_one_line(tmp_path, fault):
     lines = err.strip().splitlines()
     assert proc.returncode == want[0] and len(lines) == 1, err[-3000:]
     assert lines[0].startswith(want[1]), lines[0]
+
+
+def test_ctrl_c_is_one_line_without_rank_tracebacks(tmp_path):
+    """Ctrl-C in a terminal (SIGINT to the whole foreground group: launcher, torchrun and every
+    rank) exited 130 with the right last line after ~110 lines of the ranks' KeyboardInterrupt
+    tracebacks. Ranks started by the launcher ignore SIGINT and are stopped by torchrun: one
+    line, exit 130, no rank left."""
+    proc = _torchrun(tmp_path, "ctrlc", launcher=True)
+    ranks = [p for t in _children(proc.pid) for p in _children(t)]
+    assert len(ranks) == 2, ranks
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends
+    _, err = _finish(proc, 60)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert err.strip().splitlines() == ["megaprm: stopped by SIGINT; the ranks were stopped "
+                                        "with it"], err[-3000:]
+    for pid in ranks:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read(
+        ).rsplit(")", 1)[1].split()[0], f"rank {pid} outlived the launcher"
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo"], ["compare"], ["train", "--config", "configs/grpo_tiny.yaml"],
+    ["train-prm", "--config", "configs/prm/tiny.yaml"], ["plan", "configs/grpo_tiny.yaml"],
+    ["plot", "runs/x"], ["eval", "--model", "m", "--benchmarks", "math500"],
+    ["convert", "verify", "--hf", "a", "--ckpt", "b"]])
+def test_an_interrupt_in_any_command_is_one_line(argv, monkeypatch, capsys):
+    """Whatever command a KeyboardInterrupt stops (the launcher's preflight, a single-process
+    command): one line naming the command and SIGINT, exit 130, no traceback."""
+    from megaprm import cli
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    parser = cli._parser
+    monkeypatch.setattr(cli, "_parser", lambda: _interrupting(parser(), interrupted))
+    monkeypatch.delenv("RANK", raising=False)
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"megaprm {argv[0]}: stopped by SIGINT (Ctrl-C)"], err
+
+
+def _interrupting(parser, fn):
+    """`parser` with every subcommand's function replaced by `fn`."""
+    import argparse
+
+    for action in parser._subparsers._group_actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(fn=fn)
+    return parser
 
 
 def _fake_step(root, step, state) -> str:
