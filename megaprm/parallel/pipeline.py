@@ -132,8 +132,10 @@ def broadcast_from_last_stage(obj: Any, groups: Groups) -> Any:
 
 # --------------------------------------------------------------------------------- training
 
-def wrap_ddp(model, groups: Groups, *, distributed_optimizer: Optional[bool] = None):
-    """Megatron DDP: contiguous grad buffers in fp32, grads summed (not averaged) over dp.
+def wrap_ddp(model, groups: Groups, *, distributed_optimizer: Optional[bool] = None,
+             grad_reduce_in_fp32: bool = True):
+    """Megatron DDP: contiguous grad buffers in fp32 (in the parameters' dtype with
+    `grad_reduce_in_fp32=False`), grads summed (not averaged) over dp.
 
     distributed_optimizer: shard the optimiser state over dp (Megatron's DistributedOptimizer);
     default: on CUDA with dp > 1 (Megatron's optimizer refuses CPU tensors).
@@ -151,7 +153,7 @@ def wrap_ddp(model, groups: Groups, *, distributed_optimizer: Optional[bool] = N
     if distributed_optimizer is None:
         distributed_optimizer = torch.cuda.is_available() and groups.dp_size > 1
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=False,
         use_distributed_optimizer=distributed_optimizer,
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)

@@ -1,11 +1,12 @@
 """Bytes per GPU in the two phases that peak, each term named.
 
-train   the PPO update of the actor (largest pp stage, one tp rank): its parameters, fp32 grad
-        buffer (megaprm's DDP reduces grads in fp32), Adam state (fp32 master copy for bf16
+train   the PPO update of the actor (largest pp stage, one tp rank): its parameters, grad
+        buffer (fp32, or the parameters' dtype with actor.optim.grad_reduce_in_fp32=false, and
+        then the optimiser's fp32 grads of its shard), Adam state (fp32 master copy for bf16
         parameters + two moments, sharded over dp by Megatron's distributed optimizer), the
-        update's rollback copy when it spans several mini-batches (`Optimizer.all_or_nothing`
-        clones parameters and optimiser state on the device), the models that stay resident
-        (reference, PRM), one micro-batch's activations and its logits.
+        models that stay resident (reference, PRM), one micro-batch's activations and its
+        logits. The update's rollback copy (`Optimizer.all_or_nothing`, several mini-batches)
+        is in host memory (`host_terms`).
 sync    the engine's weights awake and loaded while the trainer's state is still on the
         device (it is offloaded after the sync, `*.offload`).
 rollout the vLLM engine awake: what the trainer keeps on the device plus the engine's
@@ -15,8 +16,9 @@ KV cache per token (vLLM's formula, vllm/worker cache engine: layers x 2 x kv_he
 x dtype bytes), split over the engine's tp ranks.
 
 Separate placement (`rollout.placement=separate`, docs/rollout.md): the trainer's GPUs hold no
-engine (no sync phase on them; train as above plus, on trainer rank 0, the packed HF copies of
-the weight versions still in flight to the rollout ranks: up to max(1, k), rollout/remote.py);
+engine (no sync phase on them; train as above plus, on trainer rank 0, the two device buckets
+the weight versions in flight stream through; the versions themselves, up to max(1, k) packed
+HF copies, wait in host memory, rollout/remote.py);
 a rollout GPU holds its engine's share alone (tp rollout.tp): the rollout column is that GPU's.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from megaprm.planner.hardware import ENGINE_RESERVE, RUNTIME_OVERHEAD
 from megaprm.planner.params import closed_form_params
 from megaprm.planner.workload import Workload
+from megaprm.rollout.weight_sync import default_bucket_bytes
 
 
 @dataclass(frozen=True)
@@ -106,16 +109,47 @@ def in_flight_versions(w: Workload) -> int:
     return max(1, w.max_staleness) if w.separate else 0
 
 
+def grad_terms(w: Workload, n: int) -> list:
+    """The grad buffer of `n` parameters (Megatron's DDP: fp32, or the parameters' dtype with
+    grad_reduce_in_fp32 off) and, in that case, the fp32 grads Megatron's optimiser makes of
+    its part at each step (`main_param.grad = model_grad.float()`: the dp shard with the
+    distributed optimizer, every parameter without)."""
+    if w.grad_reduce_in_fp32 or w.dtype_bytes == 4:
+        return [("actor grads (fp32)", n * 4)]
+    shard = n * 4 / w.dp if w.sharded_optimizer else n * 4
+    return [("actor grads (bf16)", n * w.dtype_bytes),
+            ("optimizer's fp32 grads", shard)]
+
+
+def largest_bucket_bytes(w: Workload) -> int:
+    """The largest bucket of the weight stream (rollout/weight_sync.py): 256 MiB, or a whole HF
+    tensor larger than that (the embedding or output layer, vocabulary x hidden)."""
+    s = w.actor
+    return max(default_bucket_bytes(), s.vocab_size * s.hidden_size * w.dtype_bytes)
+
+
+def host_terms(w: Workload, p: Params) -> list:
+    """[(name, bytes)] of host memory per trainer rank: the update's rollback copy
+    (`Optimizer.all_or_nothing` with several mini-batches: parameters and optimiser tensors)
+    and, on trainer rank 0 of a separate placement, the packed HF weight versions in flight
+    (up to max(1, k), rollout/remote.py)."""
+    out = []
+    if w.mini_batches > 1:
+        out.append(("update rollback copy", p.actor_rank * (w.dtype_bytes
+                                                            + optimizer_bytes_per_param(w))))
+    if w.separate:
+        out.append((f"weight versions in flight (x{in_flight_versions(w)}, rank 0)",
+                    in_flight_versions(w) * closed_form_params(w.actor, 1, 1, 0)
+                    * w.dtype_bytes))
+    return out
+
+
 def train_terms(w: Workload, p: Params) -> list:
     """[(name, bytes)] of the update's peak on one GPU."""
     b = w.dtype_bytes
     tokens = w.micro_tokens
-    terms = [("actor weights", p.actor_rank * b),
-             ("actor grads (fp32)", p.actor_rank * 4),
+    terms = [("actor weights", p.actor_rank * b), *grad_terms(w, p.actor_rank),
              ("actor optimizer", p.actor_rank * optimizer_bytes_per_param(w))]
-    if w.mini_batches > 1:  # all_or_nothing: parameters + optimiser tensors cloned on device
-        terms.append(("update rollback copy",
-                      p.actor_rank * (b + optimizer_bytes_per_param(w))))
     if w.needs_ref and not w.ref_offload:
         terms.append(("reference weights", p.actor_rank * b))
     if w.implicit:  # PRIME's implicit PRM: a second trained policy
@@ -125,10 +159,8 @@ def train_terms(w: Workload, p: Params) -> list:
         terms.append(("PRM weights", p.prm_rank * b))
     terms.append(("activations (1 micro-batch)", activation_bytes(w, tokens)))
     terms.append(("logits", logits_bytes(w, tokens)))
-    if w.separate:  # the whole HF model, packed per version, on trainer rank 0
-
-        terms.append((f"weight versions in flight (x{in_flight_versions(w)}, rank 0)",
-                      in_flight_versions(w) * closed_form_params(w.actor, 1, 1, 0) * b))
+    if w.separate:  # rank 0 streams the versions in flight through two device buckets
+        terms.append(("weight buckets in flight (rank 0)", 2 * largest_bucket_bytes(w)))
     terms.append(("runtime overhead (assumed)", RUNTIME_OVERHEAD))
     return terms
 
@@ -139,8 +171,7 @@ def _resident(w: Workload, p: Params, offloaded: bool) -> list:
     b = w.dtype_bytes
     terms = []
     if not (offloaded and w.actor_offload):
-        terms += [("actor weights", p.actor_rank * b),
-                  ("actor grads (fp32)", p.actor_rank * 4),
+        terms += [("actor weights", p.actor_rank * b), grad_terms(w, p.actor_rank)[0],
                   ("actor optimizer", p.actor_rank * optimizer_bytes_per_param(w))]
     if w.needs_ref and not (offloaded and w.ref_offload):
         terms.append(("reference weights", p.actor_rank * b))

@@ -140,6 +140,10 @@ def plan_workload(w: Workload, gpu: GPU, *, sources: dict | None = None,
     if w.mean_response >= w.max_tokens:
         plan.notes.append("times assume every response runs to rollout.max_tokens (an upper "
                           "bound); --mean-response sets the expected length")
+    host = memory.host_terms(w, p)
+    if host:
+        plan.notes.append("host memory per trainer rank: " + ", ".join(
+            f"{n} {b / GB:.1f} GB" for n, b in host))
     if plan.seconds["rollout"] is None:
         plan.notes.append("rollout time: not applicable (the engine's KV cache holds no "
                           "whole sequence)")
@@ -175,9 +179,9 @@ def candidate_knobs(w: Workload, keys: set) -> list:
         except ValueError:
             pass
         tp *= 2
-    if w.mini_batches > 1:
-        out.append(("actor.mini_batches=1 (no rollback copy)",
-                    dataclasses.replace(w, mini_batches=1)))
+    if w.grad_reduce_in_fp32 and w.dtype_bytes == 2:
+        out.append(("actor.optim.grad_reduce_in_fp32=false",
+                    dataclasses.replace(w, grad_reduce_in_fp32=False)))
     return out
 
 

@@ -9,7 +9,8 @@ examples/configs/grpo_math_1B.yaml: 64 prompts x 32 generations = 2048 rollouts,
 batch 512 (4 optimiser steps), sequences of at most 4096 tokens (prompt + response), sequence
 packing (no padding), a reference model (reference_policy_kl_penalty 0.01) and the trainer's
 own old log-probs in every mode, vLLM gpu_memory_utilization 0.6 colocated and 0.8 on
-dedicated GPUs, in-flight weight updates in the 1-step off-policy recipes. The table gives the
+dedicated GPUs, in-flight weight updates in the 1-step off-policy recipes, gradients reduced in bf16
+(distributed_data_parallel_config.grad_reduce_in_fp32: false). The table gives the
 mean generated length and the step; the mean prompt follows from its tokens/s/GPU (tokens of
 the batch over step x GPUs): tokens/s/GPU x step x GPUs / 2048 - mean generated length.
 
@@ -59,21 +60,22 @@ class PublishedRun:
     step_s: float
     phases: dict              # published seconds per phase ({} where only the step is)
     source: str
+    grad_reduce_in_fp32: bool = True   # NeMo-RL's grpo_math_1B.yaml: false
 
 
 RUNS = (
     PublishedRun("NeMo-RL v0.5 Llama-3.1-8B GRPO on-policy", "Llama-3.1-8B", "h100", 16, 0,
                  1, 2, 1, 2048, 4, 4096, 4096, 1581 * 92.8 * 16 / 2048 - 1019, 1019, True,
-                 True, False, False, 0.6, 92.8, {}, NEMO_V05),
+                 True, False, False, 0.6, 92.8, {}, NEMO_V05, False),
     PublishedRun("NeMo-RL v0.5 Llama-3.1-8B GRPO 1-step off", "Llama-3.1-8B", "h100", 16, 8,
                  1, 1, 1, 2048, 4, 4096, 4096, 2478 * 64.8 * 16 / 2048 - 1123, 1123, True,
-                 True, True, True, 0.8, 64.8, {}, NEMO_V05),
+                 True, True, True, 0.8, 64.8, {}, NEMO_V05, False),
     PublishedRun("NeMo-RL v0.5 Qwen3-32B GRPO on-policy", "Qwen3-32B", "h100", 32, 0, 4, 4, 4,
                  2048, 4, 4096, 4096, 571 * 376 * 32 / 2048 - 3251, 3251, False, True, False,
-                 False, 0.6, 376.0, {}, NEMO_V05),
+                 False, 0.6, 376.0, {}, NEMO_V05, False),
     PublishedRun("NeMo-RL v0.5 Qwen3-32B GRPO 1-step off", "Qwen3-32B", "h100", 64, 32, 4, 4,
                  4, 2048, 4, 4096, 4096, 538 * 200 * 64 / 2048 - 3252, 3252, False, True, True,
-                 True, 0.8, 200.0, {}, NEMO_V05),
+                 True, 0.8, 200.0, {}, NEMO_V05, False),
     PublishedRun("verl DAPO Qwen2.5-Math-7B colocated, Megatron, 16 x H20", "Qwen2.5-Math-7B",
                  "h20", 16, 0, 2, 2, 2, 8192, 16, 2048 + 8192, 8192, None, None, True, False,
                  False, False, 0.8, 699.0,
@@ -114,7 +116,8 @@ def workload_of(run: PublishedRun, mean_response: float | None = None):
         gpu_memory_utilization=run.gpu_memory_utilization, rollout_ranks=run.rollout_gpus,
         max_staleness=1 if run.overlap else 0,
         rollout_tp=run.engine_tp if run.rollout_gpus else 1,
-        max_response=min(run.max_response, run.max_seq - prompt), in_flight=run.in_flight)
+        max_response=min(run.max_response, run.max_seq - prompt), in_flight=run.in_flight,
+        grad_reduce_in_fp32=run.grad_reduce_in_fp32)
 
 
 def predicted(run: PublishedRun, eff: Efficiency = FITTED,

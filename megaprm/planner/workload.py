@@ -51,6 +51,7 @@ class Workload:
     max_response: float | None = None
     in_flight: bool = False
     rollout_logprobs: bool = False  # the old log-probs are the engine's: no trainer pass
+    grad_reduce_in_fp32: bool = True  # actor.optim.grad_reduce_in_fp32 (Megatron's DDP option)
 
     @property
     def separate(self) -> bool:
@@ -122,5 +123,6 @@ def workload_from_config(cfg, raw: dict, *, world: int, actor: ModelSpec,
         ref_offload=bool(getattr(getattr(cfg, "ref", None), "offload", False)),
         prm_offload=bool(getattr(cfg.prm, "offload", False)),
         rollout_ranks=cfg.rollout.ranks if cfg.rollout.placement == "separate" else 0,
+        grad_reduce_in_fp32=cfg.actor.optim.grad_reduce_in_fp32,
         max_staleness=cfg.rollout.max_staleness,
     )

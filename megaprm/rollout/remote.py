@@ -42,6 +42,8 @@ import contextlib
 import datetime
 import io
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -185,28 +187,77 @@ def _broadcast(group, t: torch.Tensor):
 
 
 class WeightSender:
-    """Trainer rank 0's end of the weights group. `send(version, buckets)`: packs every bucket,
-    orders the rollout ranks to take version `version` (the plan rides along when it changed),
-    issues one broadcast per bucket and returns without waiting for them. The buffers of a
-    version stay referenced until its broadcasts complete; at most `in_flight` versions are
-    outstanding (the oldest is waited for before a new one is packed), and their buffers are
-    reused by later versions. `drain()` waits for all."""
+    """Trainer rank 0's end of the weights group. `send(version, buckets)`: packs every bucket
+    into host buffers (pinned on CUDA; reused by later versions), orders the rollout ranks to
+    take version `version` (the plan rides along when it changed) and returns; a thread of its
+    own streams the versions, oldest first, bucket by bucket: each bucket copied into one of
+    two device buffers and broadcast, a buffer reused once its broadcast completed. So the
+    versions in flight wait in host memory and the device holds two buckets of them, whatever
+    the model's size or max_staleness (on the CPU the host buffers are broadcast as they are).
+    At most `in_flight` versions are outstanding: the oldest is waited for before a new one is
+    packed. `drain()` waits for all."""
 
     def __init__(self, p: Placement, in_flight: int = 1):
         self.p, self.in_flight = p, max(1, in_flight)
-        self.outstanding: list = []  # [(works, buffers)] oldest first
-        self.free: list = []  # buffer sets of completed versions
+        self.outstanding: list = []  # [(done event, host buffers)] oldest first
+        self.free: list = []  # host buffer sets of completed versions
         self.plan = None
+        self.staging: list = []  # the two device buffers (CUDA)
+        self.jobs: queue.Queue = queue.Queue()
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._stream, name="megaprm-weights", daemon=True)
+        self.thread.start()
+
+    def _stream(self) -> None:
+        """The thread: each version's buckets in order (`None` ends it)."""
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            bufs, done = job
+            try:
+                if self.error is None:
+                    self._broadcast_version(bufs)
+            except BaseException as e:  # re-raised by the next send or drain
+                self.error = e
+            finally:
+                done.set()
+
+    def _broadcast_version(self, bufs: list) -> None:
+        if self.p.device.type != "cuda":  # gloo on the CPU: the host buffers themselves
+            for w in [_broadcast(self.p.weights, b) for b in bufs]:
+                w.wait()
+            return
+        largest = max((b.numel() for b in bufs), default=0)
+        if not self.staging or self.staging[0].numel() < largest:
+            self.staging = [torch.empty(largest, dtype=torch.uint8, device=self.p.device)
+                            for _ in range(2)]
+        works = [None, None]
+        for i, buf in enumerate(bufs):
+            slot = i % 2
+            if works[slot] is not None:  # the buffer's previous bucket has gone out
+                works[slot].wait()
+            view = self.staging[slot][:buf.numel()]
+            view.copy_(buf, non_blocking=True)
+            works[slot] = _broadcast(self.p.weights, view)
+        for w in works:
+            if w is not None:
+                w.wait()
+        torch.cuda.synchronize(self.p.device)  # the host buffers may be reused from here
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
 
     def _retire(self, keep: int) -> None:
         """Release the versions whose broadcasts completed; wait for the oldest ones until at most
         `keep` are outstanding."""
         while self.outstanding and (len(self.outstanding) > keep
-                                    or all(w.is_completed() for w in self.outstanding[0][0])):
-            works, bufs = self.outstanding.pop(0)
-            for w in works:
-                w.wait()
+                                    or self.outstanding[0][0].is_set()):
+            done, bufs = self.outstanding.pop(0)
+            done.wait()
             self.free.append(bufs)
+        self._check()
 
     def send(self, version: int, buckets) -> dict:
         """Returns {"bytes": HF tensor bytes, "wait_seconds": time spent waiting for an older
@@ -215,13 +266,14 @@ class WeightSender:
         self._retire(keep=self.in_flight - 1)
         waited = time.perf_counter() - t0
         old = self.free.pop() if self.free else []
+        pin = self.p.device.type == "cuda"
         plan, bufs, nbytes = [], [], 0
         for i, bucket in enumerate(buckets):
             layout, size = bucket_layout(bucket)
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
             buf = old[i] if i < len(old) and old[i].numel() == size else None
             if buf is None:
-                buf = torch.zeros(size, dtype=torch.uint8, device=self.p.device)
+                buf = torch.zeros(size, dtype=torch.uint8, device="cpu", pin_memory=pin)
             pack_bucket(bucket, layout, buf)
             plan.append((layout, size))
             bufs.append(buf)
@@ -230,8 +282,9 @@ class WeightSender:
         self.plan = plan
         for s in self.p.rollout_ranks:
             send(self.p, order, s, CTRL, wait=False)
-        works = [_broadcast(self.p.weights, b) for b in bufs]
-        self.outstanding.append((works, bufs))
+        done = threading.Event()
+        self.outstanding.append((done, bufs))
+        self.jobs.put((bufs, done))
         return {"bytes": nbytes, "wait_seconds": waited}
 
     def drain(self) -> None:

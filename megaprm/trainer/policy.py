@@ -68,7 +68,9 @@ class Policy:
         model = build_stage(spec, groups, dtype=dtype, **(build or {}))
         model_source.load_weights(model, src, spec, groups)
         if trainable:
-            self.model = pipeline.wrap_ddp(model, groups)
+            self.model = pipeline.wrap_ddp(
+                model, groups,
+                grad_reduce_in_fp32=optim.grad_reduce_in_fp32 if optim is not None else True)
             self.opt = Optimizer(self.model, optim, groups)
         else:
             self.model, self.opt = model.eval(), None

@@ -147,9 +147,11 @@ def _steps_then_fail(ddp, opt, g, steps):
         pass
 
 
-def test_all_or_nothing_restores_lazily_on_the_device(tmp_path, monkeypatch):
+def test_all_or_nothing_restores_lazily_from_a_host_copy(tmp_path, monkeypatch):
     """Two applied steps then a failure: parameters and AdamW state are as before, bit-exact,
-    and the state the steps created is gone; no copy is taken when no step applies."""
+    and the state the steps created is gone; no copy is taken when no step applies. The copy
+    is host memory of its own (pinned where CUDA is), allocated once and reused by the next
+    update, so the device holds no second copy (planner: `update rollback copy (host)`)."""
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.tiny import save_tiny_model
     from megaprm.models.actor import build_stage
@@ -165,14 +167,28 @@ def test_all_or_nothing_restores_lazily_on_the_device(tmp_path, monkeypatch):
         _train(ddp, opt, g, [0])  # AdamW state exists before the transaction
         before = _weights(ddp)
         state = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.impl.state.items()}
-        copies = []
+        copies, snaps = [], []
         real = opt._snapshot
-        monkeypatch.setattr(opt, "_snapshot", lambda: copies.append(1) or real())
+        monkeypatch.setattr(opt, "_snapshot",
+                            lambda: copies.append(1) or snaps.append(real()) or snaps[-1])
         _steps_then_fail(ddp, opt, g, [1, 2])
         assert copies == [1]  # one copy, however many steps
+        saved = snaps[0]["tensors"]
+        assert saved and all(buf.device.type == "cpu" and buf.data_ptr() != t.data_ptr()
+                             and buf.is_pinned() == torch.cuda.is_available()
+                             for t, buf in saved)
+        # every parameter and state tensor once: the planner's 4 + 8 bytes per fp32 parameter,
+        # plus AdamW's 0-d fp32 step count per tensor (left out of the plan)
+        n = sum(p.numel() for p in ddp.parameters())
+        assert sum(buf.numel() * buf.element_size() for _, buf in saved) == \
+            (4 + 8) * n + 4 * len(opt.impl.state)
+        buffers = [buf for _, buf in saved]
         after = _weights(ddp)
         assert all(torch.equal(before[k], after[k]) for k in before)
         assert {id(p) for p in opt.impl.state} == set(state)
+        _steps_then_fail(ddp, opt, g, [3])  # the next update reuses the same host buffers
+        assert all(a is b for a, (_, b) in zip(buffers, snaps[1]["tensors"]))
+        assert all(torch.equal(before[k], v) for k, v in _weights(ddp).items())
         for p, st in opt.impl.state.items():
             assert all(torch.equal(v, state[id(p)][k]) for k, v in st.items())
 
@@ -184,9 +200,9 @@ def test_all_or_nothing_restores_lazily_on_the_device(tmp_path, monkeypatch):
                 raise RuntimeError("the first mini-batch's loss is NaN")
         except RuntimeError:
             pass
-        assert copies == [1] and len(fresh.impl.state) == 0
+        assert copies == [1, 1] and len(fresh.impl.state) == 0
         _steps_then_fail(ddp, fresh, g, [1])
-        assert copies == [1, 2] and len(fresh.impl.state) == 0  # lazily created state of a rolled-back step dropped
+        assert copies == [1, 1, 2] and len(fresh.impl.state) == 0  # lazily created state of a rolled-back step dropped
         assert all(torch.equal(before[k], v) for k, v in _weights(ddp).items())
     finally:
         destroy()

@@ -102,17 +102,33 @@ def _real_stages(tp, pp):
                     for k, v in st.items() if k != "step")
         out.append({"name": name, "tp": tp, "pp": pp, "pp_rank": g.pp_rank, "dp": g.dp_size,
                     "params": n, "grads": grads, "optim": state})
+    for fp32 in (True, False):  # bf16 parameters: the grad buffer per grad_reduce_in_fp32
+        model = build_stage(_tiny_specs()["llama"], g, dtype=torch.bfloat16)
+        ddp = pipeline.wrap_ddp(model, g, grad_reduce_in_fp32=fp32)
+        out.append({"name": "llama", "tp": tp, "pp": pp, "pp_rank": g.pp_rank, "dp": g.dp_size,
+                    "bf16": True, "grad_reduce_in_fp32": fp32,
+                    "params": sum(p.numel() for p in model.parameters()),
+                    "grads": sum(p.main_grad.numel() * p.main_grad.element_size()
+                                 for p in ddp.parameters())})
     return out
 
 
 def test_predicted_param_grad_optimizer_bytes_equal_the_real_stages(two_ranks):
-    """tp 2, pp 2 and dp 2 on two gloo ranks: every rank's parameters, grad buffer (fp32) and
-    optimiser state (two fp32 moments; fp32 parameters need no master copy) as predicted."""
+    """tp 2, pp 2 and dp 2 on two gloo ranks: every rank's parameters, grad buffer (fp32; for
+    bf16 parameters fp32 or, with grad_reduce_in_fp32=False, bf16) and optimiser state (two fp32
+    moments; fp32 parameters need no master copy) as predicted."""
     specs = _tiny_specs()
     seen = set()
     for rank in two_ranks:
         for r in rank["stages"]:
             spec = specs[r["name"]]
+            if r.get("bf16"):  # the grad term of bf16 parameters, fp32 or bf16 reduction
+                w = _workload(spec, tp=r["tp"], pp=r["pp"], world=2, dtype_bytes=2,
+                              grad_reduce_in_fp32=r["grad_reduce_in_fp32"])
+                assert r["params"] == rank_params(spec, r["tp"], r["pp"], r["pp_rank"])
+                assert r["grads"] == memory.grad_terms(w, r["params"])[0][1], r
+                assert r["grads"] == (4 if r["grad_reduce_in_fp32"] else 2) * r["params"]
+                continue
             n = rank_params(spec, r["tp"], r["pp"], r["pp_rank"])
             w = _workload(spec, tp=r["tp"], pp=r["pp"], world=2, dtype_bytes=4,
                           distributed_optimizer=False)
@@ -276,9 +292,9 @@ def test_the_async_step_drops_the_old_logprob_pass_where_the_engines_are_used():
 
 def test_separate_engines_of_tp4_plan_nemo_rls_qwen3_32b_one_step_off():
     """NeMo-RL v0.5's Qwen3-32B 1-step off recipe: 32 trainer GPUs (tp 4, pp 4) and 32
-    rollout GPUs as 8 vLLM engines of tp 4: a plan with the checked step. megaprm's own trainer
-    does not fit it in 80 GB yet: trainer rank 0 packs a whole HF copy of the 32.8 B model
-    (65.5 GB) for the rollout ranks, the largest term of the verdict."""
+    rollout GPUs as 8 vLLM engines of tp 4: it fits 80 GB, with the checked step. The 65.5 GB
+    HF copy of the version in flight waits in trainer rank 0's host memory; its device holds
+    the two buckets it streams through (the largest, the 1.56 GB embedding)."""
     from megaprm.planner.plan import plan_workload
 
     run = next(r for r in NEMO if r.model == "Qwen3-32B" and r.overlap)
@@ -287,10 +303,41 @@ def test_separate_engines_of_tp4_plan_nemo_rls_qwen3_32b_one_step_off():
     # KV per tp-4 rank: 64 layers x K,V x 8/4 KV heads x 128 x bf16
     assert memory.kv_bytes_per_token(w) == 64 * 2 * 2 * 128 * 2
     plan = plan_workload(w, GPUS["h100"], with_knobs=False)
-    assert plan.rollout_peak <= 80e9 and not plan.kv_short
-    assert dict(plan.train)["weight versions in flight (x1, rank 0)"] == 32_762_123_264 * 2
-    assert "largest: weight versions in flight" in plan.verdict()
+    assert plan.fits, plan.verdict()
+    assert dict(plan.train)["weight buckets in flight (rank 0)"] == 2 * 151936 * 5120 * 2
+    assert dict(memory.host_terms(w, memory.Params(1, 1)))[
+        "weight versions in flight (x1, rank 0)"] == 32_762_123_264 * 2
     assert plan.step_seconds == pytest.approx(published.predicted_step(run), rel=0.02)
+
+
+LLAMA_1OFF = ["configs/grpo.yaml", "--gpus", "16", "--json", "model.path=Llama-3.1-8B",
+              "data.prompts_per_step=64", "rollout.n=32", "data.max_prompt_tokens=256",
+              "rollout.max_tokens=3840", "actor.mini_batches=4", "actor.micro_batch_size=1",
+              "model.recompute=true", "actor.kl_coef=0.01", "ref.offload=false",
+              "actor.offload=false", "rollout.placement=separate", "rollout.ranks=8",
+              "rollout.max_staleness=1", "rollout.gpu_memory_utilization=0.8"]
+
+
+def test_nemo_rls_llama_one_step_off_layout_fits_80_gb_with_bf16_gradients(capsys):
+    """NeMo-RL v0.5's Llama-3.1-8B 1-step off recipe as megaprm overrides: 8 trainer GPUs (tp 1,
+    dp 8) + 8 rollout GPUs, 64 prompts x 32, 4 mini-batches, recompute, the reference resident,
+    gradients in bf16 as the recipe sets them. megaprm's trainer fits 80 GB: bf16 grads (plus the
+    optimiser's fp32 grads of its 1/8 shard), the rollback copy and the version in flight on the
+    host, two weight buckets on rank 0's device. With fp32 gradients it does not."""
+    rc, js, _ = _plan(capsys, *LLAMA_1OFF, "actor.optim.grad_reduce_in_fp32=false")
+    data = json.loads(js)
+    n = 8_030_261_248
+    train = data["memory_bytes"]["train"]
+    assert rc == 0 and data["fits"] is True, data["verdict"]
+    assert train["actor grads (bf16)"] == 2 * n
+    assert train["optimizer's fp32 grads"] == 4 * n / 8
+    assert train["reference weights"] == 2 * n
+    assert not any("rollback" in k for k in train)
+    assert any("update rollback copy" in note for note in data["notes"])
+    rc, js, _ = _plan(capsys, *LLAMA_1OFF)
+    data = json.loads(js)
+    assert data["memory_bytes"]["train"]["actor grads (fp32)"] == 4 * n
+    assert data["fits"] is False and "actor.optim.grad_reduce_in_fp32=false" in data["knobs"]
 
 
 @pytest.mark.parametrize("name,tflops,tbps,mem", [("h20", 148, 4.0, 96),
@@ -457,7 +504,8 @@ def test_the_planner_knows_the_prm_heads_the_models_do():
 
 def test_separate_placement_puts_the_engine_on_the_rollout_gpus_alone():
     """rollout.placement=separate (docs/rollout.md): trainer GPUs train without an engine (no
-    sync phase) and trainer rank 0 holds max(1, k) packed HF copies of the weights in flight;
+    sync phase) and trainer rank 0 holds max(1, k) packed HF copies of the weights in flight in
+    host memory, two buckets of them on its device;
     each rollout GPU is one tp-1 engine; the step overlaps generation with training at k >= 1."""
     from megaprm.planner import timing
     from megaprm.planner.hardware import GPUS
@@ -481,10 +529,13 @@ def test_separate_placement_puts_the_engine_on_the_rollout_gpus_alone():
     assert terms == {"vLLM engine (0.5 of the GPU)": 40e9,
                      "runtime overhead (assumed)": dict(rollout_terms(col, p, 80e9))[
                          "runtime overhead (assumed)"]}
-    # k = 2 versions of the whole model in bf16 on trainer rank 0 (7.62 B params, model card)
-    assert dict(train_terms(sep, p))["weight versions in flight (x2, rank 0)"] == \
+    # k = 2 versions of the whole model in bf16 in trainer rank 0's host memory (7.62 B
+    # params, model card), streamed through two device buckets of the 1.09 GB embedding
+    assert dict(memory.host_terms(sep, p))["weight versions in flight (x2, rank 0)"] == \
         2 * 7_615_616_512 * 2
-    assert not any("in flight" in n for n, _ in train_terms(col, p))
+    assert dict(train_terms(sep, p))["weight buckets in flight (rank 0)"] == \
+        2 * 152064 * 3584 * 2
+    assert not any("in flight" in n for n, _ in train_terms(col, p) + memory.host_terms(col, p))
     # one tp-1 engine per rollout GPU: 512 sequences over 2 engines, every KV head on it
     # (Qwen2.5-7B: 28 layers x K,V x 4 KV heads x 128 x bf16)
     assert engine_sequences(sep) == 256 and engine_sequences(col) == 128

@@ -3,7 +3,7 @@ the weights group that split_world builds; gloo, 2 processes): the rollout side 
 trainer's bucketed stream bit for bit (mixed dtypes and shapes, a strided tensor, NaN/inf bit
 patterns, an empty tensor), the bucket plan travels only when it changes, and the trainer side
 returns before a busy receiver has even posted its side, waiting only when more versions than
-allowed are outstanding."""
+allowed are outstanding; the versions in flight wait in host memory (a thread streams them)."""
 import time
 from types import SimpleNamespace
 
@@ -55,7 +55,11 @@ def _rank():
             sender.send(v, _stream(v))
             # had the receiver posted before this call returned? (it sleeps 2 s first)
             returned.append(p.store.check(["test/posted"]))
-            done.append(any(w.is_completed() for w in sender.outstanding[-1][0]))
+            done.append(sender.outstanding[-1][0].is_set())
+            # the version waits in host memory: nothing of it on the weights group's device
+            # but the two staging buffers (CUDA), none on the CPU
+            assert all(b.device.type == "cpu" for _, bufs in sender.outstanding for b in bufs)
+            assert len(sender.staging) in (0, 2)
         sender.drain()
         assert not sender.outstanding
         return {"posted_before_return": returned, "any_done_at_return": done[:2]}
