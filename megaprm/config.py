@@ -162,6 +162,9 @@ class RolloutConfig:
     # sharing its device) | separate (the last `ranks` ranks of the launch run the engine alone)
     placement: str = "colocated"
     ranks: int = 0                       # separate: how many rollout ranks (the last of the world)
+    # separate: GPUs of one rollout engine (vLLM tensor parallelism; rollout.ranks / tp engines).
+    # `megaprm plan` plans tp > 1; `megaprm train` runs tp-1 engines so far (trainer/preflight)
+    tp: int = 1
     # separate: batches the rollout ranks may draw ahead of the trainer; a batch is consumed at
     # most this many weight versions after the one it was drawn with (0: on-policy)
     max_staleness: int = 0
@@ -178,6 +181,13 @@ class RolloutConfig:
                "an integer >= 0 (rollout ranks of a separate placement)")
         _check(self.placement == "colocated" or self.ranks >= 1, "rollout.ranks", self.ranks,
                ">= 1 with rollout.placement=separate (the last ranks of the launch)")
+        _check(isinstance(self.tp, int) and self.tp >= 1, "rollout.tp", self.tp,
+               "a positive integer (GPUs of one rollout engine)")
+        _check(self.tp == 1 or self.placement == "separate", "rollout.tp", self.tp,
+               "1 with rollout.placement=colocated (the engine takes the trainer's parallel.tp "
+               "there); set rollout.placement=separate")
+        _check(self.placement == "colocated" or self.ranks % self.tp == 0, "rollout.tp",
+               self.tp, f"a divisor of rollout.ranks={self.ranks} (each engine takes tp of them)")
         _check(isinstance(self.max_staleness, int) and self.max_staleness >= 0,
                "rollout.max_staleness", self.max_staleness, "an integer >= 0")
         _check(self.max_staleness == 0 or self.placement == "separate", "rollout.max_staleness",

@@ -124,5 +124,6 @@ def workload_from_config(cfg, raw: dict, *, world: int, actor: ModelSpec,
         prm_offload=bool(getattr(cfg.prm, "offload", False)),
         rollout_ranks=cfg.rollout.ranks if cfg.rollout.placement == "separate" else 0,
         grad_reduce_in_fp32=cfg.actor.optim.grad_reduce_in_fp32,
+        rollout_tp=cfg.rollout.tp if cfg.rollout.placement == "separate" else 1,
         max_staleness=cfg.rollout.max_staleness,
     )

@@ -36,6 +36,21 @@ def check_launch_layout(cfg: Config, world_size: int) -> int:
     return dp
 
 
+def check_rollout_tp(cfg: Config) -> None:
+    """rollout.tp > 1 (engines of several GPUs on the rollout ranks): `megaprm plan` plans
+    them, `megaprm train` does not run them yet, and the transformers engine never takes more
+    than one GPU: refused in one line, before any rank starts."""
+    tp = cfg.rollout.tp
+    if tp == 1:
+        return
+    engine = resolve_engine(cfg.rollout.engine)[0]
+    if engine == "hf":
+        raise ConfigError(f"rollout.tp={tp}: the transformers engine (rollout.engine="
+                          f"{cfg.rollout.engine}, here hf) runs on one GPU; set rollout.tp=1")
+    raise ConfigError(f"rollout.tp={tp}: megaprm train's rollout ranks run one tp-1 vLLM engine "
+                      "each so far (`megaprm plan` plans engines of tp > 1); set rollout.tp=1")
+
+
 def check_rl_launch(cfg: Config, world_size: int):
     """Every check of `megaprm train` before its ranks start. Returns the trainer.json of the
     checkpoint the ranks will resume from (None: a fresh start)."""
@@ -59,6 +74,7 @@ def check_rl_launch(cfg: Config, world_size: int):
         check_prm_reads_policy(prm.hf_dir, src.hf_dir, prm_vocab_size=prm_config.get("vocab_size"))
         resolve_prm_input_format(cfg.prm.input_format, prm.hf_dir, hf_config=prm_config)
     check_engine(cfg.rollout.engine)
+    check_rollout_tp(cfg)
     if cfg.prm.kind == "judge":
         check_engine(cfg.prm.judge.engine, "prm.judge.engine")
     if cfg.rollout.engine == "auto":

@@ -340,6 +340,48 @@ def test_nemo_rls_llama_one_step_off_layout_fits_80_gb_with_bf16_gradients(capsy
     assert data["fits"] is False and "actor.optim.grad_reduce_in_fp32=false" in data["knobs"]
 
 
+def test_rollout_tp4_plans_nemo_rls_qwen3_32b_one_step_off_from_the_command_line(capsys):
+    """The recipe as megaprm overrides: 32 trainer GPUs (tp 4, pp 4) + 32 rollout GPUs as
+    rollout.tp=4 engines: 8 engines of 256 sequences, KV heads split 4 ways; it fits 80 GB."""
+    rc, js, _ = _plan(capsys, "configs/grpo.yaml", "--gpus", "64", "--json",
+                      "model.path=Qwen3-32B", "parallel.tp=4", "parallel.pp=4",
+                      "data.prompts_per_step=64", "rollout.n=32", "data.max_prompt_tokens=256",
+                      "rollout.max_tokens=3840", "actor.mini_batches=4",
+                      "actor.micro_batch_size=1", "actor.kl_coef=0.01",
+                      "actor.optim.grad_reduce_in_fp32=false", "rollout.placement=separate",
+                      "rollout.ranks=32", "rollout.tp=4", "rollout.max_staleness=1",
+                      "rollout.gpu_memory_utilization=0.8", "--mean-response", "3252")
+    data = json.loads(js)
+    assert rc == 0 and data["fits"] is True, data["verdict"]
+    assert data["kv_cache"]["sequences_per_engine"] == 2048 // 8
+    assert data["kv_cache"]["bytes_per_token"] == 64 * 2 * (8 // 4) * 128 * 2
+    assert any("engines of tp 4" in n for n in data["notes"])
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["rollout.tp=2"], "rollout.tp=2 is not valid: 1 with rollout.placement=colocated"),
+    (["rollout.placement=separate", "rollout.ranks=6", "rollout.tp=4"],
+     "a divisor of rollout.ranks=6"),
+])
+def test_rollout_tp_mistakes_are_one_line(capsys, argv, needle):
+    rc, _, err = _plan(capsys, "configs/grpo.yaml", "--gpus", "16", *argv)
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("engine,needle", [("hf", "the transformers engine"),
+                                           ("vllm", "run one tp-1 vLLM engine each so far")])
+def test_train_refuses_rollout_tp_above_1_in_one_line(engine, needle):
+    from megaprm.trainer.preflight import check_rollout_tp
+
+    cfg = load_config("configs/grpo.yaml", [f"rollout.engine={engine}", "rollout.tp=2",
+                                            "rollout.placement=separate", "rollout.ranks=4"])
+    with pytest.raises(ConfigError) as e:
+        check_rollout_tp(cfg)
+    assert needle in str(e.value) and "set rollout.tp=1" in str(e.value)
+    assert "\n" not in str(e.value)
+    check_rollout_tp(load_config("configs/grpo.yaml"))  # tp 1: nothing to refuse
+
+
 @pytest.mark.parametrize("name,tflops,tbps,mem", [("h20", 148, 4.0, 96),
                                                   ("b200", 2250, 8.0, 180),
                                                   ("gb200", 2500, 8.0, 186),
