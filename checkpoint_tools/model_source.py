@@ -79,7 +79,8 @@ def load_weights(model, src: ModelSource, spec, groups) -> None:
         check_hf_weights(src.hf_dir, model.module if hasattr(model, "module") else model, spec,
                          groups)
         load_hf_weights(model, src.hf_dir, spec, tp_rank=groups.tp_rank, tp_size=groups.tp_size,
-                        pp=groups.pp_size, pp_rank=groups.pp_rank)
+                        pp=groups.pp_size, pp_rank=groups.pp_rank, ep=groups.ep_size,
+                        ep_rank=groups.ep_rank)
         return
     from checkpoint_tools.megatron_io import load_checkpoint  # deferred: megatron
 

@@ -86,11 +86,14 @@ class Optimizer:
             g["lr"] = lr * g.get("lr_mult", 1.0)  # 0 for the frozen group (_megatron_optimizer)
 
     def grad_norm(self) -> float:
-        """L2 norm of the full model's grads: tp duplicates once, shared embedding once."""
+        """L2 norm of the full model's grads: tp duplicates once, shared embedding once, and an
+        MoE model's experts (Megatron marks them `allreduce=False` under expert parallelism:
+        each ep rank holds others) summed over the ep group, so every rank clips alike."""
         # a per-parameter sum of squares, not torch._foreach_norm: that one takes each norm
         # through a sqrt and back, which can round the clip scale (and every weight after it)
         # differently, and a rebuild of the demo's shipped start must stay bit-identical
         sq = torch.zeros((), dtype=torch.float64, device=comm_device(self.groups.backend))
+        experts = torch.zeros_like(sq)
         for p in self.params:
             g = p.main_grad if hasattr(p, "main_grad") else p.grad
             if g is None:
@@ -98,7 +101,11 @@ class Optimizer:
             duplicate = (not getattr(p, "tensor_model_parallel", False)) and self.groups.tp_rank > 0
             shared_copy = getattr(p, "shared_embedding", False) and not self.groups.is_first_stage
             if not duplicate and not shared_copy:
-                sq += g.double().pow(2).sum().to(sq.device)
+                part = experts if not getattr(p, "allreduce", True) else sq
+                part += g.double().pow(2).sum().to(sq.device)
+        if self.groups.ep_size > 1:
+            dist.all_reduce(experts, group=self.groups.ep)
+        sq += experts
         if self.groups.mp is not None and dist.get_world_size(self.groups.mp) > 1:
             dist.all_reduce(sq, group=self.groups.mp)
         return float(sq.sqrt())

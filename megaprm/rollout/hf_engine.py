@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from megaprm.parallel import cpu
-from megaprm.rollout import decode
+from megaprm.rollout import decode, fused_experts
 from megaprm.rollout.engine import EngineAsleepError, RolloutBatch, SamplingParams, left_pad
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -151,7 +151,9 @@ class HFEngine:
 
         Unknown names raise at once; with strict=True, parameters never received raise after the
         stream ends. With tied embeddings `lm_head.weight` is the embedding: an incoming
-        `lm_head.weight` is skipped (the embedding carries it). Raises `EngineAsleepError` on a
+        `lm_head.weight` is skipped (the embedding carries it). An MoE expert's checkpoint name
+        fills its slice of transformers' fused expert tensor (`fused_experts`); the fused tensor
+        counts as received once every expert's slices came. Raises `EngineAsleepError` on a
         sleeping engine: the RL loop calls `update_weights`, which wakes the weights first.
         """
         if self._asleep:
@@ -160,9 +162,15 @@ class HFEngine:
                 "weights before loading (the order vLLM needs)")
         params = dict(self.model.named_parameters())  # a tied lm_head is deduplicated away
         tied_head = self._tied() and "lm_head.weight" not in params
-        seen = set()
+        seen, fused_seen, copied = set(), {}, 0
         for name, tensor in weights:
             param = params.get(name)
+            if param is None and (target := fused_experts.fused_target(name, params)):
+                fused, param = target
+                fused_seen[fused] = fused_seen.get(fused, 0) + 1
+                if fused_seen[fused] == fused_experts.pieces(params[fused], fused):
+                    seen.add(fused)
+                name = f"{name} (in {fused})"
             if param is None:
                 if tied_head and name == "lm_head.weight":
                     continue
@@ -174,7 +182,9 @@ class HFEngine:
                 raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the "
                                  f"engine's model expects {tuple(param.shape)}")
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
-            seen.add(name)
+            copied += 1
+            if name in params:
+                seen.add(name)
         if strict:
             missing = sorted(set(params) - seen)
             if missing:
@@ -182,7 +192,7 @@ class HFEngine:
                     f"load_weights(strict=True): {len(missing)} parameter(s) were not in the "
                     f"stream: {missing[:10]}{' ...' if len(missing) > 10 else ''}; pass "
                     "strict=False for a partial update")
-        return len(seen)
+        return copied
 
     # ------------------------------------------------------------------------------ lifecycle
 
