@@ -155,5 +155,7 @@ def local_gpu() -> GPU | None:
     from dataclasses import replace
 
     name = torch.cuda.get_device_name(0).lower()
-    known = next((g for k, g in GPUS.items() if k in name), GPUS["h100"])
+    # the longest name first: "gb200" before "b200", "h200" before "h20"
+    known = next((GPUS[k] for k in sorted(GPUS, key=len, reverse=True) if k in name),
+                 GPUS["h100"])
     return replace(known, mem_gb=torch.cuda.get_device_properties(0).total_memory / 1e9)

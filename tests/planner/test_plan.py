@@ -382,6 +382,19 @@ def test_train_refuses_rollout_tp_above_1_in_one_line(engine, needle):
     check_rollout_tp(load_config("configs/grpo.yaml"))  # tp 1: nothing to refuse
 
 
+@pytest.mark.parametrize("device,known", [("NVIDIA GB200", "gb200"), ("NVIDIA B200", "b200"),
+                                          ("NVIDIA H20", "h20"), ("NVIDIA H200", "h200"),
+                                          ("NVIDIA H100 80GB HBM3", "h100"),
+                                          ("AMD Instinct MI300X", "mi300x")])
+def test_the_local_gpu_is_the_longest_table_name_it_contains(monkeypatch, device, known):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: device)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i=0: type("P", (), {"total_memory": 79e9})())
+    gpu = local_gpu()
+    assert (gpu.name, gpu.bf16_tflops, gpu.mem_gb) == (known, GPUS[known].bf16_tflops, 79.0)
+
+
 @pytest.mark.parametrize("name,tflops,tbps,mem", [("h20", 148, 4.0, 96),
                                                   ("b200", 2250, 8.0, 180),
                                                   ("gb200", 2500, 8.0, 186),
