@@ -244,6 +244,82 @@ def overlap(out_dir: str, src: str) -> str | None:
     return None
 
 
+def holds_run(path: str) -> bool:
+    """Whether directory `path` is a trainer's run directory: its metrics.jsonl next to its
+    config.yaml, or a checkpoints/ of trainer steps (a config.yaml alone is common elsewhere)."""
+    ckpts = os.path.join(path, CHECKPOINTS_SUBDIR)
+    if os.path.isfile(os.path.join(path, "metrics.jsonl")) and os.path.isfile(
+            os.path.join(path, "config.yaml")):
+        return True
+    try:
+        return os.path.isdir(ckpts) and any(n == LATEST_FILE or _STEP_DIR.match(n)
+                                            for n in os.listdir(ckpts))
+    except OSError:
+        return False
+
+
+def _run_around(path: str) -> str | None:
+    """The nearest directory above `path` (not `path` itself) that holds a training run."""
+    d = os.path.dirname(os.path.realpath(path))
+    while True:
+        if holds_run(d):
+            return d
+        if os.path.dirname(d) == d:
+            return None
+        d = os.path.dirname(d)
+
+
+def _run_within(path: str, depth: int = 2) -> str | None:
+    """A training run in a directory up to `depth` levels below `path`, if any."""
+    level = [path] if os.path.isdir(path) else []
+    for _ in range(depth):
+        nxt = []
+        for d in level:
+            try:
+                entries = sorted(e.path for e in os.scandir(d) if e.is_dir())
+            except OSError:
+                continue
+            for sub in entries:
+                if holds_run(sub):
+                    return sub
+                nxt.append(sub)
+        level = nxt
+    return None
+
+
+def check_output(out: str, setting: str, inputs: dict, *, own_run: bool = False,
+                 holds_runs: bool = False, allowed: tuple = ()) -> None:
+    """The rule for every command that writes (megaprm train, train-prm, demo, compare, eval,
+    plot; import-hf and export-hf through `check_target`): its output `out` (named by
+    `setting` in the message) is refused in one line when it is, lies inside or contains one
+    of `inputs` ({setting: path}; None entries skipped), or when it is, lies inside or contains
+    a training run's directory. `own_run`: `out` is itself a run directory (train: a resume).
+    `holds_runs`: `out` holds runs of its own below it (demo, compare). `allowed`: outputs that
+    are the input's own place for them (plot's RUN_DIR/plots)."""
+    real = os.path.realpath(out)
+    if any(real == os.path.realpath(a) for a in allowed):
+        return
+    for name, src in inputs.items():
+        how = overlap(out, src) if src else None
+        if how is not None:
+            raise ConversionError(
+                f"{setting}={out!r} {how} the input {name}={src!r}: writing there would change "
+                f"what the command reads; choose a {setting} outside it")
+    around = _run_around(out)
+    if around is not None:
+        raise ConversionError(f"{setting}={out!r} lies inside the training run {around!r}: "
+                              f"writing there would mix into its history; choose a {setting} "
+                              "outside it")
+    if os.path.isdir(out) and holds_run(out) and not own_run:
+        raise ConversionError(f"{setting}={out!r} holds a training run ({_describe(out)}); "
+                              f"choose a new {setting} (nothing of a run is written over)")
+    # a run's own replaced-<time>/ runs are its history, not another run to refuse
+    inner = None if holds_runs or (own_run and holds_run(out)) else _run_within(out)
+    if inner is not None:
+        raise ConversionError(f"{setting}={out!r} contains the training run {inner!r}; choose "
+                              f"a {setting} of its own, outside every run")
+
+
 def check_apart(out_dir: str, inputs: tuple) -> None:
     """Refuse an output that is, lies inside or contains one of `inputs`, whatever --force
     says: replacing it would delete what the command reads."""
@@ -259,6 +335,7 @@ def check_target(out_dir: str, force: bool, inputs: tuple = ()) -> None:
     """`check_apart`; then refuse an output that holds a trainer run, whatever --force says
     (its history would go); else refuse to write over an existing directory unless --force."""
     check_apart(out_dir, inputs)
+    check_output(out_dir, "--out", {})  # nor inside or around a run
     out_dir = os.path.abspath(out_dir)
     held = [m for m in RUN_MARKERS if os.path.exists(os.path.join(out_dir, m))]
     if held:

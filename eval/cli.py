@@ -5,11 +5,14 @@ import json
 import os
 import sys
 
+from checkpoint_tools.layout import check_output
 from eval.run import EvalConfig, evaluate_benchmarks, format_table
 from megaprm.tasks.datasets import BENCHMARKS
 
 
 def cmd_eval(args) -> int:
+    if args.out:  # before the evaluation's minutes or hours, not after
+        check_output(args.out, "--out", {"--model": args.model})
     benches = tuple(b.strip() for b in args.benchmarks.split(",") if b.strip())
     cfg = EvalConfig(model=args.model, benchmarks=benches, k=args.k,
                      temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,

@@ -75,10 +75,12 @@ def cmd_demo(args) -> int:
 
     def preflight():
         # deferred: keeps --help fast
+        from checkpoint_tools.layout import check_output
         from megaprm.experiments.readme import read_block
         from megaprm.parallel.launch import world_size_of
 
         world_size_of(args)  # --nproc vs GPUs, node rank
+        check_output(dcfg.run_dir, "--run-dir", {}, holds_runs=True)
         if args.write_readme:  # the markers are there before minutes of work
             read_block("README.md", "demo")
 
@@ -149,11 +151,13 @@ def cmd_compare(args) -> int:
 
     def preflight():
         # deferred: keeps --help fast
+        from checkpoint_tools.layout import check_output
         from megaprm.config import load_config
         from megaprm.parallel.launch import world_size_of
         from megaprm.trainer.preflight import check_batch
 
         world = world_size_of(args)
+        check_output(ccfg.run_dir, "--run-dir", {}, holds_runs=True)
         cfg = load_config(RL_YAML, ccfg.extra)  # the overrides every run gets are valid
         check_batch(cfg, world)
         if args.only_finished:
@@ -289,10 +293,15 @@ def cmd_train_prm(args) -> int:
 
     def preflight():
         # deferred: keeps --help fast
+        from checkpoint_tools.layout import check_output
         from megaprm.parallel.init import check_layout
         from megaprm.parallel.launch import world_size_of
 
         check_layout(world_size_of(args), tp, pp)
+        if cfg.output_dir:
+            check_output(cfg.output_dir, "output_dir", {
+                "model_dir": cfg.model_dir, "tokenizer_dir": cfg.tokenizer_dir,
+                "train_jsonl": cfg.train_jsonl, "eval_jsonl": cfg.eval_jsonl})
 
     def body():
         import json
@@ -338,8 +347,12 @@ def cmd_data(args) -> int:
 
 def cmd_plot(args) -> int:
     # deferred: keeps --help fast
+    from checkpoint_tools.layout import check_output
     from megaprm.trainer.plots import plot_run
 
+    if args.out:  # RUN_DIR/plots (the default) is the run's own place for them
+        check_output(args.out, "--out", {"run_dir": args.run_dir},
+                     allowed=(os.path.join(args.run_dir, "plots"),))
     paths = plot_run(args.run_dir, out_dir=args.out)
     for p in paths:
         print(p)

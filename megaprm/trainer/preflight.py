@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from checkpoint_tools import model_source
+from checkpoint_tools import layout, model_source
 from megaprm.config import Config, ConfigError
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.parallel.init import ParallelConfigError, check_layout
@@ -55,6 +55,10 @@ def check_rl_launch(cfg: Config, world_size: int):
     """Every check of `megaprm train` before its ranks start. Returns the trainer.json of the
     checkpoint the ranks will resume from (None: a fresh start)."""
     check_launch_layout(cfg, world_size)
+    reads = {"model.path": cfg.model.path, "data.path": cfg.data.path,
+             "data.eval_path": cfg.data.eval_path,
+             "prm.path": cfg.prm.path if cfg.prm.kind not in ("oracle", "none") else None}
+    layout.check_output(cfg.trainer.run_dir, "trainer.run_dir", reads, own_run=True)
     world_size = trainer_world(cfg, world_size)
     src = model_source.resolve(cfg.model.path, "model.path")
     spec_from_hf(src.hf_dir).check_parallel(cfg.parallel.tp, cfg.parallel.pp)
