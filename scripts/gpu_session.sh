@@ -1,29 +1,57 @@
 #!/usr/bin/env bash
-# The GPU checks of one device call (../shared/gpu/README.md): the GPU tier and a short demo in
-# parallel (tiny models), then bench_actor on its GPU shapes alone. Results under $OUT.
+# The GPU checks of one device call (../shared/gpu/README.md), one JSON per check under $OUT
+# (scripts/gpu_checks.py says what each measures):
+#   1. collectives + multirank, side by side (correctness only: tiny models, several ranks
+#      sharing GPU 0 over gloo, MEGAPRM_RANKS_SHARE_DEVICE=1)
+#   2. offload, 3. step (the Qwen2.5-1.5B-shaped RL step beside `megaprm plan`), 4. compile:
+#      one at a time, alone on the GPU (they time things)
+# Budget: <= 8 minutes on one GPU with the default timeouts (T_CORRECT + T_OFFLOAD + T_STEP +
+# T_COMPILE = 470 s, plus the start). A check that runs out of time leaves a JSON saying so.
 #   bash ../shared/gpu/prepare.sh            # here, once (.whl/ and .gpu/, git-ignored)
 #   device run, carry [".whl", ".gpu"]:  bash .gpu/on-device.sh bash scripts/gpu_session.sh
-# Knobs (environment): T_PYTEST T_DEMO T_BENCH (timeouts, s), TESTS (pytest paths), DEMO=0 /
-# BENCH=0 (skip one), DEMO_STEPS DEMO_EVAL ITERS BENCH_ARGS, PYTEST_ADDOPTS (e.g. -k).
-# Used on one H200 and one H100 on 2026-11-26: scripts/results/gpu_h200/ and gpu_h100/,
-# BENCHMARKS.md "Actor throughput on one H200" and "... on one H100".
+#   on the CPU, the dry run (each check's CPU-sized form; tests/gpu/test_session.py):
+#     DRY=1 OUT=/tmp/gpu-dry bash scripts/gpu_session.sh
+# Knobs (environment): T_CORRECT T_OFFLOAD T_STEP T_COMPILE (timeouts, s), CHECKS (a subset,
+# e.g. "offload step"), PYTHON (default python3), TIER=1 also runs the GPU tier
+# (pytest -m gpu, T_PYTEST) first, as the earlier sessions did.
+# The earlier sessions (GPU tier, demo, bench_actor) on one H200 and one H100 on 2026-11-26:
+# scripts/results/gpu_h200/ and gpu_h100/.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T_PYTEST=${T_PYTEST:-300}; T_DEMO=${T_DEMO:-240}; T_BENCH=${T_BENCH:-200}
-TESTS=${TESTS:-"tests/gpu tests/parallel/test_device.py tests/rollout/test_vllm_engine.py"}
-{ date -u; uptime; nvidia-smi; python3 -c "import torch,transformers,megatron.core as m;print(torch.__version__, torch.version.cuda, transformers.__version__, m.__version__)"; } > "$OUT/machine.txt" 2>&1
-(timeout -k 10 "$T_PYTEST" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 200 \
-   --durations=0 --junitxml "$OUT/gpu_tier.xml" $TESTS > "$OUT/gpu_tier.log" 2>&1; echo "rc=$?" >> "$OUT/gpu_tier.log") &
-P1=$!
-if [ "${DEMO:-1}" = 1 ]; then
-(timeout -k 10 "$T_DEMO" python3 -m megaprm.cli demo --nproc 1 --rl-steps ${DEMO_STEPS:-4} --eval-problems ${DEMO_EVAL:-16} \
-   --run-dir /tmp/demo > /tmp/demo.log 2>&1; echo "rc=$?" >> /tmp/demo.log;
- tail -c 60000 /tmp/demo.log > "$OUT/demo.log"; cp /tmp/demo/demo.json "$OUT/" 2>/dev/null;
- for m in grpo pure; do cp /tmp/demo/rl/$m-s0/metrics.jsonl "$OUT/metrics_$m.jsonl" 2>/dev/null; done) &
-P2=$!
+PY=${PYTHON:-python3}
+CHECKS=${CHECKS:-"collectives multirank offload step compile"}
+DRYFLAG=""; T=""
+# the dry run is not budgeted (a shared 2-core CPU): 10 minutes a check
+[ "${DRY:-0}" = 1 ] && DRYFLAG="--dry" && T=600
+T_CORRECT=${T_CORRECT:-${T:-200}}; T_OFFLOAD=${T_OFFLOAD:-${T:-60}}; T_STEP=${T_STEP:-${T:-110}}
+T_COMPILE=${T_COMPILE:-${T:-100}}; T_PYTEST=${T_PYTEST:-300}
+{ date -u; uptime; command -v nvidia-smi >/dev/null && nvidia-smi
+  $PY -c "import torch,transformers,megatron.core as m;print(torch.__version__, torch.version.cuda, transformers.__version__, m.__version__)"; } > "$OUT/machine.txt" 2>&1
+
+wanted() { case " $CHECKS " in *" $1 "*) return 0;; esac; return 1; }
+
+# run_check NAME TIMEOUT: the check's JSON, or one saying how it ended
+run_check() {
+  local name=$1 t=$2
+  timeout -k 10 "$t" $PY scripts/gpu_checks.py "$name" $DRYFLAG --out "$OUT" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  if [ ! -f "$OUT/$name.json" ]; then
+    echo "{\"check\": \"$name\", \"ok\": false, \"error\": \"ended with exit code $rc before writing its JSON (124: over its ${t} s timeout)\"}" > "$OUT/$name.json"
+  fi
+  tail -1 "$OUT/$name.log"
+}
+
+if [ "${TIER:-0}" = 1 ] && [ -z "$DRYFLAG" ]; then
+  timeout -k 10 "$T_PYTEST" $PY -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 200 \
+    --junitxml "$OUT/gpu_tier.xml" tests/gpu tests/parallel/test_device.py > "$OUT/gpu_tier.log" 2>&1
+  tail -3 "$OUT/gpu_tier.log"
 fi
-wait $P1 ${P2:-}
-if [ "${BENCH:-1}" = 1 ]; then
+pids=()
+for c in collectives multirank; do
+  if wanted $c; then run_check $c "$T_CORRECT" & pids+=($!); fi
+done
+[ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
+wanted offload && run_check offload "$T_OFFLOAD"
+wanted step && run_check step "$T_STEP"
+wanted compile && run_check compile "$T_COMPILE"
 uptime >> "$OUT/machine.txt"
-timeout -k 10 "$T_BENCH" python3 scripts/bench_actor.py --iters ${ITERS:-3} ${BENCH_ARGS:-} --out "$OUT/bench_actor_gpu.json" > "$OUT/bench_actor.log" 2>&1; echo "rc=$?" >> "$OUT/bench_actor.log"
-fi
-tail -5 "$OUT/gpu_tier.log"; tail -3 "$OUT/demo.log" 2>/dev/null; tail -25 "$OUT/bench_actor.log"
+ls "$OUT"
