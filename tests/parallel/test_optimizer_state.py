@@ -151,7 +151,7 @@ def test_all_or_nothing_restores_lazily_from_a_host_copy(tmp_path, monkeypatch):
     """Two applied steps then a failure: parameters and AdamW state are as before, bit-exact,
     and the state the steps created is gone; no copy is taken when no step applies. The copy
     is host memory of its own (pinned where CUDA is), allocated once and reused by the next
-    update, so the device holds no second copy (planner: `update rollback copy (host)`)."""
+    update, so the device holds no second copy (planner: `host_terms`' update rollback copy)."""
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.models.tiny import save_tiny_model
     from megaprm.models.actor import build_stage
