@@ -69,3 +69,18 @@ def test_cpu_train_and_train_prm_are_quiet_and_say_what_runs(policy, tmp_path):
     assert any(ln.startswith("training: 1 head step(s), then 2 whole-model") for ln in before)
     assert not [ln for ln in out if "CUDA_DEVICE_MAX_CONNECTIONS" in ln or "Warning" in ln], out
     json.loads(out[-1])  # the report stays the last line
+
+
+def test_make_install_names_each_step_before_it_runs():
+    """The install (minutes, pip -q) says each of its steps first (it was silent ~4 min)."""
+    p = subprocess.run(["make", "-n", "-B", "install"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=60, check=True)
+    lines = p.stdout.splitlines()
+    said = [i for i, ln in enumerate(lines) if ln.startswith('echo "[install')]
+    assert [lines[i].split("]")[0] for i in said] == [
+        'echo "[install 1/4', 'echo "[install 2/4', 'echo "[install 3/4', 'echo "[install 4/4',
+        'echo "[install']
+    pips = [i for i, ln in enumerate(lines) if "pip install" in ln]
+    # every pip call comes after a line that names it, the last line says it is done
+    assert len(pips) == 3 and all(any(s < i for s in said) for i in pips), lines
+    assert said[1] < pips[0] and said[2] < pips[1] and said[3] < pips[2] < said[4], lines
