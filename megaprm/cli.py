@@ -165,6 +165,12 @@ def cmd_compare(args) -> int:
             from megaprm.experiments.arithmetic.compare import check_only_finished
 
             check_only_finished(ccfg)
+        # one comparison per run directory, as one run per trainer run directory: a second
+        # compare there would train into the same warm-up, PRM and cells
+        # deferred: keeps --help fast
+        from megaprm.trainer.run_lock import RunLock
+
+        return RunLock(ccfg.run_dir).acquire()
 
     def body():
         # deferred: keeps --help fast

@@ -335,3 +335,28 @@ def test_only_finished_needs_the_stages_and_a_finished_run(tmp_path):
 
 class _Rank0:
     rank, world_size = 0, 1
+
+
+def test_a_second_compare_on_one_run_dir_is_refused(tmp_path, monkeypatch, capsys):
+    """`megaprm compare` took no lock on its run directory: a second one there trained into the
+    same warm-up, PRM and cells. It is refused in one line naming the holder, before any rank;
+    the lock goes with the first."""
+    from megaprm import cli
+    from megaprm.parallel import launch, ray_launch
+    from megaprm.trainer.run_lock import RunLock
+
+    def no_ranks(*a, **k):
+        raise AssertionError("the second compare started ranks")
+
+    monkeypatch.setattr(launch, "relaunch", no_ranks)
+    monkeypatch.setattr(ray_launch, "relaunch", no_ranks)
+    monkeypatch.delenv(launch.ERROR_DIR_ENV, raising=False)
+    first = RunLock(str(tmp_path)).acquire()  # a compare running there
+    try:
+        capsys.readouterr()
+        assert cli.main(["compare", "--run-dir", str(tmp_path), "--nproc", "1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("megaprm compare: error:"), err
+        assert str(os.getpid()) in err[0], err
+    finally:
+        first.release()
