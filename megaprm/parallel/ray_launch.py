@@ -38,6 +38,7 @@ import time
 from megaprm.parallel.launch import (
     ERROR_DIR_ENV,
     LaunchError,
+    describe_exit,
     first_user_error,
     resolve_nproc,
     strip_launch_args,
@@ -285,8 +286,9 @@ def _wait(ray, refs: list, stop: list) -> tuple[int, str | None]:
     if rc == -1:
         return 1, (f"megaprm: rank {first}'s Ray actor died before the rank finished (killed, "
                    "out of memory, or its node left the cluster); the other ranks were stopped")
-    return (rc if rc > 0 else 1), (f"megaprm: rank {first} failed with exit code {rc} "
-                                   "(its output is above)")
+    # as under torchrun (`launch._torchrun_main`): a signal named, exit 128 + signal
+    return (rc if rc > 0 else 128 - rc), (f"megaprm: rank {first} {describe_exit(rc)} (its "
+                                          "output is above)")
 
 
 def relaunch(args, argv: list[str], module: str = "megaprm.cli") -> int:

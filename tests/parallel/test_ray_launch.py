@@ -84,3 +84,36 @@ def test_a_bad_or_silent_address_fails_fast():
     port = free_port()  # nothing listens on it: refused at once
     with pytest.raises(LaunchError, match=f"127.0.0.1:{port}: no Ray head answers there"):
         ray_launch._check_reachable(f"127.0.0.1:{port}")
+
+
+def test_a_killed_rank_is_named_with_its_signal_as_under_torchrun():
+    """kill -9 of a rank under Ray said "failed with exit code -9", exit 1; torchrun says
+    "was killed by SIGKILL", exit 137. The same line and code now (the rank's subprocess
+    exit code is what the actor reports)."""
+    import signal
+    import types
+
+    from megaprm.parallel import launch, ray_launch
+
+    class Ref:  # one rank's outcome, as ray.get returns it
+        def __init__(self, rc):
+            self.rc = rc
+
+    class FakeRay:
+        exceptions = types.SimpleNamespace(RayActorError=RuntimeError)
+
+        @staticmethod
+        def wait(pending, num_returns=1, timeout=None):
+            return pending[:num_returns], pending[num_returns:]
+
+        @staticmethod
+        def get(ref):
+            return ref.rc, None
+
+    refs = [Ref(-signal.SIGKILL), Ref(-signal.SIGTERM)]  # rank 0 killed; rank 1 then stopped
+    rc, line = ray_launch._wait(FakeRay, refs, [])
+    assert rc == 128 + signal.SIGKILL
+    assert line == f"megaprm: rank 0 {launch.describe_exit(-signal.SIGKILL)} (its output is above)"
+    assert line.startswith("megaprm: rank 0 was killed by SIGKILL (exit code -9)")
+    assert ray_launch._wait(FakeRay, [Ref(0), Ref(3)], []) == (
+        3, "megaprm: rank 1 failed with exit code 3 (its output is above)")
