@@ -327,6 +327,8 @@ def test_no_doc_train_command_resumes_a_run_an_earlier_one_finished():
                 continue
             args, rest = cli._parser().parse_known_args(words[1:])
             t = load_config(args.config, [*args.overrides, *rest]).trainer
+            if PLACEHOLDER.search(t.run_dir):  # RUN_DIR: "a directory of its own" per run
+                continue
             run_dir = os.path.normpath(t.run_dir)
             if t.resume and trained.get(run_dir, -1) >= t.steps:
                 clashes.append(f"{doc}: {cmd.splitlines()[0]} (trainer.run_dir={run_dir} "
