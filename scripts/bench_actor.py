@@ -149,7 +149,9 @@ def bench_shape(name, shape, args, dev, dtype) -> dict:
         (-(lp if mask is None else lp * mask[:, :-1]).mean()).backward()
 
     record({"variant": "transformers", "batch": "full"}, hf_step, full)
-    record({"variant": "transformers_padded", "batch": "ragged"}, lambda: hf_step(real), ragged)
+    if not args.compile_rows_only:
+        record({"variant": "transformers_padded", "batch": "ragged"}, lambda: hf_step(real),
+               ragged)
     with torch.no_grad():
         ref_lp = torch.log_softmax(hf(ids).logits[:, :-1].float(), -1).gather(
             -1, ids[:, 1:, None])[..., 0]
@@ -190,11 +192,14 @@ def bench_shape(name, shape, args, dev, dtype) -> dict:
                 row["micro_batches"] = len(mbs)
                 record(row, lambda mbs=mbs: step(mbs), ragged)
 
-    megaprm_rows("local", 0, False, [("megatron_local", "full")])
-    megaprm_rows("sdpa", 0, False, [("sdpa", "full")])
-    megaprm_rows("sdpa", None, False, [("sdpa_chunked", "full"),
-                                       ("sdpa_chunked_padded", "ragged"),
-                                       ("sdpa_chunked_packed", "packed")])
+    if args.compile_rows_only:
+        megaprm_rows("sdpa", None, False, [("sdpa_chunked", "full")])
+    else:
+        megaprm_rows("local", 0, False, [("megatron_local", "full")])
+        megaprm_rows("sdpa", 0, False, [("sdpa", "full")])
+        megaprm_rows("sdpa", None, False, [("sdpa_chunked", "full"),
+                                           ("sdpa_chunked_padded", "ragged"),
+                                           ("sdpa_chunked_packed", "packed")])
     if not args.no_compile:
         megaprm_rows("sdpa", None, True, [("sdpa_chunked_compile", "full")])
     base = {r["batch"]: r["tokens_per_s"] for r in rows if r["variant"].startswith("transformers")}
@@ -228,6 +233,9 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                     help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
+    ap.add_argument("--compile-rows-only", action="store_true",
+                    help="only the rows torch.compile is judged by: transformers, sdpa_chunked "
+                         "and sdpa_chunked_compile (scripts/gpu_checks.py compile)")
     ap.add_argument("--out", default=default_out("bench_actor.json"))
     args = ap.parse_args()
 

@@ -48,7 +48,7 @@ import torch  # noqa: E402
 CHECKS = ("collectives", "multirank", "offload", "step", "compile")
 MULTIRANK_TESTS = (
     "tests/trainer/test_layouts.py",
-    "tests/trainer/test_loop.py::test_update_metrics_equal_a_single_batch_reference",
+    "tests/trainer/test_loop.py::test_update_metrics_equal_a_single_batch_reference[2ranks-3mb]",
     "tests/parallel/test_optimizer_state.py::"
     "test_distributed_optimizer_resume_is_bit_exact_and_head_only_builds",
     "tests/parallel/test_offload.py",
@@ -350,7 +350,7 @@ def _offload_accounting(off) -> dict:
 
     cuda = torch.cuda.is_available()
     keep = [(st, kind) for st, kind in off.storages() if st.nbytes()]
-    snapshot = [(_bytes(st).cpu().clone() if kind == KEEP else None) for st, kind in keep]
+    snapshot = [(_bytes(st).to("cpu", copy=True) if kind == KEEP else None) for st, kind in keep]
     held = _storage_bytes(off)
     keep_bytes = sum(st.nbytes() for st, kind in keep if kind == KEEP)
     if cuda:
@@ -545,6 +545,7 @@ def check_compile(dry: bool, out_dir: str) -> dict:
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_actor.py"), "--out", out]
     # dry: a tiny shape without the compile row (inductor's CPU compile alone takes a minute
     # on two cores; decide_compile's rule has its own test)
+    cmd += ["--compile-rows-only"]
     cmd += (["--shape", "64,2,4,2,128,256,2,32", "--iters", "1", "--no-compile"] if dry else
             ["--shapes", "gpu-0.79b,gpu-1.5b", "--iters", "2"])
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -22,8 +22,8 @@ CHECKS=${CHECKS:-"collectives multirank offload step compile"}
 DRYFLAG=""; T=""
 # the dry run is not budgeted (a shared 2-core CPU): 10 minutes a check
 [ "${DRY:-0}" = 1 ] && DRYFLAG="--dry" && T=600
-T_CORRECT=${T_CORRECT:-${T:-200}}; T_OFFLOAD=${T_OFFLOAD:-${T:-60}}; T_STEP=${T_STEP:-${T:-110}}
-T_COMPILE=${T_COMPILE:-${T:-100}}; T_PYTEST=${T_PYTEST:-300}
+T_CORRECT=${T_CORRECT:-${T:-180}}; T_OFFLOAD=${T_OFFLOAD:-${T:-60}}; T_STEP=${T_STEP:-${T:-110}}
+T_COMPILE=${T_COMPILE:-${T:-120}}; T_PYTEST=${T_PYTEST:-300}
 { date -u; uptime; command -v nvidia-smi >/dev/null && nvidia-smi
   $PY -c "import torch,transformers,megatron.core as m;print(torch.__version__, torch.version.cuda, transformers.__version__, m.__version__)"; } > "$OUT/machine.txt" 2>&1
 
