@@ -56,7 +56,7 @@ def build_gpt(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, ep: int = 1,
         parallel_output=True,
     )
     if spec.is_moe and tp > 1:
-        allow_tp_without_sequence_parallel(model)
+        allow_tp_without_sequence_parallel(model, tp)
     inv_freq = llama3_inv_freq(spec)
     if inv_freq is not None:  # the config's own llama3 factors (Megatron hard-codes 1/4/8192)
         model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)

@@ -1,7 +1,9 @@
 """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its gated shared expert) on Megatron's
 MoE layer: the config read, the parallel checks, and the actor's log-probs against transformers'
 own forward of the same HF checkpoint at ep1 (in process) and at ep2 / tp2 / pp2 (2 gloo ranks),
-and HF -> Megatron -> HF through the weight-sync streams (per tensor and bucketed), bit for bit.
+and HF -> Megatron -> HF through the weight-sync streams (per tensor and bucketed), bit for bit;
+one SFT step (AdamW) at each layout updates the weights as torch.optim.AdamW does on
+transformers' model with the same loss.
 """
 import os
 import re
@@ -17,6 +19,7 @@ from megaprm.parallel.init import ParallelConfigError, check_layout
 
 MOE = ("qwen3_moe", "qwen2_moe")
 B, S = 4, 10
+LR, EPS = 1e-2, 1e-4  # as tests/models/test_actor.py: eps keeps Adam's step continuous in the grad
 
 
 def test_moe_configs_read():
@@ -84,6 +87,35 @@ def _hf_logprobs(model_dir):
 
 
 @pytest.fixture(scope="module")
+def hf_step(moe_dirs, tmp_path_factory):
+    """transformers' model after one AdamW step on the token-mean NLL of the batch: (loss, its
+    weights under the checkpoint's per-expert names, as save_pretrained writes them)."""
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    out = {}
+    for family, d in moe_dirs.items():
+        model = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        ids = _ids(model.config.vocab_size)
+        lp = torch.log_softmax(model(ids).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])
+        loss = -lp.mean()
+        loss.backward()
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, eps=EPS).step()
+        saved = str(tmp_path_factory.mktemp(f"{family}_stepped"))
+        model.save_pretrained(saved)
+        out[family] = (float(loss), load_file(f"{saved}/model.safetensors"))
+    return out
+
+
+def _assert_stepped(got: dict, loss: float, ref: tuple):
+    assert abs(loss - ref[0]) <= 1e-5
+    assert set(got) == set(ref[1])
+    for k, v in ref[1].items():
+        # one AdamW step at lr 1e-2 moves weights by ~1e-2; the layouts agree to fp32 noise
+        assert torch.allclose(got[k], v, atol=2e-5, rtol=0), k
+
+
+@pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
     return {f: save_tiny_model(f, str(tmp_path_factory.mktemp(f)), seed=3) for f in MOE}
 
@@ -94,7 +126,9 @@ def _rank_logprobs(model_dir, tp, pp, ep):
     from megaprm.models.mapping import load_hf_weights
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
+    from megaprm.parallel.optimizer import OptimConfig, Optimizer
     from megaprm.rollout import weight_sync
+    from megaprm.trainer.sft import sft_step
 
     g = init_distributed(tp=tp, pp=pp, ep=ep)
     spec = spec_from_hf(model_dir)
@@ -118,12 +152,18 @@ def _rank_logprobs(model_dir, tp, pp, ep):
     weights = {k: v.clone() for k, v in weight_sync.iter_hf_weights(model, g)}
     buckets = {k: v.clone() for b in weight_sync.iter_hf_buckets(model, g, bucket_bytes=1 << 14)
                for k, v in b}
+    ddp = pipeline.wrap_ddp(model, g)
+    opt = Optimizer(ddp, OptimConfig(lr=LR, clip_grad=0.0, eps=EPS), g)
+    res = sft_step(ddp, opt, g, ids, torch.ones(ids.shape), micro_batch_size=1,
+                   vocab_size=spec.vocab_size)
+    stepped = {k: v.clone() for k, v in weight_sync.iter_hf_weights(ddp, g)}
     return {"rows": (rows.start, rows.stop), "logprobs": lp, "ep_rank": g.ep_rank,
-            "local_experts": n_local, "weights": weights, "buckets": buckets}
+            "local_experts": n_local, "weights": weights, "buckets": buckets,
+            "loss": res.loss, "stepped": stepped}
 
 
 @pytest.mark.parametrize("family", MOE)
-def test_moe_actor_matches_transformers_in_process(moe_dirs, family):
+def test_moe_actor_matches_transformers_in_process(moe_dirs, hf_step, family):
     from megaprm.parallel.init import destroy
 
     try:
@@ -134,12 +174,13 @@ def test_moe_actor_matches_transformers_in_process(moe_dirs, family):
     assert (got["logprobs"] - _hf_logprobs(moe_dirs[family])).abs().max() <= 1e-5
     _assert_hf_weights(got["weights"], moe_dirs[family])
     _assert_hf_weights(got["buckets"], moe_dirs[family])
+    _assert_stepped(got["stepped"], got["loss"], hf_step[family])
 
 
 @pytest.mark.parametrize("family", MOE)
 @pytest.mark.parametrize("layout", [(1, 1, 2), (2, 1, 1), (1, 2, 1)],
                          ids=["ep2", "tp2", "pp2"])
-def test_moe_actor_matches_transformers_on_two_ranks(moe_dirs, family, layout):
+def test_moe_actor_matches_transformers_on_two_ranks(moe_dirs, hf_step, family, layout):
     ref = _hf_logprobs(moe_dirs[family])
     results = launch.spawn(_rank_logprobs, 2, moe_dirs[family], *layout)
     ep = layout[2]
@@ -150,3 +191,4 @@ def test_moe_actor_matches_transformers_on_two_ranks(moe_dirs, family, layout):
         assert (r["logprobs"] - ref[lo:hi]).abs().max() <= 1e-5
         _assert_hf_weights(r["weights"], moe_dirs[family])  # every rank gets the whole model
         _assert_hf_weights(r["buckets"], moe_dirs[family])
+        _assert_stepped(r["stepped"], r["loss"], hf_step[family])
