@@ -337,7 +337,7 @@ class RefConfig:
         _check(isinstance(self.offload, bool), "ref.offload", self.offload, "true or false")
 
 
-VERIFIERS = ("math_verify", "prof_math_verify", "hendrycks_math", "prime_math")
+VERIFIERS = ("math_verify", "prof_math_verify", "hendrycks_math", "prime_math", "verl_prime_math")
 
 
 @dataclass
@@ -345,17 +345,17 @@ class RewardConfig:
     """The outcome verifier of data.task=math (rewards.verifiers, docs/estimators.md):
     math_verify (lenient: LaTeX/symbolic equivalence, the boxed answer first),
     prof_math_verify (PROF-GRPO's call of math-verify), hendrycks_math (PURE: the last
-    \\boxed{} equals the answer as a string after the MATH normalisation), prime_math (PRIME and
-    PAPO: the released grader, rewards.prime_grader). `llm_fallback` (PAPO's
-    USE_LLM_VERIFIER): a response the rules call wrong is asked again of the prm.kind=judge
-    grader, which may flip it to correct."""
+    \\boxed{} equals the answer as a string after the MATH normalisation), prime_math (PRIME:
+    the released grader, rewards.prime_grader), verl_prime_math (PAPO: verl's copy of it).
+    `llm_fallback` (PAPO's USE_LLM_VERIFIER): a response the rules call wrong is asked again
+    of the prm.kind=judge grader, which may flip it to correct."""
 
     verifier: str = "math_verify"
     llm_fallback: bool = False
 
     def __post_init__(self):
         _check(self.verifier in VERIFIERS, "reward.verifier", self.verifier,
-               "math_verify, prof_math_verify, hendrycks_math or prime_math")
+               "math_verify, prof_math_verify, hendrycks_math, prime_math or verl_prime_math")
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""PRIME's released math grader (`reward.verifier: prime_math`; PAPO reaches the same grader
-through verl's prime_math), rewritten here from its rules (no code taken), stage by stage:
+"""PRIME's released math grader (`reward.verifier: prime_math`; `verl_prime_math` is the copy
+PAPO's verl ships, which parts from it where `prime_grade(verl=True)` says), rewritten here
+from its rules (no code taken), stage by stage:
 
 1. PRIME's answer extraction (`answer_rules.prime_extract_answer`; the release's
    math_util/__init__.py `match_answer`).
@@ -184,8 +185,9 @@ def _sympy_difference_is_zero(truth: str, given: str) -> bool:
         return False
 
 
-def prm800k_grade(given: str, truth: str) -> bool:
-    """PRM800K's grade_answer (stage 2)."""
+def prm800k_grade(given: str, truth: str, sympy_seconds: float | None = None) -> bool:
+    """PRM800K's grade_answer (stage 2). `sympy_seconds`: verl's copy bounds each sympy check
+    (2 s, in a child process; a timeout raises out of the grade, scored 0)."""
     if mathd_normalize(truth) == mathd_normalize(given):
         return True
     truth_n, given_n = prm800k_normalize(truth), prm800k_normalize(given)
@@ -204,7 +206,11 @@ def prm800k_grade(given: str, truth: str) -> bool:
         elif _is_int_text(t) != _is_int_text(g):
             ok = False
         else:
-            ok = _sympy_difference_is_zero(t, g)
+            if sympy_seconds is None:
+                ok = _sympy_difference_is_zero(t, g)
+            else:
+                with _alarm(sympy_seconds):
+                    ok = _sympy_difference_is_zero(t, g)
         if not ok:
             return False
     return True
@@ -347,14 +353,45 @@ def _symbolic_equal(a: str, b: str, tolerance: float, seconds: float) -> bool:
     return False
 
 
-def _elementwise(pred_parts, ref_parts) -> bool:
-    return all(qwen_math_equal(p, r) for p, r in zip(pred_parts, ref_parts))
+def _matrix_equal(prediction: str, reference: str, verl: bool) -> bool:
+    """verl's copy only (its `\\begin{pmatrix}` is a raw string there; PRIME's copy tests for a
+    backspace, so these never run): a sympy `Matrix(...)` or a list prediction against a
+    pmatrix truth, element by element. A list that is not literal arithmetic raises (the
+    release's eval fails outside its try)."""
+    if prediction.startswith("Matrix"):
+        # deferred: sympy, in the worker process only
+        from sympy.parsing.sympy_parser import parse_expr
+        try:
+            pred = parse_expr(prediction)
+            ref = reference.split()[1:-1:2]
+            return len(pred) == len(ref) and all(
+                [qwen_math_equal(x, r, verl=verl) for r, x in zip(ref, pred)])
+        except Exception:  # noqa: BLE001 - as released: not equal by this rule
+            return False
+    value = _eval_arithmetic(prediction)
+    if value is prediction:
+        raise ValueError("a list prediction that is not literal arithmetic")
+    if not isinstance(value, list):
+        return False
+    try:
+        body = reference.removeprefix("\\\\begin{pmatrix}").removeprefix("\\begin{pmatrix}")
+        body = body.removesuffix("\\\\end{pmatrix}").removesuffix("\\end{pmatrix}")
+        ref = [row.split("&") if "&" in row else row for row in body.split("\\")]
+        return len(value) == len(ref) and all(
+            [qwen_math_equal(x, r, verl=verl) for r, x in zip(ref, value)])
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def qwen_math_equal(prediction, reference, tolerance: float = 1e-4, seconds: float = 10.0,
-                    pi: float = math.pi) -> bool:
+                    pi: float = math.pi, verl: bool = False) -> bool:
     """Qwen2.5-Math's math_equal (stage 3), percent rule on. Raises where the release raised
-    (a base subscript on a non-number): the caller scores that 0."""
+    (a base subscript on a non-number): the caller scores that 0. `verl`: verl's copy (PAPO),
+    whose pmatrix rules run and whose sympy stage never does (it opens its time limits with
+    `with timeout_limit(...)`, a decorator, which raises TypeError inside its own try)."""
+    def _elementwise(pred_parts, ref_parts) -> bool:
+        return all([qwen_math_equal(p, r, verl=verl) for p, r in zip(pred_parts, ref_parts)])
+
     prediction = _qwen_normalize(prediction, pi)
     reference = _qwen_normalize(reference, pi)
     if isinstance(prediction, str) and len(prediction) > 1000:
@@ -392,27 +429,35 @@ def qwen_math_equal(prediction, reference, tolerance: float = 1e-4, seconds: flo
         pp, rp = prediction[prediction.find("(") + 1:-1].split(","), reference[1:-1].split(",")
         if len(pp) == len(rp) and _elementwise(pp, rp):
             return True
-    # (grader.py's two matrix branches test for "\b"egin{pmatrix}, a backspace: never true)
-    return _symbolic_equal(prediction, reference, tolerance, seconds)
+    # (PRIME's grader.py tests for "\b"egin{pmatrix}, a backspace: its matrix rules never run)
+    if verl and "\\begin{pmatrix}" in reference and (
+            prediction.startswith("Matrix")
+            or (prediction.startswith("[") and prediction.endswith("]"))):
+        if _matrix_equal(prediction, reference, verl):
+            return True
+    return False if verl else _symbolic_equal(prediction, reference, tolerance, seconds)
 
 
 # ----------------------------------------------------------------------------- the grade
 
-def prime_grade(response: str, truth: str) -> bool:
+def prime_grade(response: str, truth: str, verl: bool = False) -> bool:
     """PRIME's evaluate_math: extraction, PRM800K's grade_answer, then math_equal (with the
-    `\\pi` retry) on the extracted answer; any error is "wrong"."""
+    `\\pi` retry) on the extracted answer; any error is "wrong". `verl`: the copy in PAPO's
+    verl (verl/utils/reward_score/prime_math): the same stages, its sympy check in
+    grade_answer bounded by 2 s, its pmatrix rules live and its last (sympy) stage of
+    math_equal never reached (`qwen_math_equal`)."""
     answer = prime_extract_answer(response)[1]
     truth = str(truth)
     try:
-        if prm800k_grade(answer, truth):
+        if prm800k_grade(answer, truth, sympy_seconds=2.0 if verl else None):
             return True
-    except Exception:  # noqa: BLE001 - the release lets this one propagate: scored 0
+    except BaseException:  # noqa: BLE001 - the release lets this one propagate: scored 0
         return False
     try:
         if "\\pi" in answer or "\\pi" in truth:
-            verdicts = [qwen_math_equal(answer, truth, seconds=1.0, pi=pi)
+            verdicts = [qwen_math_equal(answer, truth, seconds=1.0, pi=pi, verl=verl)
                         for pi in (math.pi, 3.14)]
             return any(verdicts)
-        return qwen_math_equal(answer, truth, seconds=1.0)
+        return qwen_math_equal(answer, truth, seconds=1.0, verl=verl)
     except Exception:  # noqa: BLE001 - evaluate_math's except: wrong
         return False

@@ -4,8 +4,9 @@ Verifiers (`VERIFIERS`, each paper's checker; the string rules are in `rewards.a
 math_verify (the default and the lenient one: math-verify with the boxed answer first),
 prof_math_verify (PROF-GRPO's call of math-verify: its default extraction priorities,
 expressions before LaTeX, 20 s per sample), hendrycks_math (PURE: last boxed answer, MATH
-string normalisation, no symbolic check), prime_math (PRIME, and PAPO through verl's
-prime_math: the released grader's stages, `rewards.prime_grader`, 300 s per sample).
+string normalisation, no symbolic check), prime_math (PRIME: the released grader's stages,
+`rewards.prime_grader`, 300 s per sample), verl_prime_math (PAPO: verl's copy of that grader,
+whose last sympy stage never runs and whose pmatrix rules do).
 
 math-verify bounds its own work with `signal.alarm`, which (a) only works on the main thread
 (it raises elsewhere, e.g. in a rollout thread), (b) takes whole seconds, and (c) cannot stop
@@ -86,6 +87,7 @@ def _worker_main(fd: int) -> None:
         "math_verify": lenient,
         "prof_math_verify": lambda r, g, _: prof_metric(["\\boxed{" + g + "}"], [r])[0] == 1.0,
         "prime_math": lambda r, g, _: prime_grade(r, g),
+        "verl_prime_math": lambda r, g, _: prime_grade(r, g, verl=True),
     }
     conn.send("ready")
     while True:
@@ -233,10 +235,11 @@ def _arithmetic_truth_reward(response: str, truth: Problem | str | int) -> float
     return 1.0 if extract_boxed_int(response) == expected else 0.0
 
 
-VERIFIERS = ("math_verify", "prof_math_verify", "hendrycks_math", "prime_math")
+VERIFIERS = ("math_verify", "prof_math_verify", "hendrycks_math", "prime_math", "verl_prime_math")
 # each verifier's per-sample limit where its release sets one: PRIME's process pool waits 300 s
 # (reward_score/prime.py), PROF's 20 s (reward_score/math_verify.py parallel_compute_score)
-TIMEOUT_S = {"prime_math": 300.0, "prof_math_verify": 20.0, "math_verify": DEFAULT_TIMEOUT_S}
+TIMEOUT_S = {"prime_math": 300.0, "verl_prime_math": 300.0, "prof_math_verify": 20.0,
+             "math_verify": DEFAULT_TIMEOUT_S}
 
 
 def math_scores(responses: Sequence[str], truths: Sequence[str], verifier: str = "math_verify",

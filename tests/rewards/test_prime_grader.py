@@ -1,7 +1,8 @@
 """`reward.verifier: prime_math` (rewards.prime_grader, run in the verifiers' worker) against
 the release's grader transcribed in tests/rewards/prime_release_reference.py, `prof_math_verify`
-against PROF-GRPO's math-verify call and `hendrycks_math` against PURE's math_score.py
-(tests/rewards/pure_release_reference.py), on answer pairs of the kinds where graders part:
+against PROF-GRPO's math-verify call, `hendrycks_math` against PURE's math_score.py
+(tests/rewards/pure_release_reference.py) and `verl_prime_math` against the copy of the grader
+PAPO's release ships (tests/rewards/papo_release_reference.py), on answer pairs of the kinds where graders part:
 percentages, pi, fractions and decimals, several or empty boxes, numbers inside prose, order,
 intervals, units, LaTeX spacing."""
 import math
@@ -12,6 +13,7 @@ from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
 
 from megaprm.rewards.prime_grader import _eval_arithmetic
 from megaprm.rewards.verifiers import TIMEOUT_S, math_scores
+from tests.rewards import papo_release_reference as papo_release
 from tests.rewards import pure_release_reference as pure_release
 from tests.rewards.prime_release_reference import released_score
 
@@ -133,3 +135,20 @@ def test_hendrycks_math_is_pures_checker():
     released = [pure_release.compute_score(r, t) for r, t in pairs]
     assert math_scores(responses, truths, "hendrycks_math") == released
     assert released[len(PAIRS):len(PAIRS) + 3] == [0.0, 0.0, 0.0]
+
+
+PMATRIX = "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"
+
+
+def test_verl_prime_math_grades_as_papos_copy():
+    """PAPO grades with verl's copy of PRIME's grader: its last sympy stage never runs (so
+    2/4 is not 1/2 there) and its pmatrix rules do (a Matrix(...) answer for a pmatrix)."""
+    pairs = PAIRS + [("\\boxed{Matrix([1, 2])}", PMATRIX), ("\\boxed{[1, 2]}", PMATRIX),
+                     ("\\boxed{[x, 2]}", PMATRIX), ("\\boxed{2^{10}}", "1024"),
+                     ("\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{\\sqrt{2}}{2}")]
+    responses, truths = map(list, zip(*pairs))
+    released = [papo_release.released_score(r, t) for r, t in pairs]
+    assert math_scores(responses, truths, "verl_prime_math") == released
+    prime = math_scores(responses, truths, "prime_math")
+    parted = [p for p, a, b in zip(pairs, released, prime) if a != b]
+    assert ("\\boxed{2/4}", "1/2") in parted and ("\\boxed{Matrix([1, 2])}", PMATRIX) in parted

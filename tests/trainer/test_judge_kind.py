@@ -171,8 +171,8 @@ def test_judge_config_and_recipe():
         load_config(None, ["prm.kind=judge", "prm.path=x", "advantage.method=pure"])
     with pytest.raises(ConfigError, match=r"prm.judge.*temperature"):
         load_config(None, ["prm.kind=judge", "prm.path=x", "prm.judge.temperature=-1"])
-    # PAPO's outcome: prime_math rules, then the grader's answer fallback (USE_LLM_VERIFIER)
-    assert (papo.reward.verifier, papo.reward.llm_fallback) == ("prime_math", True)
+    # PAPO's outcome: verl's prime_math rules, then the grader's answer fallback (USE_LLM_VERIFIER)
+    assert (papo.reward.verifier, papo.reward.llm_fallback) == ("verl_prime_math", True)
     with pytest.raises(ConfigError, match=r"reward.llm_fallback asks the grader"):
         load_config(None, ["reward.llm_fallback=true"])
     with pytest.raises(ConfigError, match=r"reward.verifier='exact' is not valid"):
