@@ -237,7 +237,8 @@ def cmd_train(args) -> int:
         if placement is not None and placement.is_rollout:
             serve(cfg, placement, tok)
             return 0
-        groups = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed)
+        groups = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep,
+                                  seed=cfg.trainer.seed)
         RLTrainer(cfg, groups, tok).fit()
         destroy()
         return 0

@@ -38,9 +38,10 @@ def _check(cond: bool, path: str, value: Any, valid: str) -> None:
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism of an MoE policy: its experts split over ep data-parallel ranks
 
     def __post_init__(self):
-        for k in ("tp", "pp"):
+        for k in ("tp", "pp", "ep"):
             v = getattr(self, k)
             _check(isinstance(v, int) and v >= 1, f"parallel.{k}", v, "a positive integer")
 
@@ -54,6 +55,11 @@ class ModelConfig:
     impl: Optional[str] = None   # layer spec te | sdpa | local; None: TE if it imports, else sdpa
     compile: bool = False        # torch.compile the layers (docs/actor.md)
     recompute: bool = False      # Megatron's full activation recompute, one layer at a time
+    # MoE policies: Megatron's router losses added to the update, each off at 0 (RL recipes
+    # train without them); aux = the switch load-balancing loss (HF's router_aux_loss_coef
+    # uses it in pretraining), z = the router z-loss (Qwen's MoE models were not trained with one)
+    moe_aux_loss_coef: float = 0.0
+    moe_z_loss_coef: float = 0.0
 
     def __post_init__(self):
         _check(self.dtype in DTYPE_CHOICES, "model.dtype", self.dtype,
@@ -63,6 +69,9 @@ class ModelConfig:
         self.dtype = resolve_dtype_name(self.dtype)
         _check(self.impl in (None, "te", "sdpa", "local"), "model.impl", self.impl,
                "te, sdpa, local or null (automatic)")
+        for k in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+            v = getattr(self, k)
+            _check(isinstance(v, (int, float)) and v >= 0, f"model.{k}", v, "a number >= 0")
 
 
 PROMPT_FORMATS = ("raw", "chat", "first_message")

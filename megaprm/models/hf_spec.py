@@ -330,11 +330,13 @@ def moe_config(spec: ModelSpec, ep: int = 1, *, aux_loss_coef: float = 0.0,
 
 def transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
                        dtype: torch.dtype = torch.float32, impl: Optional[str] = None,
-                       ep: int = 1, **overrides):
+                       ep: int = 1, moe_aux_loss_coef: float = 0.0, moe_z_loss_coef: float = 0.0,
+                       **overrides):
     """TransformerConfig equal to the HF model's math (no dropout, no fused CUDA-only kernels),
     for the layer implementation `impl` (default as `layer_spec`'s): the fast local spec's MLP
     calls its own activation module (`attention.SwiGLU`) on the whole fc1 output, which Megatron
-    does when `use_te_activation_func` is set. MoE fields: `moe_config` (override them here)."""
+    does when `use_te_activation_func` is set. MoE fields: `moe_config` (with the router's
+    load-balancing and z-loss coefficients; override any of them here)."""
     from megatron.core.transformer import TransformerConfig
 
     spec.check_parallel(tp, pp, ep)
@@ -359,7 +361,7 @@ def transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         calculate_per_token_loss=True,
         sequence_parallel=False,
         use_te_activation_func=impl == "sdpa",
-        **moe_config(spec, ep),
+        **moe_config(spec, ep, aux_loss_coef=moe_aux_loss_coef, z_loss_coef=moe_z_loss_coef),
     )
     if spec.is_moe and impl == "te":
         kwargs["moe_grouped_gemm"] = True  # TEGroupedMLP, as `layer_spec` builds it

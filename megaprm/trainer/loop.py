@@ -87,7 +87,7 @@ class RLTrainer:
         self.data = make_data(cfg, tokenizer, log=print if groups.rank == 0 else None)
         self.src = model_source.resolve(cfg.model.path, "model.path")
         self.spec = spec_from_hf(self.src.hf_dir)
-        self.spec.check_parallel(groups.tp_size, groups.pp_size)
+        self.spec.check_parallel(groups.tp_size, groups.pp_size, groups.ep_size)
         self.temperature = logprob_temperature(cfg)  # the one place: actor, ref, PURE's KL
         dtype = resolve_dtype(cfg.model.dtype)
         self.batching = Batching(cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch,
@@ -102,7 +102,9 @@ class RLTrainer:
         self.engine = rollout_source.build_engine(self)  # None: the rollout ranks hold it
         kw = dict(dtype=dtype, batching=self.batching,
                   build={"impl": cfg.model.impl, "compile": cfg.model.compile,
-                         "recompute": cfg.model.recompute})
+                         "recompute": cfg.model.recompute,
+                         "moe_aux_loss_coef": cfg.model.moe_aux_loss_coef,
+                         "moe_z_loss_coef": cfg.model.moe_z_loss_coef})
         self.actor = Policy(self.spec, groups, self.src, trainable=True, optim=cfg.actor.optim,
                             temperature=self.temperature, **kw)
         self.ref = (Policy(self.spec, groups, self.src, trainable=False,

@@ -26,7 +26,7 @@ def check_launch_layout(cfg: Config, world_size: int) -> int:
     starts) and `megaprm plan` (before it says "fits") both run it: one refusal everywhere."""
     trainers = trainer_world(cfg, world_size)
     try:
-        dp = check_layout(trainers, cfg.parallel.tp, cfg.parallel.pp)
+        dp = check_layout(trainers, cfg.parallel.tp, cfg.parallel.pp, ep=cfg.parallel.ep)
     except ParallelConfigError as e:
         if trainers == world_size:
             raise
@@ -61,7 +61,7 @@ def check_rl_launch(cfg: Config, world_size: int):
     layout.check_output(cfg.trainer.run_dir, "trainer.run_dir", reads, own_run=True)
     world_size = trainer_world(cfg, world_size)
     src = model_source.resolve(cfg.model.path, "model.path")
-    spec_from_hf(src.hf_dir).check_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    spec_from_hf(src.hf_dir).check_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
     if cfg.prm.kind == "discriminative":
         prm = model_source.resolve(cfg.prm.path, "prm.path")
         spec_from_hf(prm.hf_dir).check_parallel(cfg.parallel.tp, cfg.parallel.pp)

@@ -192,3 +192,50 @@ def test_moe_actor_matches_transformers_on_two_ranks(moe_dirs, hf_step, family, 
         _assert_hf_weights(r["weights"], moe_dirs[family])  # every rank gets the whole model
         _assert_hf_weights(r["buckets"], moe_dirs[family])
         _assert_stepped(r["stepped"], r["loss"], hf_step[family])
+
+
+def test_router_losses_are_switches(moe_dirs):
+    """model.moe_aux_loss_coef / moe_z_loss_coef: 0 leaves the update the plain loss's (the
+    default); > 0 adds Megatron's load-balancing / z-loss gradient to the routers (and what feeds
+    them) without changing the log-probs."""
+    from megaprm.models.actor import build_stage
+    from megaprm.models.logprobs import vocab_parallel_logprobs
+    from megaprm.models.mapping import load_hf_weights
+    from megaprm.parallel import pipeline
+    from megaprm.parallel.init import destroy, init_distributed
+
+    d = moe_dirs["qwen3_moe"]
+    spec = spec_from_hf(d)
+    ids = _ids(spec.vocab_size)
+    out = {}
+    try:
+        g = init_distributed()
+        for coefs in [(0.0, 0.0), (0.1, 0.0), (0.0, 0.1)]:
+            model = build_stage(spec, g, moe_aux_loss_coef=coefs[0], moe_z_loss_coef=coefs[1])
+            load_hf_weights(model, d, spec, tp_rank=0, tp_size=1, pp=1, pp_rank=0)
+            logits = pipeline.gpt_forward(model, pipeline.TokenBatch(ids, torch.ones(ids.shape)))
+            lp = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], vocab_size=spec.vocab_size)
+            lp.sum().backward()
+            out[coefs] = lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    finally:
+        destroy()
+    base_lp, base = out[(0.0, 0.0)]
+    assert (base_lp - _hf_logprobs(d)).abs().max() <= 1e-5
+    for coefs in [(0.1, 0.0), (0.0, 0.1)]:
+        lp, grads = out[coefs]
+        assert torch.equal(lp, base_lp)
+        router = "decoder.layers.3.mlp.router.weight"
+        assert not torch.allclose(grads[router], base[router], atol=1e-6), coefs
+        # the last layer's experts see the same tokens and output gradient
+        expert = "decoder.layers.3.mlp.experts.local_experts.0.linear_fc2.weight"
+        assert torch.allclose(grads[expert], base[expert], atol=1e-6), coefs
+
+
+def test_config_fields_are_checked():
+    from megaprm.config import ConfigError, ModelConfig, ParallelConfig
+
+    assert ParallelConfig(ep=2).ep == 2
+    with pytest.raises(ConfigError, match=r"parallel.ep=0 is not valid: a positive integer"):
+        ParallelConfig(ep=0)
+    with pytest.raises(ConfigError, match=r"model.moe_aux_loss_coef=-0.1 is not valid"):
+        ModelConfig(moe_aux_loss_coef=-0.1)
