@@ -335,6 +335,8 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
             report["not_streamed_because"] = why or r0.get("why")
         report["verify"] = _verified("export-hf", r0["outputs"], r0["tmp_dir"], spec,
                                      meta.dtype, r0["verify_s"]) if verify else SKIPPED
+        # sealed as an export's output: what a later --force may replace (layout.check_target)
+        manifest.write(r0["tmp_dir"], format=layout.HF_EXPORT_FORMAT, version=1)
         layout.commit(r0["tmp_dir"], out_dir, force)
         return report
 

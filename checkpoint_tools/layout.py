@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 from megaprm.models.hf_files import WEIGHT_FILE
 
+HF_EXPORT_FORMAT = "megaprm-hf-export"  # MANIFEST.json's format in an export-hf output
 MODEL_SUBDIR = "model"
 HF_SUBDIR = "hf"
 META_FILE = "megaprm_checkpoint.json"
@@ -216,7 +217,8 @@ def hf_dtype_name(cfg: dict) -> str:
 def side_files(hf_dir: str) -> list[str]:
     """Top-level non-weight files of an HF directory (config, tokenizer, generation config...)."""
     return sorted(f for f in os.listdir(hf_dir)
-                  if os.path.isfile(os.path.join(hf_dir, f)) and not WEIGHT_FILE.match(f))
+                  if os.path.isfile(os.path.join(hf_dir, f)) and not WEIGHT_FILE.match(f)
+                  and f != "MANIFEST.json")  # an export's seal, not the model's
 
 
 def copy_side_files(src: str, dst: str) -> list[str]:
@@ -346,9 +348,26 @@ def check_target(out_dir: str, force: bool, inputs: tuple = ()) -> None:
         raise ConversionError(
             f"target {out_dir!r} already exists; choose a new directory or pass --force to "
             "replace it")
+    if os.path.exists(out_dir) and not _earlier_output(out_dir):
+        raise ConversionError(
+            f"--out {out_dir!r} is not an earlier output of import-hf or export-hf (no "
+            f"MANIFEST.json of theirs; it holds {_describe(out_dir)}): --force replaces only "
+            "those; choose a new directory, or remove it yourself")
     parent = os.path.dirname(out_dir)
     if not os.path.isdir(parent):
         raise ConversionError(f"parent directory {parent!r} of the target does not exist")
+
+
+def _earlier_output(path: str) -> bool:
+    """Whether `path` is what --force may replace: an empty directory, or an output of
+    import-hf / export-hf, recognised by the format its MANIFEST.json names."""
+    if os.path.isdir(path) and not os.listdir(path):
+        return True
+    try:
+        with open(os.path.join(path, "MANIFEST.json"), encoding="utf-8") as f:
+            return json.load(f).get("format") in (FORMAT, HF_EXPORT_FORMAT)
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def make_tmp(out_dir: str) -> str:

@@ -293,3 +293,25 @@ def test_outputs_get_the_mode_of_a_new_directory(made, tmp_path):
         os.umask(umask)
     for out in ("i", "e"):
         assert oct((tmp_path / out).stat().st_mode & 0o777) == oct(0o755), out
+
+
+def test_force_replaces_only_an_earlier_output_of_the_tools(made, tmp_path, capsys):
+    """--force replaced any existing directory that held no run (a user's directory of other
+    files went). It replaces only an empty directory or an earlier import-hf / export-hf output,
+    recognised by the format its MANIFEST.json names; anything else is one line, every byte kept."""
+    hf, ck = made
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not a conversion's output\n")
+    (mine / "MANIFEST.json").write_text('{"format": "someone-else", "files": {}}')
+    before = _tree(tmp_path)
+    for argv in (["import-hf", "--hf", hf], ["export-hf", "--ckpt", ck]):
+        rc, err = _main(capsys, *argv, "--out", str(mine), "--force", "--no-verify")
+        assert rc == 2 and len(err) == 1 and "not an earlier output" in err[0], err
+        assert _tree(tmp_path) == before
+    for argv in (["import-hf", "--hf", hf], ["export-hf", "--ckpt", ck]):  # twice each
+        out = str(tmp_path / argv[0])
+        for _ in range(2):
+            rc, err = _main(capsys, *argv, "--out", out, "--force", "--no-verify")
+            assert rc == 0, err
+        assert manifest.problems(out) == []  # the export is sealed too
