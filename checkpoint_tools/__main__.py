@@ -6,6 +6,7 @@ Runs as one process that launches its own tp*pp local ranks, or under torchrun a
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import json
 import os
@@ -140,6 +141,8 @@ def main(argv=None, fork_ranks: bool = False) -> int:
 
     if fork_ranks:
         ranks.RANK_START = "fork"
+    if launch.under_torchrun():  # each rank's group goes down before its interpreter does
+        atexit.register(ranks.teardown)
 
     leader = int(os.environ.get("RANK", "0")) == 0
     try:
