@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megaprm.models.hf_spec import spec_from_hf
-from megaprm.planner import memory, timing
+from megaprm.planner import experts, memory, timing
 from megaprm.planner.hardware import DEFAULT_EFFICIENCY, GPU, Efficiency
 from megaprm.planner.models import hf_config_for
 from megaprm.planner.params import stage_params
@@ -105,7 +105,7 @@ class Plan:
 
 
 def _layout_params(w: Workload, exact: bool) -> memory.Params:
-    a = stage_params(w.actor, w.tp, w.pp, exact)
+    a = stage_params(w.actor, w.tp, w.pp, exact, ep=w.ep)
     prm = stage_params(w.prm, w.tp, w.pp, exact) if w.prm is not None else None
     return memory.Params(actor_rank=a.per_rank, actor_total=a.total,
                          prm_rank=prm.per_rank if prm else 0, prm_total=prm.total if prm else 0)
@@ -129,6 +129,9 @@ def plan_workload(w: Workload, gpu: GPU, *, sources: dict | None = None,
     plan = Plan(w, gpu, models, memory.train_terms(w, p), memory.sync_terms(w, p),
                 memory.rollout_terms(w, p, gpu.mem_gb * GB),
                 timing.phase_seconds(w, p, gpu, eff))
+    if w.actor.is_moe:
+        plan.notes.append(experts.note(experts.expert_plan(
+            w, gpu, stage_params(w.actor, w.tp, w.pp, exact, ep=w.ep)), w.ep))
     if w.judge:
         plan.notes.append("prm.kind=judge: the grader LLM's own engine is not planned")
     if w.separate:

@@ -52,6 +52,7 @@ class Workload:
     in_flight: bool = False
     rollout_logprobs: bool = False  # the old log-probs are the engine's: no trainer pass
     grad_reduce_in_fp32: bool = True  # actor.optim.grad_reduce_in_fp32 (Megatron's DDP option)
+    ep: int = 1                   # parallel.ep: an MoE actor's experts split over ep dp ranks
 
     @property
     def separate(self) -> bool:
@@ -108,6 +109,7 @@ def workload_from_config(cfg, raw: dict, *, world: int, actor: ModelSpec,
                      or (cfg.advantage.method == "pure" and cfg.advantage.pure.kl_coef))
     return Workload(
         actor=actor, prm=prm, world=world, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+        ep=cfg.parallel.ep,
         dtype_bytes=2 if dtype == "bf16" else 4, prompts=cfg.data.prompts_per_step,
         n=cfg.rollout.n, prompt_tokens=prompt, max_tokens=cfg.rollout.max_tokens,
         mean_prompt=float(prompt), mean_response=min(resp, cfg.rollout.max_tokens),

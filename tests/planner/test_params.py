@@ -1,6 +1,7 @@
 """The planner's parameter counts of mixture-of-experts models: Qwen3-30B-A3B's published
 total and activated counts, the meta-device count against the closed form at tp / pp / ep
 layouts, and the count of a stage megaprm really builds at ep2 (2 gloo ranks)."""
+import dataclasses
 import math
 
 import pytest
@@ -57,3 +58,42 @@ def test_counts_equal_a_stage_built_at_ep2():
         got = launch.spawn(_built_count, 2, family)
         assert got == [rank_params(spec, 1, 1, 0, ep=2)] * 2
         assert got[0] < rank_params(spec, 1, 1, 0)  # half the experts
+
+
+def test_plan_of_qwen3_30b_a3b_at_ep8(capsys):
+    """`megaprm plan` of an MoE actor: its total and active counts, the experts each GPU holds
+    at parallel.ep and the all-to-all bytes (the formula of planner/experts.py by hand)."""
+    from megaprm.cli import main
+    from megaprm.config import load_config
+    from megaprm.planner import experts
+    from megaprm.planner.plan import workload_of
+
+    argv = ["configs/grpo.yaml", "--gpus", "16", "model.path=Qwen3-30B-A3B", "parallel.ep=8",
+            "parallel.tp=2"]
+    assert main(["plan", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "actor             30.532 B" in out
+    experts_per_gpu = 48 * (128 // 8) * 3 * 2048 * 768 // 2
+    assert (f"3.35 B of 30.53 B parameters active per token; experts "
+            f"{experts_per_gpu / 1e9:.2f} B parameters ({2 * experts_per_gpu / 1e9:.1f} GB) per "
+            f"GPU at parallel.ep=8") in out
+    cfg = load_config("configs/grpo.yaml", argv[3:])
+    w, _ = workload_of(cfg, {}, 16)
+    tokens = w.samples * (w.mean_prompt + w.mean_response) / w.dp
+    passes = 2 + (not w.rollout_logprobs) + w.needs_ref
+    assert experts.alltoall_bytes(w) == pytest.approx(
+        tokens * 8 * 2048 * 2 * 2 * 7 / 8 * 48 * passes)
+    assert experts.alltoall_bytes(dataclasses.replace(w, ep=1)) == 0
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["model.path=Qwen3-30B-A3B", "parallel.ep=32"], "parallel.ep=32: tp*ep = 1*32 = 32 does "
+                                                     "not divide the 16 ranks"),
+    (["parallel.ep=2"], "parallel.ep=2 needs a mixture-of-experts model"),
+])
+def test_plan_ep_mistakes_are_one_line(capsys, argv, needle):
+    from megaprm.cli import main
+
+    assert main(["plan", "configs/grpo.yaml", "--gpus", "16", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
