@@ -243,10 +243,12 @@ class HFEngine:
                                     "(RL loop) or wake() before generating")
         longest = max((len(p) for p in prompts), default=0)
         if longest + params.max_tokens > self.max_positions:
+            room = self.max_positions - params.max_tokens
             raise ValueError(
                 f"longest prompt ({longest} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model's max_position_embeddings={self.max_positions}; lower max_tokens or "
-                "truncate prompts")
+                f"model's max_position_embeddings={self.max_positions}; set "
+                f"data.max_prompt_tokens={max(room, 1)} with data.long_prompt=truncate or drop, "
+                "or lower rollout.max_tokens")
         for i, p in enumerate(prompts):
             bad = [t for t in p if not 0 <= int(t) < self.vocab_size]
             if bad:

@@ -143,6 +143,12 @@ def test_load_weights_strict_and_tied_head():
 def test_user_errors(engine):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         engine.generate([[5]], SamplingParams(max_tokens=10_000))
+    # a prompt longer than the positions (a 400 KB row) names the settings that fix it
+    too_long = engine.max_positions + 1
+    with pytest.raises(ValueError) as e:
+        engine.generate([[5] * too_long], SamplingParams(max_tokens=4))
+    assert f"data.max_prompt_tokens={engine.max_positions - 4} with data.long_prompt=" in str(
+        e.value) and "rollout.max_tokens" in str(e.value)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.generate([[5, 10_000]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="HFEngineConfig.dtype"):
