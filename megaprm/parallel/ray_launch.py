@@ -128,8 +128,12 @@ def _connect(ray, address: str | None, world_size: int) -> None:
         _check_reachable(address)
     try:
         ray.init(address=address, **quiet)
-    except ConnectionError as e:
-        raise LaunchError(f"--ray-address={address}: {str(e).splitlines()[0]}") from None
+    except ConnectionError as e:  # Ray's own text names its flags (--address, RAY_ADDRESS)
+        why = str(e).splitlines()[0].split(". Please", 1)[0]
+        raise LaunchError(f"--ray-address={address}: {why}; start a cluster with `ray start "
+                          "--head` and pass --ray-address auto (on its nodes) or HEAD:6379, or "
+                          "leave --ray-address out for a local Ray of this command's own"
+                          ) from None
 
 
 # ------------------------------------------------------------------------------ the actor

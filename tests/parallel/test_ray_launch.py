@@ -117,3 +117,23 @@ def test_a_killed_rank_is_named_with_its_signal_as_under_torchrun():
     assert line.startswith("megaprm: rank 0 was killed by SIGKILL (exit code -9)")
     assert ray_launch._wait(FakeRay, [Ref(0), Ref(3)], []) == (
         3, "megaprm: rank 1 failed with exit code 3 (its output is above)")
+
+
+def test_no_cluster_at_the_address_names_megaprms_fix():
+    """`--ray-address auto` with no cluster ended in Ray's line naming its own `--address` flag
+    and RAY_ADDRESS; the line now names `ray start --head` and megaprm's --ray-address."""
+    from megaprm.parallel import ray_launch
+    from megaprm.parallel.launch import LaunchError
+
+    class NoCluster:
+        @staticmethod
+        def init(**kw):
+            raise ConnectionError("Could not find any running Ray instance. Please specify the "
+                                  "one to connect to by setting `--address` flag or "
+                                  "`RAY_ADDRESS` environment variable.")
+
+    with pytest.raises(LaunchError) as e:
+        ray_launch._connect(NoCluster, "auto", 2)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--ray-address=auto: Could not find any running")
+    assert "ray start --head" in msg and "RAY_ADDRESS" not in msg and "`--address`" not in msg
