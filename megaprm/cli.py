@@ -236,6 +236,7 @@ def cmd_train(args) -> int:
         placement = remote.split_world(cfg)  # rollout.placement=separate: the last ranks
         if placement is not None and placement.is_rollout:
             serve(cfg, placement, tok)
+            destroy()  # the rollout ranks' default group (split_world), as the trainer's below
             return 0
         groups = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep,
                                   seed=cfg.trainer.seed)

@@ -171,8 +171,9 @@ class RolloutConfig:
     # sharing its device) | separate (the last `ranks` ranks of the launch run the engine alone)
     placement: str = "colocated"
     ranks: int = 0                       # separate: how many rollout ranks (the last of the world)
-    # separate: GPUs of one rollout engine (vLLM tensor parallelism; rollout.ranks / tp engines).
-    # `megaprm plan` plans tp > 1; `megaprm train` runs tp-1 engines so far (trainer/preflight)
+    # separate: GPUs of one rollout engine (vLLM tensor parallelism; rollout.ranks / tp engines
+    # of consecutive rollout ranks, rollout/remote.py); the transformers engine takes tp 1 only
+    # (trainer/preflight)
     tp: int = 1
     # separate: batches the rollout ranks may draw ahead of the trainer; a batch is consumed at
     # most this many weight versions after the one it was drawn with (0: on-policy)

@@ -51,12 +51,16 @@ def check_engine(name: str, key: str = "rollout.engine") -> None:
 
 
 def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, world_size: int,
-                 tp_size: int, seed: int, device, load_weights: bool = True) -> RolloutEngine:
+                 tp_size: int, seed: int, device, load_weights: bool = True,
+                 external_launcher: bool | None = None) -> RolloutEngine:
     """One engine for this rank. `device`: the rank's device (the HF engine runs there; vLLM
     takes LOCAL_RANK's GPU under external_launcher, which must be the same one).
 
-    vllm: tensor_parallel_size = the trainer's tp; `external_launcher` whenever world_size > 1;
-    the same `seed` on every rank (one seed per tp group). hf: the model at `model_path` on
+    vllm: tensor_parallel_size = `tp_size` (the trainer's tp colocated, rollout.tp on the
+    rollout ranks); `external_launcher` (None: whenever world_size > 1; a separate placement's
+    rollout ranks always pass True, so that even a lone rollout rank takes LOCAL_RANK's GPU
+    rather than the single-process executor's GPU 0); the same `seed` on every rank (one seed
+    per tp group). hf: the model at `model_path` on
     `device` in fp32, stopping on the tokenizer's EOS, padding with its pad id (the model
     config's when the tokenizer has none).
     """
@@ -73,7 +77,8 @@ def build_engine(rollout_cfg: RolloutConfig, model_path: str, tokenizer, *, worl
     if resolve_engine(rollout_cfg.engine)[0] == "vllm":
         pad = pad if pad is not None else (eos or (0,))[0]
 
-        cfg = VLLMEngineConfig(tensor_parallel_size=tp_size, external_launcher=world_size > 1,
+        launcher = world_size > 1 if external_launcher is None else external_launcher
+        cfg = VLLMEngineConfig(tensor_parallel_size=tp_size, external_launcher=launcher,
                                seed=seed, pad_token_id=int(pad), eos_token_ids=eos,
                                gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
                                sleep_level=rollout_cfg.sleep_level,

@@ -9,15 +9,26 @@ One torchrun world, split before Megatron starts (`split_world`):
   exactly a colocated run's on that many ranks;
 * every rank: one gloo group over the whole launch (`xfer`), used point to point only: trainer
   rank 0 sends the rollout ranks their orders in one ordered channel (weights, prompt blocks to
-  draw, evaluation, stop), each rollout rank sends the batches of the dp shards it serves to the
-  trainer ranks of those shards;
+  draw, evaluation, stop), each engine's leader sends the batches of the dp shards its engine
+  serves to the trainer ranks of those shards;
 * trainer rank 0 and the rollout ranks: the `weights` group (ranks 0, 1 .. rollout.ranks),
-  broadcasts of the weight buckets only.
+  broadcasts of the weight buckets only;
+* rollout ranks: the default process group is theirs alone (rank r - trainers of
+  rollout.ranks), the world vLLM's `external_launcher` builds its groups in.
+
+Engines (`rollout.tp` = tp): each run of tp consecutive rollout ranks is one engine, its first
+rank the engine's leader. With vLLM each rank is one worker of its engine (SPMD: vLLM's torchrun
+examples, `examples/offline_inference/torchrun_example.py`: every rank gives the same prompts
+and seed), laid out by vLLM as ExternalDP x TP over the rollout ranks' default group
+(`distributed/parallel_state.py` `initialize_model_parallel`: the tp groups are runs of tp
+consecutive ranks). So trainer rank 0 sends every order to every rank of the engine (the same
+bytes: prompts, sampling seeds), every rank draws, and only the leader sends the batches back.
 
 Weights (trainer/rollout_source.py: `RemoteSource.sync` -> `serve`): every trainer rank runs the HF-layout bucketed gather
 of rollout/weight_sync.py (tp and pp pieces joined on the trainer side); trainer rank 0 packs
 each bucket's tensors, as raw bytes, into one flat buffer and broadcasts it over the `weights`
-group (trainer rank 0 and every rollout rank: NCCL on GPU, gloo on the CPU), after a small
+group (trainer rank 0 and every rollout rank: NCCL on GPU, gloo on the CPU; every rank of an
+engine takes the whole HF stream, and vLLM's `load_weights` keeps its own tp shard), after a small
 "weights" order on the channel (the version, and the bucket plan - names, shapes, dtypes,
 offsets - when it changed). The broadcasts are issued asynchronously: trainer rank 0 returns at
 once and keeps the buffers until the rollout ranks have taken them (a rollout rank drawing ahead
@@ -60,8 +71,8 @@ CTRL, DATA, EVAL = 11, 12, 13  # message tags: orders (trainer 0 -> rollout), ba
 @dataclass
 class Placement:
     """This rank's side of a separate placement: `rank` in the launch, `trainers` = the trainer
-    ranks' count (ranks 0 .. trainers-1), `rollout_ranks` the rest; `xfer` the gloo group over
-    the whole launch (ranks = launch ranks)."""
+    ranks' count (ranks 0 .. trainers-1), `rollout_ranks` the rest, in engines of `tp`
+    consecutive ranks; `xfer` the gloo group over the whole launch (ranks = launch ranks)."""
 
     rank: int
     world: int
@@ -72,10 +83,45 @@ class Placement:
     pending: list = field(default_factory=list)  # sends in flight (buffers kept alive)
     weights: object = None  # trainer rank 0 and the rollout ranks (None on other trainer ranks)
     device: object = None  # where the weights group's buffers live
+    tp: int = 1  # rollout ranks per engine (rollout.tp)
 
     @property
     def is_rollout(self) -> bool:
         return self.rank >= self.trainers
+
+    @property
+    def engines(self) -> list:
+        """The launch ranks of each engine: [[t, .., t+tp-1], [t+tp, ..], ..] (t = trainers)."""
+        r = self.rollout_ranks
+        return [r[i:i + self.tp] for i in range(0, len(r), self.tp)]
+
+    @property
+    def leaders(self) -> list:
+        """Each engine's first rank: the one that replies to the trainer."""
+        return [e[0] for e in self.engines]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank in self.leaders
+
+    @contextlib.contextmanager
+    def engine_env(self):
+        """On a rollout rank, while its engine is built: RANK and WORLD_SIZE are this rank's
+        place among the rollout ranks (their default group), which vLLM's external_launcher
+        reads (`v1/executor/uniproc_executor.py` `ExecutorWithExternalLauncher._distributed_args`
+        takes the worker's rank from RANK; LOCAL_RANK, its GPU, stays the launch's). Restored
+        after: the launcher's error files and lines name launch ranks."""
+        saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+        os.environ.update(RANK=str(self.rank - self.trainers),
+                          WORLD_SIZE=str(len(self.rollout_ranks)))
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 _CURRENT: Optional[Placement] = None
@@ -113,8 +159,11 @@ def split_world(cfg, timeout_minutes: int = 30) -> Optional[Placement]:
         os.environ["WORLD_SIZE"] = str(trainers)
         dist.init_process_group(default_backend(), store=dist.PrefixStore("megaprm/trainer", store),
                                 rank=rank, world_size=trainers, timeout=timeout)
+    else:  # the engines' world (vLLM's groups are made in it; see `Placement.engine_env`)
+        dist.init_process_group(default_backend(), store=dist.PrefixStore("megaprm/rollout", store),
+                                rank=rank - trainers, world_size=k, timeout=timeout)
     _CURRENT = Placement(rank, world, trainers, list(range(trainers, world)), xfer, store,
-                         weights=weights, device=device)
+                         weights=weights, device=device, tp=cfg.rollout.tp)
     return _CURRENT
 
 

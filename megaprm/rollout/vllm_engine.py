@@ -14,7 +14,9 @@ the trainer's contiguous tp groups and each of them is an independent engine. Wi
 single-process executor puts every rank on local rank 0 (`uniproc_executor.py:77-88`). All ranks
 pass the same engine seed (so the ranks of one tp group sample alike); the per-request seeds
 carry the rollout's randomness. Building the engine leaves the caller's RNG states and current
-CUDA device as they were (`engine.preserved_rng_and_device`).
+CUDA device as they were (`engine.preserved_rng_and_device`). A separate placement's rollout
+ranks build it the same way over their own default group, with tensor_parallel_size =
+rollout.tp (rollout/remote.py, "Engines"); that path has not run with vLLM either.
 
 Lifecycle (engine.RolloutEngine): generate -> sleep(level) -> ... -> update_weights(stream):
 wake_up(tags=["weights"]) -> model.load_weights(stream) -> reset_prefix_cache() ->

@@ -37,18 +37,16 @@ def check_launch_layout(cfg: Config, world_size: int) -> int:
 
 
 def check_rollout_tp(cfg: Config) -> None:
-    """rollout.tp > 1 (engines of several GPUs on the rollout ranks): `megaprm plan` plans
-    them, `megaprm train` does not run them yet, and the transformers engine never takes more
-    than one GPU: refused in one line, before any rank starts."""
+    """rollout.tp > 1 (engines of several GPUs on the rollout ranks) runs vLLM engines of tp
+    workers (rollout/remote.py); the transformers engine never takes more than one GPU, so
+    with it (rollout.engine=hf, or auto where vLLM or CUDA is missing) rollout.tp > 1 is
+    refused in one line, before any rank starts. (A tp that does not divide rollout.ranks is
+    refused by the config itself.)"""
     tp = cfg.rollout.tp
-    if tp == 1:
-        return
-    engine = resolve_engine(cfg.rollout.engine)[0]
-    if engine == "hf":
+    if tp > 1 and resolve_engine(cfg.rollout.engine)[0] == "hf":
         raise ConfigError(f"rollout.tp={tp}: the transformers engine (rollout.engine="
-                          f"{cfg.rollout.engine}, here hf) runs on one GPU; set rollout.tp=1")
-    raise ConfigError(f"rollout.tp={tp}: megaprm train's rollout ranks run one tp-1 vLLM engine "
-                      "each so far (`megaprm plan` plans engines of tp > 1); set rollout.tp=1")
+                          f"{cfg.rollout.engine}, here hf) runs on one GPU; set rollout.tp=1, "
+                          "or rollout.engine=vllm on a CUDA machine with vLLM")
 
 
 def check_rl_launch(cfg: Config, world_size: int):

@@ -163,8 +163,9 @@ class RemoteSource:
         self.version = -1
         self.ordered = -1  # the last block ordered from the rollout ranks
         g = tr.groups
-        servers = placement.rollout_ranks
-        self.server = servers[g.dp_rank % len(servers)]
+        # dp shard d is drawn by engine d mod engines; its leader sends the batch
+        leaders = placement.leaders
+        self.server = leaders[g.dp_rank % len(leaders)]
         # which trainer ranks hold each dp shard (every tp/pp peer gets the same batch)
         ranks_of: list = [None] * g.world_size
         if g.world_size > 1:
@@ -178,16 +179,18 @@ class RemoteSource:
         self.sender = remote.WeightSender(placement, self.k) if g.rank == 0 else None
 
     def _order(self, block: int) -> None:
-        """Trainer rank 0: order block `block` (every dp shard) from its rollout rank."""
-        tr, servers = self.tr, self.p.rollout_ranks
-        per_server: dict = {s: [] for s in servers}
+        """Trainer rank 0: order block `block` (every dp shard) from its engine: the same order
+        to every rank of the engine (its tp workers draw together)."""
+        tr, engines = self.tr, self.p.engines
+        per_engine: list = [[] for _ in engines]
         for d, dsts in self.dp_ranks.items():
             local, _ = local_prompts(tr.data, block, d, tr.groups.dp_size)
-            per_server[servers[d % len(servers)]].append(
+            per_engine[d % len(engines)].append(
                 (encode_prompts(tr.tok, local.texts), sampling_params(tr.cfg, block, d, tr.eos),
                  dsts))
-        for s, shards in per_server.items():
-            if shards:  # not waited for: a gloo send completes when the receiver takes it
+        for ranks, shards in zip(engines, per_engine):
+            for s in ranks if shards else ():
+                # not waited for: a gloo send completes when the receiver takes it
                 remote.send(self.p, ("generate", block, shards), s, remote.CTRL, wait=False)
 
     def generate(self, block: int, ids=None, params=None):
@@ -225,9 +228,10 @@ class RemoteSource:
     def evaluate(self) -> dict:
         g = self.tr.groups
         out = None
-        if g.rank == 0:
-            remote.send(self.p, ("eval",), self.p.rollout_ranks[0], remote.CTRL)
-            out = remote.recv(self.p, self.p.rollout_ranks[0], remote.EVAL)
+        if g.rank == 0:  # engine 0 evaluates (every rank of it); its leader replies
+            for s in self.p.engines[0]:
+                remote.send(self.p, ("eval",), s, remote.CTRL)
+            out = remote.recv(self.p, self.p.leaders[0], remote.EVAL)
         if g.world_size > 1:
             box = [out]
             dist.broadcast_object_list(box, src=0, group=g.agree)
@@ -245,12 +249,18 @@ class RemoteSource:
 
 
 def serve(cfg, placement: remote.Placement, tokenizer) -> int:
-    """A rollout rank's whole life under a separate placement: build the engine, then obey
-    trainer rank 0's orders in order until "stop". Returns the number of batches drawn."""
+    """A rollout rank's whole life under a separate placement: build its engine's worker (every
+    rollout rank at once: vLLM's engines are built collectively over the rollout ranks' default
+    group), then obey trainer rank 0's orders in order until "stop": every rank of an engine
+    gets the same orders and runs them alike, and only the leader replies. Returns the number
+    of batches drawn (by this rank)."""
     src = model_source.resolve(cfg.model.path, "model.path")
-    engine = factory.build_engine(cfg.rollout, src.hf_dir, tokenizer, world_size=1, tp_size=1,
-                                  seed=cfg.trainer.seed, device=rank_device(),
-                                  load_weights=False)
+    with placement.engine_env():  # vLLM: one worker of a tp engine, on LOCAL_RANK's GPU
+        engine = factory.build_engine(cfg.rollout, src.hf_dir, tokenizer,
+                                      world_size=len(placement.rollout_ranks),
+                                      tp_size=placement.tp, seed=cfg.trainer.seed,
+                                      device=rank_device(), load_weights=False,
+                                      external_launcher=True)
     alone = Groups(world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, cp_size=1,
                    tp_rank=0, pp_rank=0, dp_rank=0, cp_rank=0)
     version, drawn = -1, 0
@@ -269,10 +279,12 @@ def serve(cfg, placement: remote.Placement, tokenizer) -> int:
                 faults.kill_rollout_at(drawn)  # tests only
                 batch = engine.generate(ids, params)
                 drawn += 1
-                for dst in dsts:
+                for dst in dsts if placement.is_leader else ():
                     remote.send(placement, ("batch", block, version, batch), dst, remote.DATA,
                                 wait=False)
         elif msg[0] == "eval":
-            remote.send(placement, evaluate_with(cfg, engine, tokenizer, alone), 0, remote.EVAL)
+            out = evaluate_with(cfg, engine, tokenizer, alone)
+            if placement.is_leader:
+                remote.send(placement, out, 0, remote.EVAL)
         elif msg[0] == "stop":
             return drawn

@@ -368,18 +368,30 @@ def test_rollout_tp_mistakes_are_one_line(capsys, argv, needle):
     assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("engine,needle", [("hf", "the transformers engine"),
-                                           ("vllm", "run one tp-1 vLLM engine each so far")])
-def test_train_refuses_rollout_tp_above_1_in_one_line(engine, needle):
-    from megaprm.trainer.preflight import check_rollout_tp
+def test_train_takes_rollout_tp_above_1_for_vllm_and_refuses_it_for_hf_in_one_line(monkeypatch):
+    """vLLM engines of tp workers run on the rollout ranks (tests/trainer/test_rollout_tp.py);
+    the transformers engine takes one GPU: rollout.engine=hf, or auto where it resolves to hf,
+    is refused in one line naming rollout.tp=1."""
+    from megaprm.rollout import factory
+    from megaprm.trainer import preflight
 
-    cfg = load_config("configs/grpo.yaml", [f"rollout.engine={engine}", "rollout.tp=2",
-                                            "rollout.placement=separate", "rollout.ranks=4"])
-    with pytest.raises(ConfigError) as e:
-        check_rollout_tp(cfg)
-    assert needle in str(e.value) and "set rollout.tp=1" in str(e.value)
-    assert "\n" not in str(e.value)
-    check_rollout_tp(load_config("configs/grpo.yaml"))  # tp 1: nothing to refuse
+    cfg = {e: load_config("configs/grpo.yaml", [f"rollout.engine={e}", "rollout.tp=2",
+                                                "rollout.placement=separate", "rollout.ranks=4"])
+           for e in ("vllm", "hf", "auto")}
+    preflight.check_rollout_tp(cfg["vllm"])
+    preflight.check_rollout_tp(load_config("configs/grpo.yaml"))  # tp 1: nothing to refuse
+    for present in (True, False):  # a machine with vLLM and CUDA, and one without
+        monkeypatch.setattr(factory.torch.cuda, "is_available", lambda: present)
+        monkeypatch.setattr(factory.importlib.util, "find_spec",
+                            lambda name, ok=present: object() if ok else None)
+        for engine in ("hf", "auto") if not present else ("hf",):
+            with pytest.raises(ConfigError) as e:
+                preflight.check_rollout_tp(cfg[engine])
+            msg = str(e.value)
+            assert f"rollout.engine={engine}, here hf" in msg and "set rollout.tp=1" in msg
+            assert "\n" not in msg
+        if present:  # auto is vLLM there: taken
+            preflight.check_rollout_tp(cfg["auto"])
 
 
 @pytest.mark.parametrize("device,known", [("NVIDIA GB200", "gb200"), ("NVIDIA B200", "b200"),

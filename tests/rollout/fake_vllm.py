@@ -7,7 +7,8 @@ differs and it matters, that is cited too. `install()` puts a module named `vllm
 
 What is modelled: the executor's sleeping tags, the cuMem allocator's mapped / offloaded state per
 tag (weights, kv_cache), what level-1 / level-2 sleep keeps, the scheduler pause, the prefix cache,
-placement (external_launcher vs the single-process executor), multiprocess mode, reseeding of the
+placement (external_launcher vs the single-process executor; under external_launcher the
+default process group, when one exists, is vLLM's world), multiprocess mode, reseeding of the
 global RNGs at build time, and the sampler's processed log-probs. What is not: real memory, CUDA
 graphs, tp sharding (every rank holds the full model), the scheduler's batching.
 """
@@ -22,6 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 VERSION = "0.33.0"
 # Every LLM(...) keyword megaprm passes must exist in 0.33.0: `entrypoints/llm.py:180-230` names
@@ -218,11 +220,25 @@ class LLM:
                 if k not in os.environ:
                     raise KeyError(k)
             self.local_rank = int(os.environ["LOCAL_RANK"])
+            rank = int(os.environ["RANK"])
+            if dist.is_initialized():
+                # parallel_state.py `init_distributed_environment`: an initialized default group
+                # is vLLM's world as it is; its groups are laid out over that group's ranks
+                # while the worker is told RANK (`uniproc_executor.py` `_distributed_args`): the
+                # stand-in asks that the two agree (these rules read in vLLM's GitHub source,
+                # functions named, not in the 0.33.0 wheel)
+                world = dist.get_world_size()
+                if dist.get_rank() != rank:
+                    raise RuntimeError(f"RANK={rank} but this process is rank "
+                                       f"{dist.get_rank()} of the default group ({world})")
+                # `ExecutorWithExternalLauncher.determine_available_memory`: a MIN all-reduce
+                # over the world group, so every rank of that world builds its engine together
+                dist.all_reduce(torch.zeros(1, dtype=torch.int64), op=dist.ReduceOp.MIN)
             # parallel_state.py:2149-2162: ranks reshape(-1, dp, pp, pcp, tp)
             if world % tp:
                 raise RuntimeError(f"world size {world} is not divisible by tp {tp}")
-            self.tp_group = [r // tp * tp + i for r in [int(os.environ["RANK"])]
-                             for i in range(tp)]
+            self.world, self.in_default_group = world, dist.is_initialized()
+            self.tp_group = [rank // tp * tp + i for i in range(tp)]
         else:
             if tp > 1:  # parallel.py:1054-1062: tp > 1 in one process starts "mp" workers
                 raise NotImplementedError("the stand-in models tp > 1 only under "

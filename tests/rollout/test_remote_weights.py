@@ -4,6 +4,7 @@ trainer's bucketed stream bit for bit (mixed dtypes and shapes, a strided tensor
 patterns, an empty tensor), the bucket plan travels only when it changes, and the trainer side
 returns before a busy receiver has even posted its side, waiting only when more versions than
 allowed are outstanding; the versions in flight wait in host memory (a thread streams them)."""
+import os
 import time
 from types import SimpleNamespace
 
@@ -46,7 +47,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _rank():
     from megaprm.rollout import remote
 
-    cfg = SimpleNamespace(rollout=SimpleNamespace(placement="separate", ranks=1))
+    cfg = SimpleNamespace(rollout=SimpleNamespace(placement="separate", ranks=1, tp=1))
     p = remote.split_world(cfg, timeout_minutes=2)
     if not p.is_rollout:
         sender = remote.WeightSender(p, in_flight=2)
@@ -89,3 +90,26 @@ def test_weights_arrive_bit_for_bit_and_the_sender_does_not_wait_for_a_busy_rece
     # 2 exceeded the 2 versions allowed in flight, so its call waited for the receiver
     assert trainer["posted_before_return"] == [False, False, True]
     assert trainer["any_done_at_return"] == [False, False]
+
+
+def test_engines_are_vllms_tp_groups_over_the_rollout_ranks(monkeypatch):
+    """rollout.tp = tp: the engines are vLLM's external_launcher tp groups over the rollout ranks'
+    own default group (`initialize_model_parallel`: ranks reshape(-1, dp, pp, pcp, tp), dp = pp =
+    pcp = 1), in launch ranks; the first rank of each replies. While an engine is built, RANK and
+    WORLD_SIZE are the rank's place among the rollout ranks, and the launch's afterwards."""
+    from megaprm.rollout.remote import Placement
+
+    for trainers, ranks, tp in ((1, 2, 2), (3, 8, 4), (2, 6, 3), (4, 4, 1)):
+        world = trainers + ranks
+        vllm_groups = (torch.arange(ranks).reshape(-1, 1, 1, 1, tp).view(-1, tp) + trainers)
+        for rank in range(trainers, world):
+            p = Placement(rank, world, trainers, list(range(trainers, world)), tp=tp)
+            assert p.engines == vllm_groups.tolist()
+            assert p.leaders == vllm_groups[:, 0].tolist()
+            assert p.is_leader == ((rank - trainers) % tp == 0)
+            monkeypatch.setenv("RANK", str(rank))
+            monkeypatch.setenv("WORLD_SIZE", str(world))
+            with p.engine_env():
+                assert (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) == (
+                    rank - trainers, ranks)
+            assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == (str(rank), str(world))
