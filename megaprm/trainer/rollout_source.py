@@ -155,7 +155,7 @@ class RemoteSource:
     `generate(block, ...)` returns this rank's batch of prompt block `block` with
     `row_versions` [B] set; `sync()` streams the actor's weights to the
     rollout ranks (collective over the trainer ranks); `evaluate()` runs the held-out evaluation
-    on rollout rank 0 with the newest weights; `stop()` ends the rollout ranks' loop."""
+    on engine 0 (its leader replies) with the newest weights; `stop()` ends the rollout ranks' loop."""
 
     def __init__(self, tr, placement: remote.Placement):
         self.tr, self.p = tr, placement
