@@ -377,7 +377,7 @@ def _offload_accounting(off) -> dict:
     if cuda:
         r.update(allocated_before=before, allocated_after_offload=after,
                  allocated_returned=before - after,
-                 allocated_left_not_freed=before - after - freed,
+                 allocated_returned_minus_freed=before - after - freed,
                  reload_h2d_gbps=keep_bytes / reload_s / 1e9)
         # the same-run baseline: one pinned host buffer of the same bytes into a fresh tensor
         host = torch.empty(keep_bytes, dtype=torch.uint8, pin_memory=True)
