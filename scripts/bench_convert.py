@@ -14,6 +14,11 @@ Writes runs/bench/bench_convert.json (`megaprm bench --update-results`: scripts/
     python scripts/bench_convert.py [--layers 10] [--hidden 1024] [--tp 1 --pp 1] [--repeats 3]
     python scripts/bench_convert.py --layers 12 --hidden 2048 --ffn 5632 --vocab 32000 \
         --out scripts/results/bench_convert_2gb.json      # the >= 2 GB model
+    python scripts/bench_convert.py --family qwen3_moe --layers 4 --experts 16 --ffn 1024 \
+        --ep 2 --out scripts/results/bench_convert_moe.json   # a ~1 GB Qwen3-MoE at ep2
+
+With --family qwen3_moe, --ffn is each expert's width (moe_intermediate_size), --experts their
+number (2 per token), and import-hf / verify run at --ep ranks per stage (tp*pp*ep in all).
 """
 from __future__ import annotations
 
@@ -31,12 +36,24 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _phase_make(out_dir: str, layers: int, hidden: int, ffn: int, vocab: int) -> dict:
+def _phase_make(out_dir: str, layers: int, hidden: int, ffn: int, vocab: int,
+                family: str = "qwen2", experts: int = 0) -> dict:
     from megaprm.models.tiny import build_hf_model, tiny_config
 
-    cfg = tiny_config("qwen2", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
-                      num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256),
-                      intermediate_size=ffn)
+    heads = dict(num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256))
+    if family == "qwen3_moe":
+        import transformers as tf
+
+        cfg = tf.Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                num_attention_heads=heads["num_heads"], head_dim=64,
+                                num_key_value_heads=heads["num_kv_heads"],
+                                intermediate_size=ffn, moe_intermediate_size=ffn,
+                                num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True,
+                                tie_word_embeddings=False)
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+    else:
+        cfg = tiny_config("qwen2", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+                          intermediate_size=ffn, **heads)
     model = build_hf_model(cfg, seed=0)
     model.save_pretrained(out_dir, max_shard_size="50GB")  # one file: the raw baseline's input
     return {"params": sum(p.numel() for p in model.parameters())}
@@ -143,6 +160,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=16384)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--family", choices=["qwen2", "qwen3_moe"], default="qwen2")
+    p.add_argument("--experts", type=int, default=16, help="qwen3_moe: experts per layer")
+    p.add_argument("--ep", type=int, default=1, help="qwen3_moe: expert parallelism")
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds of (raw, import, export), interleaved so that disk write-back "
                         "and other processes' load hit every row alike; min and median kept")
@@ -153,7 +173,8 @@ def main() -> None:
     from megaprm.bench import load_average, write_result
 
     if a.phase == "make":
-        print(json.dumps(_phase_make(a.dirs[0], a.layers, a.hidden, a.ffn, a.vocab)))
+        print(json.dumps(_phase_make(a.dirs[0], a.layers, a.hidden, a.ffn, a.vocab, a.family,
+                                     a.experts)))
         return
     if a.phase == "raw":
         print(json.dumps(_phase_raw(*a.dirs)))
@@ -168,7 +189,8 @@ def main() -> None:
     try:
         hf, ck, out = (os.path.join(work, n) for n in ("hf", "ckpt", "export"))
         made = _in_child("make", "--layers", str(a.layers), "--hidden", str(a.hidden),
-                         "--ffn", str(a.ffn), "--vocab", str(a.vocab), "--dirs", hf)
+                         "--ffn", str(a.ffn), "--vocab", str(a.vocab), "--family", a.family,
+                         "--experts", str(a.experts), "--dirs", hf)
         baseline = [_in_child("baseline") for _ in range(2)]
         largest_tensor = _largest_tensor_bytes(hf)
         largest_in_shard = _largest_file(hf, (".safetensors",))
@@ -183,7 +205,7 @@ def main() -> None:
             raw.append(_in_child("raw", "--dirs", hf, raw_out))
             shutil.rmtree(ck, ignore_errors=True)
             imps.append(_cli("import-hf", "--hf", hf, "--out", ck, "--tp", str(a.tp),
-                             "--pp", str(a.pp), "--no-verify"))
+                             "--pp", str(a.pp), "--ep", str(a.ep), "--no-verify"))
             shutil.rmtree(out, ignore_errors=True)
             exps.append(_cli("export-hf", "--ckpt", ck, "--out", out, "--no-verify",
                              "--max-shard-size", "200MB"))
@@ -192,9 +214,9 @@ def main() -> None:
         # the verification, timed apart: the conversion's own check, then the `verify` command
         shutil.rmtree(ck, ignore_errors=True)
         imp_v, imp_v_wall = _cli("import-hf", "--hf", hf, "--out", ck, "--tp", str(a.tp),
-                                 "--pp", str(a.pp))
+                                 "--pp", str(a.pp), "--ep", str(a.ep))
         ver, ver_wall = _cli("verify", "--hf", out, "--ckpt", ck, "--tp", str(a.tp),
-                             "--pp", str(a.pp))
+                             "--pp", str(a.pp), "--ep", str(a.ep))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -249,12 +271,13 @@ def main() -> None:
                ("files", "peak_shard_bytes", "streamed"))
     result = {
         "machine": {**machine, "load_avg_1m_at_end": os.getloadavg()[0]},
-        "model": {"family": "qwen2", "layers": a.layers, "hidden": a.hidden, "ffn": a.ffn,
+        "model": {"family": a.family, "experts": a.experts if a.family != "qwen2" else 0,
+                  "layers": a.layers, "hidden": a.hidden, "ffn": a.ffn,
                   "vocab": a.vocab, "params": made["params"], "dtype": "fp32",
                   "weight_bytes": nbytes, "weight_mb": round(nbytes / 1e6, 1),
                   "largest_tensor_mb": largest_tensor / 2**20,
                   "largest_input_shard_mb": largest_in_shard / 2**20},
-        "layout": {"tp": a.tp, "pp": a.pp},
+        "layout": {"tp": a.tp, "pp": a.pp, "ep": a.ep},
         "repeats": a.repeats,
         "raw_safetensors": {"seconds": raw_min, "seconds_median": raw_med, "GBps": gbps(raw_min),
                             "peak_rss_mb": max(r["peak_rss_mb"] for r in raw),
