@@ -122,8 +122,9 @@ def resolve_nproc(args) -> int:
     if nproc < 1:
         raise LaunchError(f"--nproc={nproc}: must be >= 1")
     # deferred: device imports torch, which --help must not pay
-    from megaprm.parallel.device import ranks_share_device
+    from megaprm.parallel.device import default_backend, ranks_share_device
 
+    default_backend()  # a bad MEGAPRM_BACKEND is refused here, before any rank starts
     gpus = gpu_count()
     if gpus and nproc > gpus and not ranks_share_device():
         raise LaunchError(f"--nproc={nproc} local ranks but this machine has {gpus} GPU(s); "

@@ -108,3 +108,28 @@ def test_two_ranks_sharing_the_device_stand_in(monkeypatch):
     assert {o["device"] for o in out} == {"cuda:0" if torch.cuda.is_available() else "cpu"}
     assert {o["backend"] for o in out} == {"gloo"}
     assert all(o["sum"] == [3.0, 3.0] for o in out)
+
+
+def test_a_bad_backend_is_refused_before_any_rank_starts(tmp_path):
+    """`megaprm train --nproc 2` with MEGAPRM_BACKEND=mpi: one line naming the variable, exit 2,
+    printed once, and the run directory never created."""
+    import subprocess
+    import sys
+
+    from megaprm.models.tiny import save_tiny_model
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+    from tests.rl_setup import DEMO_YAML
+
+    tok = build_char_tokenizer()
+    policy = save_tiny_model("qwen2", str(tmp_path / "policy"), tokenizer=tok,
+                             vocab_size=len(tok), hidden_size=32, num_layers=1, num_heads=4,
+                             num_kv_heads=2, intermediate_size=64)
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "megaprm.cli", "train", "--config", DEMO_YAML,
+                        "--nproc", "2", f"trainer.run_dir={run}", f"model.path={policy}",
+                        "prm.kind=none", "advantage.method=grpo"],
+                       env={**os.environ, device.BACKEND_ENV: "mpi"}, capture_output=True,
+                       text=True, timeout=300)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-2000:]
+    assert "MEGAPRM_BACKEND='mpi'" in lines[0] and not run.exists()
