@@ -105,14 +105,15 @@ class ModelSpec:
                 f"pp={pp} does not divide num_hidden_layers={self.num_layers}; "
                 f"choose pp among the divisors of {self.num_layers}")
         if not isinstance(ep, int) or ep < 1:
-            raise UnsupportedModelError(f"parallel.ep={ep!r}: must be a positive integer")
+            raise UnsupportedModelError(f"ep={ep!r} (parallel.ep / --ep): must be a positive "
+                                        "integer")
         if ep > 1 and not self.is_moe:
             raise UnsupportedModelError(
-                f"parallel.ep={ep} needs a mixture-of-experts model; {self.architecture} is "
-                "dense: set parallel.ep=1")
+                f"ep={ep} (parallel.ep / --ep) needs a mixture-of-experts model; "
+                f"{self.architecture} is dense: use ep=1")
         if self.is_moe and self.num_experts % ep:
             raise UnsupportedModelError(
-                f"parallel.ep={ep} does not divide num_experts={self.num_experts} of "
+                f"ep={ep} (parallel.ep / --ep) does not divide num_experts={self.num_experts} of "
                 f"{self.architecture}; choose ep among the divisors of {self.num_experts}")
 
 

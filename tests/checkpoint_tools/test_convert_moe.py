@@ -72,10 +72,10 @@ def test_moe_roundtrip_bitwise(world, moe_hf, tmp_path, layout):
 
 
 def test_ep_that_does_not_divide(moe_hf, tmp_path):
-    with pytest.raises(ConversionError, match=r"parallel.ep=3 does not divide num_experts=4"):
+    with pytest.raises(ConversionError, match=r"ep=3 \(parallel.ep / --ep\) does not divide num_experts=4"):
         import_hf(moe_hf["qwen3_moe"], str(tmp_path / "out"), ep=3)
     dense = save_tiny_model("qwen2", str(tmp_path / "dense"), seed=1)
-    with pytest.raises(ConversionError, match=r"parallel.ep=2 needs a mixture-of-experts"):
+    with pytest.raises(ConversionError, match=r"ep=2 \(parallel.ep / --ep\) needs a mixture-of-experts"):
         import_hf(dense, str(tmp_path / "out"), ep=2)
     with pytest.raises(ConversionError, match=r"--ep=0: must be a positive integer"):
         import_hf(moe_hf["qwen3_moe"], str(tmp_path / "out"), ep=0)

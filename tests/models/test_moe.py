@@ -50,12 +50,12 @@ def test_ep_checks():
     spec = spec_from_hf(tiny_config("qwen3_moe").to_dict())
     spec.check_parallel(2, 2, 4)
     with pytest.raises(UnsupportedModelError,
-                       match=r"parallel.ep=3 does not divide num_experts=4 .*divisors of 4"):
+                       match=r"ep=3 \(parallel.ep / --ep\) does not divide num_experts=4 .*divisors of 4"):
         spec.check_parallel(1, 1, 3)
     with pytest.raises(UnsupportedModelError, match=r"moe_intermediate_size=32"):
         spec.check_parallel(64, 1, 1)
     dense = spec_from_hf(tiny_config("qwen2").to_dict())
-    with pytest.raises(UnsupportedModelError, match=r"parallel.ep=2 needs a mixture-of-experts"):
+    with pytest.raises(UnsupportedModelError, match=r"ep=2 \(parallel.ep / --ep\) needs a mixture-of-experts"):
         dense.check_parallel(1, 1, 2)
     assert check_layout(8, 2, 2, 1, 2) == 2
     with pytest.raises(ParallelConfigError, match=r"parallel.ep=4: tp\*ep = 2\*4 = 8 does not "

@@ -89,7 +89,7 @@ def test_plan_of_qwen3_30b_a3b_at_ep8(capsys):
 @pytest.mark.parametrize("argv,needle", [
     (["model.path=Qwen3-30B-A3B", "parallel.ep=32"], "parallel.ep=32: tp*ep = 1*32 = 32 does "
                                                      "not divide the 16 ranks"),
-    (["parallel.ep=2"], "parallel.ep=2 needs a mixture-of-experts model"),
+    (["parallel.ep=2"], "ep=2 (parallel.ep / --ep) needs a mixture-of-experts model"),
 ])
 def test_plan_ep_mistakes_are_one_line(capsys, argv, needle):
     from megaprm.cli import main
