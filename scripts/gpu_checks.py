@@ -71,8 +71,11 @@ def _device_name() -> str:
 
 
 def _header(check: str, dry: bool) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or None
+    try:  # the device machine's copy of the checkout may have no .git (or no git)
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip() or os.environ.get("MEGAPRM_COMMIT")
+    except OSError:
+        commit = os.environ.get("MEGAPRM_COMMIT")
     return {"check": check, "dry": dry, "device": _device_name(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "commit": commit, "load_before": os.getloadavg()}
 

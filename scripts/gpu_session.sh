@@ -11,6 +11,7 @@
 #   device run, carry [".whl", ".gpu"]:  bash .gpu/on-device.sh bash scripts/gpu_session.sh
 #   on the CPU, the dry run (each check's CPU-sized form; tests/gpu/test_session.py):
 #     DRY=1 OUT=/tmp/gpu-dry bash scripts/gpu_session.sh
+# MEGAPRM_COMMIT names the commit in each JSON where the device's copy has no .git.
 # Knobs (environment): T_CORRECT T_OFFLOAD T_STEP T_COMPILE (timeouts, s), CHECKS (a subset,
 # e.g. "offload step"), PYTHON (default python3), TIER=1 also runs the GPU tier
 # (pytest -m gpu, T_PYTEST) first, as the earlier sessions did.
