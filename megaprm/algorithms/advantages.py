@@ -839,10 +839,11 @@ def _steps_tile_rows(ends: torch.Tensor, sm: torch.Tensor, n_tok: torch.Tensor) 
     """
     if not sm.numel():
         return bool((n_tok == 0).all())
-    if float(sm.diff(dim=1).amax()) > 0:                    # a valid step after a masked one
-        return False
-    if float(ends.diff(dim=1).sub_(1).mul_(sm[:, 1:]).amin()) < 0:  # e_k <= e_{k-1}, k valid
-        return False
+    if sm.shape[1] > 1:  # one step per row (S = 1): nothing to order, and no empty amax
+        if float(sm.diff(dim=1).amax()) > 0:                # a valid step after a masked one
+            return False
+        if float(ends.diff(dim=1).sub_(1).mul_(sm[:, 1:]).amin()) < 0:  # e_k <= e_{k-1}
+            return False
     covered = ends.amax(1).add_(sm[:, 0])                   # last end + 1, or 0 without steps
     return bool(torch.equal(covered, n_tok))
 

@@ -290,6 +290,24 @@ def test_token_fast_paths_still_reject_bad_inputs():
             A.pure(o, *pure_args, bad, g)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pure_with_one_step_per_row_matches_loop(seed):
+    """S = 1 (every response one step, e.g. a short max_tokens): the step path's ordering
+    checks have nothing to compare (they raised on an empty amax); it agrees with the loop."""
+    b = random_batch(seed, n_groups=4, t=8)
+    n = b.response_mask.sum(1).long()
+    smask = (n > 0).unsqueeze(1)
+    ends = (n - 1).clamp(min=0).unsqueeze(1)
+    scores = b.step_scores[:, :1].clone()
+    for kw in ({}, {"mask_separator": True, "reward_mode": "PRMVR"}):
+        adv, ret = A.pure(b.outcome, scores, smask, ends, b.response_mask, b.group_ids,
+                          whiten_zeros="exclude", **kw)
+        want_adv, want_ret = ref_pure(b.outcome, scores, smask, ends, b.response_mask,
+                                      b.group_ids, **kw)
+        close(ret, want_ret, atol=1e-5)
+        close(adv, want_adv, atol=1e-4)
+
+
 def test_pure_without_steps_gives_zeros():
     """S = 0 (no step has a score) and empty responses: zero weights, zero advantages."""
     o, g = torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long)
