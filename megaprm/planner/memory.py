@@ -38,6 +38,12 @@ class Params:
     actor_total: int
     prm_rank: int = 0     # discriminative PRM (0: none)
     prm_total: int = 0
+    actor_active: int = 0  # parameters one token runs through (MoE: top-k experts); 0 = total
+
+    @property
+    def actor_flops_params(self) -> int:
+        """The actor's parameters in its per-token FLOPs (2 x this forward): the active ones."""
+        return self.actor_active or self.actor_total
 
 
 def optimizer_bytes_per_param(w: Workload) -> float:
@@ -60,6 +66,8 @@ def activation_bytes(w: Workload, tokens: int) -> int:
     pp > 1, 1F1B keeps up to pp micro-batches in flight on the first stage."""
     s, b = w.actor, w.dtype_bytes
     h, f = s.hidden_size, s.ffn_hidden_size
+    if s.is_moe:  # each token's top-k experts' [gate | up] and products, the shared expert's
+        f = s.moe_topk * s.moe_ffn_hidden_size + s.shared_expert_ffn_hidden_size
     q, k = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     layer = b * (5 * h + (4 * q + 3 * k + 3 * f) / w.tp) * tokens
     layers = s.layers_per_stage(w.pp)

@@ -108,7 +108,8 @@ def _layout_params(w: Workload, exact: bool) -> memory.Params:
     a = stage_params(w.actor, w.tp, w.pp, exact, ep=w.ep)
     prm = stage_params(w.prm, w.tp, w.pp, exact) if w.prm is not None else None
     return memory.Params(actor_rank=a.per_rank, actor_total=a.total,
-                         prm_rank=prm.per_rank if prm else 0, prm_total=prm.total if prm else 0)
+                         prm_rank=prm.per_rank if prm else 0, prm_total=prm.total if prm else 0,
+                         actor_active=a.active)
 
 
 def plan_workload(w: Workload, gpu: GPU, *, sources: dict | None = None,

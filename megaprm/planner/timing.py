@@ -2,7 +2,8 @@
 efficiency, plus fixed per-step costs (hardware.Efficiency). All GPUs work in parallel on
 their share.
 
-update     6 x params x tokens (forward + backward, Kaplan et al. 2020 / Megatron's count) plus
+update     6 x params x tokens (forward + backward, Kaplan et al. 2020 / Megatron's count; an
+           MoE actor's active parameters, its top-k experts per token) plus
            causal attention 6 x layers x (heads x head_dim) x seq per token; x 4/3 with full
            recompute; the 1F1B bubble (pp - 1) / micro-batches on top; over `train_mfu`.
 log-probs  forward only (2 x params x tokens + attention) for each model that scores the
@@ -62,7 +63,7 @@ def rollout_seconds(w: Workload, p: Params, gpu: GPU, eff: Efficiency) -> dict:
     S = engine_sequences(w)
     tp = w.engine_tp
     seq = w.mean_prompt + w.mean_response
-    fwd_tok = 2 * p.actor_total + _attn_flops_per_token(w, seq)
+    fwd_tok = 2 * p.actor_flops_params + _attn_flops_per_token(w, seq)
     cap_tokens = kv_capacity_tokens(w, gpu.mem_gb * 1e9)
     if cap_tokens < w.prompt_tokens + w.longest_response:
         return {"rollout": None, "_waves": 0, "_concurrent": 0, "_decode_steps": 0}
@@ -86,7 +87,7 @@ def phase_seconds(w: Workload, p: Params, gpu: GPU, eff: Efficiency) -> dict:
     peak = gpu.bf16_tflops * 1e12
     seq = w.mean_prompt + w.mean_response
     tokens = w.samples * seq
-    fwd_tok = 2 * p.actor_total + _attn_flops_per_token(w, seq)
+    fwd_tok = 2 * p.actor_flops_params + _attn_flops_per_token(w, seq)
     micro = max(1, math.ceil(w.samples / w.dp / w.mini_batches
                              / max(1, w.micro_batch_size)))
     bubble = 1 + (w.pp - 1) / micro

@@ -97,3 +97,32 @@ def test_plan_ep_mistakes_are_one_line(capsys, argv, needle):
     assert main(["plan", "configs/grpo.yaml", "--gpus", "16", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_moe_phases_count_the_active_parameters():
+    """An MoE actor's update and log-prob FLOPs are those of its active parameters (top-k
+    experts per token), not of every expert: the phase seconds by hand from the formula of
+    planner/timing.py with active = 3.35 B (all 30.5 B would make them 7.5x longer here)."""
+    from megaprm.config import load_config
+    from megaprm.planner.hardware import DEFAULT_EFFICIENCY as eff
+    from megaprm.planner.hardware import GPUS
+    from megaprm.planner.plan import _layout_params, workload_of
+    from megaprm.planner.timing import _attn_flops_per_token, phase_seconds
+
+    cfg = load_config("configs/grpo.yaml", ["model.path=Qwen3-30B-A3B", "parallel.ep=8",
+                                            "parallel.tp=2"])
+    w, _ = workload_of(cfg, {}, 16)
+    p = _layout_params(w, exact=False)
+    spec = _qwen3_30b()
+    assert p.actor_active == active_params(spec) < p.actor_total / 9
+    gpu = GPUS["h100"]
+    seq = w.mean_prompt + w.mean_response
+    fwd_tok = 2 * active_params(spec) + _attn_flops_per_token(w, seq)
+    micro = max(1, math.ceil(w.samples / w.dp / w.mini_batches / max(1, w.micro_batch_size)))
+    bubble = 1 + (w.pp - 1) / micro
+    update = 3 * fwd_tok * w.samples * seq * (4 / 3 if w.recompute else 1)
+    want = update * bubble / (w.trainer_world * gpu.bf16_tflops * 1e12 * eff.train_mfu)
+    got = phase_seconds(w, p, gpu, eff)
+    assert got["update"] == pytest.approx(want, rel=1e-12)
+    dense = phase_seconds(w, dataclasses.replace(p, actor_active=0), gpu, eff)
+    assert dense["update"] > 7 * got["update"] and dense["log-probs"] > 7 * got["log-probs"]
