@@ -53,10 +53,6 @@ def check_rl_launch(cfg: Config, world_size: int):
     """Every check of `megaprm train` before its ranks start. Returns the trainer.json of the
     checkpoint the ranks will resume from (None: a fresh start)."""
     check_launch_layout(cfg, world_size)
-    reads = {"model.path": cfg.model.path, "data.path": cfg.data.path,
-             "data.eval_path": cfg.data.eval_path,
-             "prm.path": cfg.prm.path if cfg.prm.kind not in ("oracle", "none") else None}
-    layout.check_output(cfg.trainer.run_dir, "trainer.run_dir", reads, own_run=True)
     world_size = trainer_world(cfg, world_size)
     src = model_source.resolve(cfg.model.path, "model.path")
     spec_from_hf(src.hf_dir).check_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
@@ -91,6 +87,11 @@ def check_rl_launch(cfg: Config, world_size: int):
         if not os.path.isfile(path):
             raise ConfigError(f"data.{key}={path!r} does not exist; pass a .jsonl or verl-style "
                               ".parquet prompt file")
+    # the inputs are known good: now the output, which must not be, hold or lie in any of them
+    reads = {"model.path": cfg.model.path, "data.path": cfg.data.path,
+             "data.eval_path": cfg.data.eval_path,
+             "prm.path": cfg.prm.path if cfg.prm.kind not in ("oracle", "none") else None}
+    layout.check_output(cfg.trainer.run_dir, "trainer.run_dir", reads, own_run=True)
     return check_resume(cfg, world_size)
 
 
