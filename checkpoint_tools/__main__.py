@@ -113,16 +113,6 @@ def _os_cause(e: BaseException):
     return None
 
 
-def _os_error(e: OSError) -> str:
-    import errno
-
-    where = f" ({e.filename})" if e.filename else ""
-    if e.errno == errno.ENOSPC or "No space left on device" in str(e):
-        return (f"no space left on device{where} (ENOSPC); nothing was written to the target: "
-                "free space or choose a target on a larger disk")
-    return f"{e.strerror or e}{where}"
-
-
 def main(argv=None, fork_ranks: bool = False) -> int:
     """The CLI. `fork_ranks`: start local ranks as forks of this process (`ranks.RANK_START`);
     only `python -m checkpoint_tools` says so, where this process has done no torch work yet
@@ -137,7 +127,7 @@ def main(argv=None, fork_ranks: bool = False) -> int:
         lean_imports()
     # deferred: after the arguments are checked and `lean_imports` has run (torch, megatron)
     from checkpoint_tools import convert, ranks
-    from checkpoint_tools.layout import ConversionError  # deferred: as the line above
+    from checkpoint_tools.layout import ConversionError, os_error_line  # deferred: as above
 
     if fork_ranks:
         ranks.RANK_START = "fork"
@@ -171,7 +161,7 @@ def main(argv=None, fork_ranks: bool = False) -> int:
         if cause is None:
             raise
         if leader:
-            print(f"error: {_os_error(cause)}", file=sys.stderr)
+            print(f"error: {os_error_line(cause)}", file=sys.stderr)
         return 2
     if leader:
         print(json.dumps(report, indent=2))

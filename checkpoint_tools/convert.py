@@ -296,7 +296,8 @@ def export_hf(ckpt_dir: str, out_dir: str, *, tp: int | None = None,
     meta = layout.CheckpointMeta.read(ckpt_dir)
     manifest.check(ckpt_dir, ConversionError)
     spec = load_spec(os.path.join(ckpt_dir, layout.HF_SUBDIR))
-    tp, pp = tp or meta.tp, pp or meta.pp
+    # None is "as saved"; 0 is no layout (refused by check_layout, as import-hf refuses it)
+    tp, pp = meta.tp if tp is None else tp, meta.pp if pp is None else pp
     check_layout(spec, tp, pp, ep)
     layout.check_target(out_dir, force, inputs=(given, ckpt_dir))
     max_bytes = layout.parse_size(max_shard_size)
