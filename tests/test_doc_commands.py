@@ -19,8 +19,8 @@ its `\\` continuations and heredoc. Two checks:
            (`megaprm plan`, `eval`, `plot` and `data` run as written):
            argv parsed by megaprm's own parser and the config + overrides loaded and validated
            (everything short of starting ranks);
-    flags  synopses with placeholders (HF_DIR, [--x a|b]) and the benchmark scripts (minutes
-           each): every --flag must appear in the program's own --help;
+    flags  synopses with placeholders (HF_DIR, [--x a|b]) and the benchmark and repeat scripts
+           (minutes each): every --flag must appear in the program's own --help;
     make   `make -n TARGET` (the target exists; nothing runs).
 """
 import json
@@ -136,8 +136,8 @@ def kind(cmd: str) -> str:
         return "run" if words[1] in ("eval", "plot", "plan", "data") else "dry"
     if words[1:3] == ["-m", "checkpoint_tools"] and len(words) == 3:
         return "flags"  # the program's name in prose
-    if re.match(r"\.venv/bin/python scripts/bench_\w+\.py", cmd):
-        return "flags"
+    if re.match(r"\.venv/bin/python scripts/(bench_\w+|repeat_\w+)\.py", cmd):
+        return "flags"  # benchmarks and repeat counts: minutes each
     return "run"
 
 
