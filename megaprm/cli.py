@@ -1,5 +1,5 @@
-"""`megaprm {demo,compare,train,train-prm,plan,data,eval,bench,plot,convert}`: thin wrappers over the
-packages.
+"""`megaprm {demo,compare,train,train-prm,eval-prm,plan,data,eval,bench,plot,convert}`: thin
+wrappers over the packages.
 
 Commands that need several ranks validate everything they can without ranks (config, model vs
 tp/pp, paths, resume layout), then re-launch themselves under torchrun through
@@ -105,7 +105,7 @@ def cmd_demo(args) -> int:
 def cmd_compare(args) -> int:
     # deferred: keeps --help fast
     from megaprm.experiments.arithmetic import report as tables
-    from megaprm.experiments.arithmetic.runs import RL_YAML, CompareConfig
+    from megaprm.experiments.arithmetic.runs import RL_YAML, TASK_DEFAULTS, CompareConfig
 
     def csv(text):
         return tuple(x for x in (text or "").split(",") if x)
@@ -136,11 +136,15 @@ def cmd_compare(args) -> int:
         return 0
 
     ccfg = CompareConfig(
-        run_dir=args.run_dir, methods=csv(args.methods), seeds=args.seeds,
+        run_dir=args.run_dir or ("runs/compare" if args.task == "short"
+                                 else f"runs/compare-{args.task}"),
+        task=args.task, starts=args.starts, methods=csv(args.methods), seeds=args.seeds,
         method_seeds=method_seeds(args.method_seeds),
         oracle=csv(args.oracle), rl_steps=args.rl_steps, hack_steps=args.hack_steps,
         eval_problems=args.eval_problems, sampled_n=args.sampled_n,
-        warmup_steps=args.warmup_steps, prm_steps=args.prm_steps,
+        **{k: (getattr(args, k) if getattr(args, k) is not None
+               else TASK_DEFAULTS.get(args.task, {}).get(k, getattr(CompareConfig, k)))
+           for k in ("warmup_steps", "prm_steps")},
         prm_examples=args.prm_examples, wandb=args.wandb, extra=list(args.overrides))
     if args.write_readme:  # the markers must be there before an hour of runs
         # deferred: keeps --help fast
@@ -333,6 +337,148 @@ def cmd_train_prm(args) -> int:
     return _on_ranks(args, sys.argv[1:], preflight, body)
 
 
+def _arithmetic_task(name: str, settings) -> object:
+    """The arithmetic task `name` of the comparison (runs.TASKS where it exists, else the one
+    runs.TASK), with `key=value` settings of ArithmeticConfig on top."""
+    import dataclasses
+
+    # deferred: keeps --help fast
+    from megaprm.experiments.arithmetic import runs
+
+    tasks = getattr(runs, "TASKS", None) or {"short": runs.TASK}
+    if name not in tasks:
+        raise ValueError(f"--arith-task {name}: valid tasks are {sorted(tasks)}")
+    fields = {f.name: f.type for f in dataclasses.fields(tasks[name])}
+    changes = {}
+    for item in settings:
+        key, eq, value = item.partition("=")
+        if not eq or key not in fields:
+            raise ValueError(f"--task-config {item!r}: write KEY=VALUE with KEY one of "
+                             f"{sorted(fields)}, e.g. --task-config num_ops=2,4 operand_max=20")
+        try:
+            if key == "num_ops":
+                changes[key] = tuple(int(v) for v in value.split(","))
+            elif key == "allow_negative":
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                changes[key] = value.lower() in ("true", "1")
+            elif key == "ops":
+                changes[key] = value
+            else:
+                changes[key] = int(value)
+        except ValueError:
+            raise ValueError(f"--task-config {item!r}: {value!r} is not a valid {key} (e.g. "
+                             "num_ops=2,4 operand_max=20 ops=+- allow_negative=false)") from None
+    return dataclasses.replace(tasks[name], **changes)
+
+
+def cmd_eval_prm(args) -> int:
+    import json
+    import math
+
+    # deferred: keeps --help fast
+    from checkpoint_tools.layout import check_output
+    from megaprm.rewards import prm_eval
+
+    if bool(args.prm) == bool(args.implicit or args.ref):
+        raise ValueError("give one PRM: --prm DIR (a discriminative PRM), or --implicit DIR "
+                         "--ref DIR (PRIME's implicit PRM and its reference)")
+    if not args.prm and not (args.implicit and args.ref):
+        raise ValueError("PRIME's implicit PRM needs both --implicit DIR and --ref DIR")
+    if bool(args.task) == bool(args.jsonl):
+        raise ValueError("give one solution set: --task arithmetic (exact step labels) or "
+                         "--jsonl FILE ... (ProcessBench's format)")
+    if args.num < 1:
+        raise ValueError(f"--num {args.num}: give the number of solutions, >= 1")
+    if not (math.isfinite(args.beta) and args.beta > 0):
+        raise ValueError(f"--beta {args.beta}: PRIME's beta must be a positive number "
+                         "(released 0.05)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("megaprm eval-prm runs on one process; start it without torchrun or "
+                         "with --nproc-per-node 1")
+    for path in args.jsonl or ():
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--jsonl {path}: no such file; give ProcessBench-format "
+                                    "JSONL (one file per subset)")
+    if args.out:
+        inputs = {"--prm": args.prm, "--implicit": args.implicit, "--ref": args.ref}
+        inputs.update({f"--jsonl[{i}]": p for i, p in enumerate(args.jsonl or ())})
+        check_output(args.out, "--out", inputs)
+    threshold = args.threshold if args.threshold is not None else (0.5 if args.prm else 0.0)
+
+    # deferred: torch and the trainer's packages
+    from megaprm.trainer import prm_judge
+
+    if args.task:
+        task = _arithmetic_task(args.arith_task, args.task_config)
+        examples, labels, step_labels = prm_judge.arithmetic_set(task, args.num, args.seed)
+        data = {"task": "arithmetic", "arith_task": args.arith_task, "config": repr(task),
+                "num": args.num, "seed": args.seed}
+    else:
+        examples, labels, step_labels = [], [], []
+        for path in args.jsonl:
+            kind = os.path.splitext(os.path.basename(path))[0]
+            ex, y, sl = prm_judge.processbench_set(prm_eval.read_processbench_jsonl(path), kind)
+            examples += ex
+            labels += y
+            step_labels += sl
+        data = {"jsonl": list(args.jsonl)}
+
+    # deferred: megatron
+    from megaprm.parallel.init import destroy, init_distributed
+
+    t0 = time.perf_counter()
+    groups = init_distributed(tp=1, pp=1, seed=0)
+    try:
+        if args.prm:
+            scores = prm_judge.score_discriminative(args.prm, examples, groups,
+                                                    input_format=args.input_format,
+                                                    micro_batch_size=args.micro_batch_size)
+            what = "P(good) of the PRM's head"
+        else:
+            scores = prm_judge.score_implicit(args.implicit, args.ref, examples, groups,
+                                              beta=args.beta,
+                                              micro_batch_size=args.micro_batch_size)
+            what = f"PRIME's implicit reward: {args.beta:g} * sum(log pi_phi - log pi_ref)"
+    finally:
+        destroy()
+    j = prm_judge.judged(examples, labels, step_labels, scores, threshold, what)
+    if not j.solutions:
+        raise ValueError(f"no solution could be scored ({len(j.skipped)} skipped, e.g. "
+                         f"{j.skipped[0]}); the PRM's tokenizer must keep each step apart")
+    report = prm_eval.judge(j.solutions, threshold, pooled_kinds=bool(args.task))
+    title = (f"{args.prm or args.implicit}: step score = {what}; "
+             f"{len(j.solutions)} solutions" + (f", {len(j.skipped)} not scored" if j.skipped
+                                                 else ""))
+    print(prm_eval.format_table(report, title))
+    if args.jsonl:
+        print(f"mean F1 over the {len(report['per_kind'])} file(s) (ProcessBench's average): "
+              f"{report['mean_f1']:.3f}")
+    for line in j.skipped[:3]:
+        print(f"not scored: {line}")
+    if args.out:
+        def clean(x):  # strict JSON: nan -> null
+            if isinstance(x, float) and not math.isfinite(x):
+                return None
+            if isinstance(x, dict):
+                return {k: clean(v) for k, v in x.items()}
+            return [clean(v) for v in x] if isinstance(x, list) else x
+
+        doc = {"prm": {"prm": args.prm, "implicit": args.implicit, "ref": args.ref,
+                       "beta": args.beta if not args.prm else None, "score": what,
+                       "input_format": args.input_format if args.prm else None},
+               "data": data, "report": clean(report), "skipped": j.skipped,
+               "seconds": round(time.perf_counter() - t0, 1)}
+        parent = os.path.dirname(os.path.abspath(args.out))
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{args.out}.tmp.{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, args.out)
+        print(f"[eval-prm] wrote {args.out}")
+    return 0
+
+
 def cmd_data(args) -> int:
     # deferred: keeps --help fast
     from megaprm.config import load_config
@@ -480,7 +626,7 @@ def _parser() -> argparse.ArgumentParser:
     from dataclasses import fields
 
     # deferred: keeps --help fast
-    from megaprm.experiments.arithmetic.runs import ALL_METHODS, CompareConfig
+    from megaprm.experiments.arithmetic.runs import ALL_METHODS, TASK_DEFAULTS, TASKS, CompareConfig
 
     defaults = argparse.Namespace(**{f.name: f.default for f in fields(CompareConfig)})
     cp = sub.add_parser("compare", help="every method side by side on the exact-label task: "
@@ -490,15 +636,26 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("--oracle", default=",".join(defaults.oracle),
                     help="methods also run with the exact step labels as process reward "
                          "('' for none)")
-    cp.add_argument("--run-dir", default=defaults.run_dir)
+    cp.add_argument("--run-dir", default="",
+                    help="default runs/compare (--task short), runs/compare-TASK otherwise")
+    cp.add_argument("--task", default=defaults.task, choices=tuple(TASKS),
+                    help="short: 2-4 steps (~32-token solutions); long: 18-22 steps (120-186 "
+                    "tokens), each with its own warm-up and PRM")
+    cp.add_argument("--starts", type=int, default=defaults.starts,
+                    help="independently built starts (warm-up policy + PRM, seed k each): the "
+                    "outer level of the paired design")
     cp.add_argument("--rl-steps", type=int, default=defaults.rl_steps)
     cp.add_argument("--hack-steps", type=int, default=defaults.hack_steps,
                     help="steps of the reward-hacking run (PURE on the PRM alone); 0: none")
     cp.add_argument("--eval-problems", type=int, default=defaults.eval_problems)
     cp.add_argument("--sampled-n", type=int, default=defaults.sampled_n,
                     help="samples per held-out problem in the sampled evaluation")
-    cp.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
-    cp.add_argument("--prm-steps", type=int, default=defaults.prm_steps)
+    cp.add_argument("--warmup-steps", type=int, default=None,
+                    help=f"default {defaults.warmup_steps} (--task long: "
+                    f"{TASK_DEFAULTS['long']['warmup_steps']})")
+    cp.add_argument("--prm-steps", type=int, default=None,
+                    help=f"default {defaults.prm_steps} (--task long: "
+                    f"{TASK_DEFAULTS['long']['prm_steps']})")
     cp.add_argument("--prm-examples", type=int, default=defaults.prm_examples)
     cp.add_argument("--wandb", default=defaults.wandb, choices=("offline", "online", "disabled"))
     cp.add_argument("--method-seeds", default="",
@@ -542,6 +699,47 @@ def _parser() -> argparse.ArgumentParser:
     add_launch_args(p, cpu_default=1)
     add_ray_args(p)
     p.set_defaults(fn=cmd_train_prm)
+
+    ep = sub.add_parser("eval-prm", help="judge a PRM as the field does: ProcessBench's "
+                                          "first-error F1 and step AUROC, per error kind",
+                        description="Score solutions with labelled steps by a PRM and report "
+                        "ProcessBench's metric (the first step scored below --threshold is the "
+                        "predicted first error, -1 if none; accuracy on erroneous solutions "
+                        "at finding the first wrong step, on correct ones at finding none, and "
+                        "their harmonic mean F1) and, with exact step labels, the step AUROC, "
+                        "overall and per error kind. One process (CPU or one GPU); "
+                        "docs/prm.md, 'Judging a PRM'.")
+    ep.add_argument("--prm", default=None, metavar="DIR",
+                    help="a discriminative PRM: megaprm train-prm output or an HF "
+                         "Qwen2.5-Math-PRM-shaped checkpoint; step score = P(good)")
+    ep.add_argument("--implicit", default=None, metavar="DIR",
+                    help="PRIME's implicit PRM (a causal LM); step score = beta * the sum of "
+                         "log pi_phi - log pi_ref over the step's tokens")
+    ep.add_argument("--ref", default=None, metavar="DIR", help="the implicit PRM's reference")
+    ep.add_argument("--beta", type=float, default=0.05, help="PRIME's beta (released 0.05)")
+    ep.add_argument("--threshold", type=float, default=None,
+                    help="a step is called bad when its score is below this (default 0.5 for "
+                         "--prm, 0 for --implicit: a negative process reward)")
+    ep.add_argument("--input-format", default="auto",
+                    help="how the --prm reads a solution (prm.input_format: auto | "
+                         "qwen25_math_prm | pure | raw | megaprm)")
+    ep.add_argument("--task", default=None, choices=("arithmetic",),
+                    help="held-out solutions of the arithmetic task with exact step labels: "
+                         "half reference, half corrupted (every corruption kind)")
+    ep.add_argument("--arith-task", default="short",
+                    help="which of the comparison's arithmetic tasks (default short)")
+    ep.add_argument("--task-config", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="ArithmeticConfig settings on top, e.g. num_ops=2,4 operand_max=20")
+    ep.add_argument("--num", type=int, default=512, help="arithmetic solutions (default 512)")
+    ep.add_argument("--seed", type=int, default=1_000_000,
+                    help="the solutions' seed (default 1000000: the held-out set train-prm "
+                         "evaluates a seed-0 PRM on)")
+    ep.add_argument("--jsonl", nargs="+", default=None, metavar="FILE",
+                    help="ProcessBench-format JSONL, one file per subset (id, generator, "
+                         "problem, steps, final_answer_correct, label)")
+    ep.add_argument("--micro-batch-size", type=int, default=16)
+    ep.add_argument("--out", default=None, metavar="FILE.json", help="write the report here")
+    ep.set_defaults(fn=cmd_eval_prm)
 
     dt = sub.add_parser("data", help="write a plain question file (JSONL/parquet) in a recipe's "
                                      "released row layout (PRIME, PROF-GRPO, PAPO, PURE)",

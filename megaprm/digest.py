@@ -14,3 +14,65 @@ def json_digest(obj, *, compact: bool = False) -> str:
     seps = (",", ":") if compact else None
     text = json.dumps(obj, sort_keys=True, default=str, separators=seps)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _megaprm_imports(path: str) -> set:
+    """The megaprm modules a source file imports (top-level and function-local alike)."""
+    import ast
+
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "megaprm")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] == "megaprm":
+            out.add(node.module)
+            # `from megaprm.x import y` may name a submodule y
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def source_digest(roots, exclude=()) -> dict:
+    """The version of the code a cached result was built by: sha256 (first 16 hex) over the
+    source of `roots` (module names) and every megaprm module they import, transitively (read
+    from the files with `ast`, so function-local imports count and nothing is imported), and
+    torch's version. Returns {"code": digest, "files": n, "torch": version}. `exclude`: module
+    names (and their submodules) left out, e.g. reporting code that never changes a result."""
+    import os
+
+    import torch
+
+    pkg_dir = os.path.dirname(os.path.abspath(__file__))
+    root_dir = os.path.dirname(pkg_dir)
+
+    def file_of(mod: str):
+        rel = os.path.join(*mod.split("."))
+        for cand in (rel + ".py", os.path.join(rel, "__init__.py")):
+            p = os.path.join(root_dir, cand)
+            if os.path.isfile(p):
+                return p
+        return None
+
+    def excluded(mod: str) -> bool:
+        return any(mod == e or mod.startswith(e + ".") for e in exclude)
+
+    seen, todo = {}, [m for m in roots]
+    while todo:
+        mod = todo.pop()
+        if mod in seen or excluded(mod):
+            continue
+        path = file_of(mod)
+        if path is None:  # a name imported from a module, not a module
+            continue
+        seen[mod] = path
+        parts = mod.split(".")
+        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))  # parent packages
+        todo.extend(_megaprm_imports(path))
+    h = hashlib.sha256()
+    for mod in sorted(seen):
+        h.update(mod.encode() + b"\0")
+        with open(seen[mod], "rb") as f:
+            h.update(f.read() + b"\0")
+    return {"code": h.hexdigest()[:16], "files": len(seen), "torch": torch.__version__}

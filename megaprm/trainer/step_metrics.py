@@ -66,8 +66,40 @@ def rollout_metrics(cfg: Config, temperature: float, sb: ScoredBatch, adv: Advan
             (~prm_ok[correct]).float().mean()) if correct.any() else 0.0
     if sb.q is not None:
         m["prm/implicit_q_mean"] = float(sb.q.sum() / b.response_mask.sum().clamp(min=1))
+    if sb.checks is not None:
+        m.update(step_aurocs(sb))
     m.update(adv.metrics)
     return m
+
+
+def step_aurocs(sb: ScoredBatch) -> dict:
+    """How well the batch's process scores rank its steps against the exact labels (the
+    arithmetic task's checker): P(a correct step scores above a wrong one), ties half, per
+    rank. `prm/step_auroc`: the discriminative PRM's P(step correct); `prm/implicit_step_auroc`:
+    PRIME's implicit PRM, a step's score being the sum of its tokens' q = log pi_prm - log
+    pi_ref (beta > 0 scales every score alike, so the ranking is beta's); only rows the
+    implicit PRM scored (the accuracy filter's rows: the others have q = 0). nan when the
+    batch has no wrong step or no right one."""
+    from megaprm.trainer.prm_training import step_auroc  # deferred: the PRM trainer is heavy
+
+    seg = sb.seg
+    B, S = seg.step_mask.shape
+    labels = torch.zeros(B, S, dtype=torch.bool)
+    for i, c in enumerate(sb.checks):
+        k = min(len(c.step_correct), S)
+        labels[i, :k] = torch.tensor(c.step_correct[:k], dtype=torch.bool)
+    out = {}
+    if sb.step_scores is not None and sb.step_mask is not None \
+            and sb.step_scores.shape == labels.shape:
+        sel = sb.step_mask & seg.step_mask
+        out["prm/step_auroc"] = step_auroc(sb.step_scores[sel].float(), labels[sel])
+    if sb.q is not None:
+        slot = torch.where(seg.token_to_step >= 0, seg.token_to_step, S)
+        step_q = torch.zeros(B, S + 1, dtype=torch.float64).scatter_add_(
+            1, slot, sb.q.double())[:, :S]
+        sel = seg.step_mask & (sb.q != 0).any(1, keepdim=True)
+        out["prm/implicit_step_auroc"] = step_auroc(step_q[sel], labels[sel])
+    return out
 
 
 def log_samples(run_dir: str, n: int, rank: int, tok, step: int, sb: ScoredBatch) -> None:

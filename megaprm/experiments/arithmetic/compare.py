@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict
 
 from megaprm.config import RolloutConfig, load_config
-from megaprm.digest import json_digest
+from megaprm.digest import json_digest, source_digest
 from megaprm.experiments.arithmetic import stats
 from megaprm.experiments.arithmetic.report import (
     COLUMNS,
@@ -42,10 +42,11 @@ from megaprm.experiments.arithmetic.report import (
     plot,
 )
 from megaprm.experiments.arithmetic.runs import (
+    MAX_TOKENS,
     READS_STEP_SCORES,
     REFERENCE,
+    REPO_ROOT,
     RL_YAML,
-    TASK,
     VARIANTS,
     CompareConfig,
     RunSpec,
@@ -58,6 +59,7 @@ from megaprm.experiments.arithmetic.runs import (
 from megaprm.experiments.arithmetic.start import (
     WarmupConfig,
     cached_stage,
+    code_version,
     init_policy,
     mark_stage_done,
     prm_recipe,
@@ -108,15 +110,25 @@ def _say(groups: Groups, msg: str) -> None:
         print(f"[compare] {msg}", flush=True)
 
 
-def warmup_stage(ccfg: CompareConfig, groups: Groups, tok) -> tuple[str, dict]:
-    """The demo's supervised warm-up (same code, own directory), cached by its settings."""
-    wcfg = WarmupConfig(warmup_steps=ccfg.warmup_steps)
-    sft_dir = os.path.join(ccfg.run_dir, "sft")
-    digest = warmup_digest(wcfg)
+def _warmup_config(ccfg: CompareConfig, start: int) -> WarmupConfig:
+    """Start k's warm-up: the demo's recipe with seed k (its init and its data stream)."""
+    return WarmupConfig(warmup_steps=ccfg.warmup_steps, seed=start, task=ccfg.task)
+
+
+def warmup_stage(ccfg: CompareConfig, groups: Groups, tok, start: int,
+                 code: dict) -> tuple[str, dict]:
+    """Start k's supervised warm-up (the demo's code, own directory), cached by its settings,
+    the code that builds it and torch's version (`code`: start.code_version())."""
+    wcfg = _warmup_config(ccfg, start)
+    sft_dir = os.path.join(ccfg.start_dir(start), "sft")
+    digest = warmup_digest(wcfg, code)
     rec = cached_stage(sft_dir, digest)
     if rec is None:
         t = time.perf_counter()
-        init_dir = init_policy(wcfg, tok, os.path.join(ccfg.run_dir, "init"), groups.rank)
+        _say(groups, f"start {start}: warm-up ({ccfg.warmup_steps} supervised steps, seed "
+                     f"{start}, task {ccfg.task})")
+        init_dir = init_policy(wcfg, tok, os.path.join(ccfg.start_dir(start), "init"),
+                               groups.rank)
         rec = {"final_loss": warmup(wcfg, groups, tok, init_dir, sft_dir),
                "seconds": time.perf_counter() - t}
         mark_stage_done(sft_dir, digest, groups, **rec)
@@ -125,51 +137,62 @@ def warmup_stage(ccfg: CompareConfig, groups: Groups, tok) -> tuple[str, dict]:
     return sft_dir, {**rec, "digest": digest}
 
 
-def _prm_digest(ccfg: CompareConfig) -> str:
-    recipe = prm_recipe(ccfg.prm_steps, ccfg.prm_examples)
+def _prm_recipe(ccfg: CompareConfig, start: int) -> dict:
+    """Start k's PRM: docs/prm.md's recipe with seed k (its data, shuffles and init)."""
+    return prm_recipe(ccfg.prm_steps, ccfg.prm_examples, ccfg.task, seed=start)
+
+
+def _prm_digest(ccfg: CompareConfig, start: int, code: dict) -> str:
+    recipe = _prm_recipe(ccfg, start)
     # the logging interval does not change the PRM (normalised so a cache survives it)
     return json_digest({"recipe": {**recipe, "log_every": 0}, "hidden": ccfg.prm_hidden,
-                        "layers": ccfg.prm_layers})
+                        "layers": ccfg.prm_layers, "init_seed": start, "code": code})
 
 
 def check_only_finished(ccfg: CompareConfig) -> None:
     """`--only-finished` runs nothing new, so the run directory must already hold this
     comparison's warm-up and PRM (same settings) and at least one finished cell; checked before
     any rank starts, as otherwise the stages would be trained (minutes) to report nothing."""
+    code = code_version()
     missing = [name for name, d, digest in (
-        ("warm-up", "sft", warmup_digest(WarmupConfig(warmup_steps=ccfg.warmup_steps))),
-        ("PRM", "prm", _prm_digest(ccfg)))
-        if cached_stage(os.path.join(ccfg.run_dir, d), digest) is None]
-    rl = os.path.join(ccfg.run_dir, "rl")
+        ("warm-up", "sft", warmup_digest(_warmup_config(ccfg, 0), code)),
+        ("PRM", "prm", _prm_digest(ccfg, 0, code)))
+        if cached_stage(os.path.join(ccfg.start_dir(0), d), digest) is None]
+    rl = os.path.join(ccfg.start_dir(0), "rl")
     if not any(os.path.isfile(os.path.join(rl, name, "result.json"))
                for name in (os.listdir(rl) if os.path.isdir(rl) else ())):
         missing.append("finished run")
     if missing:
-        raise ValueError(f"--only-finished: {ccfg.run_dir} has no {', no '.join(missing)} with "
-                         "these settings, and the flag runs nothing new; run `megaprm compare` "
+        raise ValueError(f"--only-finished: {ccfg.start_dir(0)} has no {', no '.join(missing)} "
+                         "with these settings and this code (a start is keyed by the code that "
+                         "builds it and torch's version), and the flag runs nothing new; run "
+                         "`megaprm compare` "
                          "without --only-finished first (or pass the --run-dir and settings of "
                          "a finished comparison)")
 
 
-def prm_stage(ccfg: CompareConfig, groups: Groups, tok) -> tuple[str, dict]:
-    """The comparison's PRM: docs/prm.md's recipe from a random-init trunk, cached."""
-    prm_dir = os.path.join(ccfg.run_dir, "prm")
-    recipe = prm_recipe(ccfg.prm_steps, ccfg.prm_examples)
-    digest = _prm_digest(ccfg)
+def prm_stage(ccfg: CompareConfig, groups: Groups, tok, start: int,
+              code: dict) -> tuple[str, dict]:
+    """Start k's PRM: docs/prm.md's recipe from a random-init trunk (seed k), cached by its
+    settings, the code that builds it and torch's version."""
+    prm_dir = os.path.join(ccfg.start_dir(start), "prm")
+    recipe = _prm_recipe(ccfg, start)
+    digest = _prm_digest(ccfg, start, code)
     rec = cached_stage(prm_dir, digest)
     if rec is not None:
-        _say(groups, f"PRM: reusing {prm_dir} (same settings, held-out step AUROC "
-                     f"{rec['auroc']:.3f})")
-        return prm_dir, rec
-    init_dir = os.path.join(ccfg.run_dir, "prm_init")
+        _say(groups, f"start {start}: PRM: reusing {prm_dir} (same settings and code, held-out "
+                     f"step AUROC {rec['auroc']:.3f})")
+        return prm_dir, {**rec, "digest": digest}
+    init_dir = os.path.join(ccfg.start_dir(start), "prm_init")
     if groups.rank == 0:
-        save_tiny_model("qwen2", init_dir, seed=0, tokenizer=tok, vocab_size=len(tok),
+        save_tiny_model("qwen2", init_dir, seed=start, tokenizer=tok, vocab_size=len(tok),
                         hidden_size=ccfg.prm_hidden, num_layers=ccfg.prm_layers, num_heads=4,
                         num_kv_heads=2, intermediate_size=3 * ccfg.prm_hidden,
                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                         pad_token_id=tok.pad_token_id)
     _barrier(groups)
-    _say(groups, f"PRM: training ({ccfg.prm_steps} steps x 64 solutions; docs/prm.md's recipe)")
+    _say(groups, f"start {start}: PRM: training ({ccfg.prm_steps} steps x 64 solutions; "
+                 "docs/prm.md's recipe)")
     res = train_prm(PRMTrainConfig(model_dir=init_dir, output_dir=prm_dir, **recipe), groups)
     rec = {"auroc": res.eval.auroc, "f1": res.eval.f1, "train_s": res.train_seconds,
            "per_kind": res.eval.per_kind,
@@ -180,18 +203,19 @@ def prm_stage(ccfg: CompareConfig, groups: Groups, tok) -> tuple[str, dict]:
 
 
 def evaluate_policy(engine, tok, groups: Groups, ccfg: CompareConfig, temperature: float) -> dict:
-    probs = held_out_problems(ccfg.eval_problems)
-
-    greedy = evaluate_arithmetic(engine, tok, groups, probs, per_problem=True)
-    sampled = evaluate_arithmetic(engine, tok, groups, probs, temperature=temperature,
-                                  n=ccfg.sampled_n, seed=SAMPLED_SEED, per_problem=True)
+    probs = held_out_problems(ccfg.eval_problems, ccfg.task)
+    mt = MAX_TOKENS[ccfg.task]
+    greedy = evaluate_arithmetic(engine, tok, groups, probs, max_tokens=mt, per_problem=True)
+    sampled = evaluate_arithmetic(engine, tok, groups, probs, max_tokens=mt,
+                                  temperature=temperature, n=ccfg.sampled_n, seed=SAMPLED_SEED,
+                                  per_problem=True)
     return {"greedy": greedy, "sampled": sampled}
 
 
 def baseline_stage(ccfg: CompareConfig, groups: Groups, tok, sft_dir: str, sft_digest: str,
-                   temperature: float) -> dict:
-    """The warm-up policy's evaluation: the common 'before RL' row."""
-    path = os.path.join(ccfg.run_dir, "baseline.json")
+                   temperature: float, start: int) -> dict:
+    """Start k's warm-up policy's evaluation: its 'before RL' row."""
+    path = os.path.join(ccfg.start_dir(start), "baseline.json")
     digest = json_digest([sft_digest, ccfg.eval_problems, ccfg.sampled_n, temperature, EVAL_FORMAT])
     rec = _read_json(path)
     if rec is not None and rec.get("digest") == digest:
@@ -217,20 +241,31 @@ def _tail_mean(xs: list, n: int = 5) -> float | None:
     return sum(xs[-n:]) / len(xs[-n:]) if xs else None
 
 
+def _relative_override(o: str) -> str:
+    """A path override as a path relative to the repository (a committed result)."""
+    k, _, v = o.partition("=")
+    return f"{k}={repo_relative(v)}" if k in ("model.path", "prm.path", "trainer.run_dir") \
+        and v not in ("null", "") else o
+
+
 def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: str, prm_dir: str,
-            base_digest: str, only_finished: bool = False) -> dict | None:
+            base_digest: str, only_finished: bool = False,
+            rl_code: dict | None = None) -> dict | None:
     """One (method, process reward, seed) cell: its finished result from disk when one with the
     same settings is there, else RL from the warm-up and the evaluation (None instead when
     `only_finished`)."""
 
-    d = os.path.join(ccfg.run_dir, "rl", spec.name)
+    d = os.path.join(ccfg.start_dir(spec.start), "rl", spec.name)
     overrides = run_overrides(spec, ccfg, sft_dir, prm_dir)
-    # EVAL_FORMAT: a result without per-problem counts is re-run, not mixed in
-    digest = json_digest([base_digest, overrides, ccfg.eval_problems, ccfg.sampled_n, EVAL_FORMAT])
+    # EVAL_FORMAT: a result without per-problem counts is re-run, not mixed in. base_digest
+    # holds the start's code version and torch's; the RL code's version is recorded in the
+    # result (`rl_code`) and reported per cell, not a key (docs/compare.md, "Resumable")
+    digest = json_digest([base_digest, [o for o in overrides if not o.startswith(
+        ("model.path=", "prm.path="))], ccfg.eval_problems, ccfg.sampled_n, EVAL_FORMAT])
     res_path = os.path.join(d, "result.json")
     rec = _read_json(res_path)
     if rec is not None and rec.get("digest") == digest:
-        _say(groups, f"{spec.name}: reusing the finished run in {d}")
+        _say(groups, f"start {spec.start}: {spec.name}: reusing the finished run in {d}")
         rec["curves"] = _curves(d)
         rec["train_end"] = {k: _tail_mean(v) for k, v in rec["curves"].items()}
         return rec
@@ -248,7 +283,8 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
         evaluate_policy, trainer.engine, tok, groups, ccfg, cfg.rollout.temperature))
     _barrier(groups)  # rank 0 has written every step's metrics
     curves = _curves(d)
-    rec = {"digest": digest, **asdict(spec), "name": spec.name, "overrides": overrides, **ev,
+    rec = {"digest": digest, **asdict(spec), "name": spec.name,
+           "overrides": [_relative_override(o) for o in overrides], **ev, "rl_code": rl_code,
            "train_end": {k: _tail_mean(v) for k, v in curves.items()},
            "curves": curves, "rl_s": rl_s, "eval_s": time.perf_counter() - t - rl_s}
     del trainer, history
@@ -383,6 +419,87 @@ def _mean_curve(series: list) -> list:
 
 # ------------------------------------------------------------------------------ driver
 
+# the modules whose source makes an RL cell's result (with everything they import): recorded
+# per cell (`rl_code`) and counted in compare.json's provenance
+RL_CODE = ("megaprm.trainer.loop", "megaprm.trainer.evaluate", "megaprm.rollout.factory",
+           "megaprm.experiments.arithmetic.runs")
+
+
+def _start_cached(ccfg: CompareConfig, k: int, code: dict) -> bool:
+    return (cached_stage(os.path.join(ccfg.start_dir(k), "sft"),
+                         warmup_digest(_warmup_config(ccfg, k), code)) is not None
+            and cached_stage(os.path.join(ccfg.start_dir(k), "prm"),
+                             _prm_digest(ccfg, k, code)) is not None)
+
+
+def _response_tokens(results: list) -> dict | None:
+    """The training responses' mean length (tokens) over the cells: first and last 5 steps."""
+    curves = [r["curves"].get("response/length_mean") for r in results if not r.get("hack")]
+    curves = [[x for x in c if x is not None] for c in curves if c]
+    if not curves:
+        return None
+    return {"first5": sum(sum(c[:5]) / len(c[:5]) for c in curves) / len(curves),
+            "last5": sum(sum(c[-5:]) / len(c[-5:]) for c in curves) / len(curves)}
+
+
+def _git_commit() -> dict:
+    """The checkout's commit and whether its tracked files differ from it (None outside git)."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-C", REPO_ROOT, *args], capture_output=True, text=True,
+                              timeout=30)
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return {"commit": None, "dirty": None}
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def _cpu() -> dict:
+    """What decides the last bits of a CPU run: the model, ATen's kernel level, the flags."""
+    import platform
+
+    import torch
+
+    model, flags = platform.processor(), []
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name") and not model.strip():
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    flags = sorted(f for f in have if f.startswith(("avx", "fma", "amx", "sse4")))
+                    break
+    except OSError:
+        pass
+    return {"model": model, "cores": os.cpu_count(), "flags": flags,
+            "aten_capability": torch.backends.cpu.get_cpu_capability(),
+            "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY"),
+            "torch_threads": torch.get_num_threads()}
+
+
+def provenance(code: dict, rl_code: dict, results: list) -> dict:
+    """What a reader needs to rebuild the table: the commit, the code versions (the start's,
+    part of its cache key; the RL cells', recorded per cell), torch, the CPU."""
+    import platform
+
+    import torch
+
+    versions: dict = {}
+    for r in results:
+        v = (r.get("rl_code") or {}).get("code", "unrecorded")
+        versions[v] = versions.get(v, 0) + 1
+    return {**_git_commit(), "start_code": code, "rl_code": rl_code,
+            "cells_by_rl_code": versions, "torch": torch.__version__,
+            "python": platform.python_version(), "cpu": _cpu()}
+
 INTERVALS = ("mean over seeds [95% percentile interval of a two-level bootstrap: seeds with "
              "replacement, then held-out problems with replacement within each drawn seed; "
              "paired rows share the draws with GRPO's run of the same seed]; per-seed Wilson "
@@ -404,26 +521,45 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False) -> dic
         check_only_finished(ccfg)
     os.makedirs(ccfg.run_dir, exist_ok=True)
     tok = build_char_tokenizer()
-    sft_dir, sft = warmup_stage(ccfg, groups, tok)
-    t_warm = time.perf_counter() - t0
-    prm_dir, prm = prm_stage(ccfg, groups, tok)
-    t_prm = time.perf_counter() - t0 - t_warm
+    code, rl_code = code_version(), source_digest(RL_CODE)
     # the runs' rollout temperature (demo.yaml's, or an override): the baseline samples at it too
     temperature = load_config(RL_YAML, list(ccfg.extra)).rollout.temperature
-    baseline = baseline_stage(ccfg, groups, tok, sft_dir, sft["digest"], temperature)
-    base_digest = json_digest([sft["digest"], prm["digest"]])
+    starts: dict = {}  # k -> its stages, built (or read back) when its first cell comes
+
+    def stages(k: int) -> dict | None:
+        if k not in starts:
+            if only_finished and not _start_cached(ccfg, k, code):
+                starts[k] = None  # never built: its cells are missing, nothing is trained
+            else:
+                t = time.perf_counter()
+                sft_dir, sft = warmup_stage(ccfg, groups, tok, k, code)
+                t_warm = time.perf_counter() - t
+                prm_dir, prm = prm_stage(ccfg, groups, tok, k, code)
+                baseline = baseline_stage(ccfg, groups, tok, sft_dir, sft["digest"],
+                                          temperature, k)
+                starts[k] = {"sft_dir": sft_dir, "prm_dir": prm_dir, "sft": sft, "prm": prm,
+                             "baseline": baseline,
+                             "base_digest": json_digest([sft["digest"], prm["digest"]]),
+                             "t_warm": t_warm, "t_prm": time.perf_counter() - t - t_warm}
+        return starts[k]
+
     runs = plan(ccfg)
     results, missing = [], []
     for i, spec in enumerate(runs):
         t = time.perf_counter()
-        _say(groups, f"({i + 1}/{len(runs)}) {spec.name} ...")
-        rec = run_one(spec, ccfg, groups, tok, sft_dir, prm_dir, base_digest, only_finished)
+        key = f"start{spec.start}/{spec.name}"
+        st = stages(spec.start)
+        _say(groups, f"({i + 1}/{len(runs)}) {key} ...")
+        rec = (None if st is None else
+               run_one(spec, ccfg, groups, tok, st["sft_dir"], st["prm_dir"], st["base_digest"],
+                       only_finished, rl_code))
         if rec is None:
-            missing.append(spec.name)
-            _say(groups, f"({i + 1}/{len(runs)}) {spec.name}: not finished (--only-finished)")
+            missing.append(key)
+            _say(groups, f"({i + 1}/{len(runs)}) {key}: not finished (--only-finished)")
             continue
+        rec.setdefault("start", spec.start)  # results written before starts were a level
         results.append(rec)
-        _say(groups, f"({i + 1}/{len(runs)}) {spec.name}: greedy accuracy "
+        _say(groups, f"({i + 1}/{len(runs)}) {key}: greedy accuracy "
                      f"{rec['greedy']['accuracy']:.3f}, correct with a wrong step "
                      f"{rec['greedy']['correct_with_wrong_step']:.3f} "
                      f"({time.perf_counter() - t:.0f} s; {(time.perf_counter() - t0) / 60:.1f} "
@@ -432,28 +568,44 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False) -> dic
         raise ValueError(f"--only-finished: no finished run in {ccfg.run_dir}; run without the "
                          "flag first")
     hack = next((r for r in results if r.get("hack")), None)
+    built = {k: v for k, v in sorted(starts.items()) if v is not None}
+    first = next(iter(built.values()))
+    per_start = [{"start": k,
+                  "warmup": {x: y for x, y in v["sft"].items() if x != "digest"},
+                  "prm": {x: y for x, y in v["prm"].items() if x != "digest"},
+                  "baseline": {x: _no_counts(y) for x, y in v["baseline"].items()
+                               if x != "digest"},
+                  "cells": sum(r["start"] == k for r in results)}
+                 for k, v in built.items()]
     report = {"methods": list(ccfg.methods), "seeds": ccfg.seeds, "rl_steps": ccfg.rl_steps,
               "eval_problems": ccfg.eval_problems, "sampled_n": ccfg.sampled_n,
               # run_dir relative to the repository: compare.json is committed
               "config": {**asdict(ccfg), "run_dir": repo_relative(ccfg.run_dir)},
-              "task": repr(TASK),
-              "warmup": {k: v for k, v in sft.items() if k != "digest"},
-              "prm": {k: v for k, v in prm.items() if k != "digest"},
-              "baseline": {k: _no_counts(v) for k, v in baseline.items() if k != "digest"},
-              "planned": [s.name for s in runs], "missing": missing,
+              "task": ccfg.task, "task_config": repr(ccfg.arithmetic),
+              "max_tokens": MAX_TOKENS[ccfg.task],
+              "response_tokens": _response_tokens(results),
+              "starts": per_start,
+              # start 0's (the first built) stages: the single-start report's fields
+              "warmup": per_start[0]["warmup"], "prm": per_start[0]["prm"],
+              "baseline": per_start[0]["baseline"],
+              "planned": [f"start{s.start}/{s.name}" for s in runs], "missing": missing,
               "eval_format": EVAL_FORMAT, "intervals": INTERVALS,
               "rows": aggregate(results, ccfg),
               "hack": ({k: _no_counts(hack[k])
                         for k in ("seed", "greedy", "sampled", "train_end", "curves")}
                        if hack else None),
-              "times_s": {"warmup": t_warm, "prm": t_prm,
-                          "runs": {r["name"]: r["rl_s"] + r["eval_s"] for r in results}},
+              "times_s": {"warmup": first["t_warm"], "prm": first["t_prm"],
+                          "runs": {f"start{r['start']}/{r['name']}": r["rl_s"] + r["eval_s"]
+                                   for r in results}},
               "total_s": time.perf_counter() - t0,
               # what the table cost when each part was built (cached parts keep their time)
-              "compute_s": {"warmup": sft.get("seconds"), "prm_train": prm.get("train_s"),
+              "compute_s": {"warmup": sum(v["sft"].get("seconds") or 0 for v in built.values()),
+                            "prm_train": sum(v["prm"].get("train_s") or 0
+                                             for v in built.values()),
                             "runs": sum(r["rl_s"] + r["eval_s"] for r in results)},
               "device": f"CPU, {groups.world_size} torchrun rank(s)",
-              "load": [round(x, 2) for x in os.getloadavg()]}
+              "load": [round(x, 2) for x in os.getloadavg()],
+              "provenance": provenance(code, rl_code, results)}
     if groups.rank == 0:
         with open(os.path.join(ccfg.run_dir, "compare.json"), "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2, default=float)

@@ -12,7 +12,23 @@ from dataclasses import dataclass, field
 
 from megaprm.tasks.arithmetic import ArithmeticConfig, generate_problems
 
-TASK = ArithmeticConfig(num_ops=(2, 4), operand_max=20, ops="+-", seed=0)
+# the tasks of the comparison, on the same exact checker. "short": the demo's (2-4 steps, a
+# solution of ~32 tokens). "long": 18-22 steps of a one-digit operand carried on a running
+# result, solutions of 120-186 tokens (median 152 with the char tokenizer): the regime PRIME was
+# built for (its released run samples hundreds of tokens), where "short" is ~20x too short for
+# its implicit PRM's beta (docs/compare.md, "PRIME at this response length"). One-digit operands
+# keep every step easy for the tiny policy (each operand sits at a fixed offset in the prompt),
+# so the chain's length, not a step's difficulty, is what changes.
+TASKS = {"short": ArithmeticConfig(num_ops=(2, 4), operand_max=20, ops="+-", seed=0),
+         "long": ArithmeticConfig(num_ops=(18, 22), operand_max=9, ops="+-", seed=0)}
+TASK = TASKS["short"]
+# rollout.max_tokens per task: the longest reference solution (+ EOS) with room for a few
+# extra steps (short: 37 tokens; long: 187)
+MAX_TOKENS = {"short": 64, "long": 224}
+# the start's recipe where a task's differs from CompareConfig's defaults (the long task: a
+# longer warm-up for its 20-step chains; a PRM of 1000 whole-model steps, as its solutions are
+# ~5x longer than the short task's)
+TASK_DEFAULTS = {"long": {"warmup_steps": 600, "prm_steps": 1000}}
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the checkout holding the package (docs/ lives there; a wheel has none)
 REPO_ROOT = os.path.dirname(PACKAGE_DIR)
@@ -60,11 +76,15 @@ def base_method(name: str) -> str:
 @dataclass
 class CompareConfig:
     run_dir: str = "runs/compare"
+    task: str = "short"           # a key of TASKS
+    # independently built starts (warm-up policy + PRM, each from its own seeds): the outer
+    # level of the design; start k's seed s pairs with GRPO's run of start k, seed s
+    starts: int = 1
     methods: tuple = ALL_METHODS
     seeds: int = 5
     # fewer seeds for some methods (method -> seeds, at most `seeds`), e.g. {"rloo": 3}
     method_seeds: dict = field(default_factory=dict)
-    oracle: tuple = ("grpo", "prof_grpo", "papo")
+    oracle: tuple = ("grpo", "prof_grpo", "papo", "pure")
     rl_steps: int = 40
     hack_steps: int = 40          # the reward-hacking run (PURE on the PRM alone); 0 = none
     eval_problems: int = 1000
@@ -100,6 +120,10 @@ class CompareConfig:
         if missing:
             raise ValueError(f"--oracle {','.join(missing)}: an oracle row is compared with the "
                              f"method's learned row; add it to --methods as well")
+        if self.task not in TASKS:
+            raise ValueError(f"--task {self.task}: unknown task; choose from {list(TASKS)}")
+        if self.starts < 1:
+            raise ValueError(f"--starts {self.starts}: need at least 1 start")
         if self.seeds < 1 or self.rl_steps < 1 or self.eval_problems < 2:
             raise ValueError("--seeds and --rl-steps must be >= 1 and --eval-problems >= 2")
         bad = {m: k for m, k in self.method_seeds.items() if not 1 <= k <= self.seeds}
@@ -110,6 +134,14 @@ class CompareConfig:
     def seeds_of(self, method: str) -> int:
         return self.method_seeds.get(method, self.seeds)
 
+    @property
+    def arithmetic(self) -> ArithmeticConfig:
+        return TASKS[self.task]
+
+    def start_dir(self, start: int) -> str:
+        """RUN_DIR/start{k}: start k's warm-up, PRM, baseline and RL cells."""
+        return os.path.join(self.run_dir, f"start{start}")
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -117,6 +149,7 @@ class RunSpec:
     prm: str       # learned | oracle | implicit
     seed: int
     hack: bool = False
+    start: int = 0  # which start (warm-up + PRM) it runs from
 
     @property
     def name(self) -> str:
@@ -125,19 +158,22 @@ class RunSpec:
 
 
 def plan(ccfg: CompareConfig) -> list[RunSpec]:
-    """Every run to make, seed-major (every row's seed 0, then seed 1, ...: a run cut short
-    holds complete pairs with GRPO for its first seeds), learned before oracle within a seed,
-    then the reward-hacking run."""
+    """Every run to make: start-major, then seed-major within a start (every row's seed 0, then
+    seed 1, ...: a run cut short holds complete pairs with GRPO for its first seeds), learned
+    before oracle within a seed; the reward-hacking run after start 0's cells (it pairs with
+    start 0, seed 0)."""
     runs = []
-    for s in range(ccfg.seeds):
-        for m in ccfg.methods:
-            if s < ccfg.seeds_of(m):
-                runs.append(RunSpec(m, "implicit" if base_method(m) == "prime" else "learned", s))
-        for m in ccfg.oracle:
-            if m in READS_STEP_SCORES and s < ccfg.seeds_of(m):
-                runs.append(RunSpec(m, "oracle", s))
-    if ccfg.hack_steps:
-        runs.append(RunSpec("pure", "learned", 0, hack=True))
+    for k in range(ccfg.starts):
+        for s in range(ccfg.seeds):
+            for m in ccfg.methods:
+                if s < ccfg.seeds_of(m):
+                    runs.append(RunSpec(m, "implicit" if base_method(m) == "prime" else "learned",
+                                        s, start=k))
+            for m in ccfg.oracle:
+                if m in READS_STEP_SCORES and s < ccfg.seeds_of(m):
+                    runs.append(RunSpec(m, "oracle", s, start=k))
+        if k == 0 and ccfg.hack_steps:
+            runs.append(RunSpec("pure", "learned", 0, hack=True))
     return runs
 
 
@@ -147,7 +183,11 @@ def run_overrides(spec: RunSpec, ccfg: CompareConfig, sft_dir: str, prm_dir: str
     rank) and its mini-batch order, and starts from the one warm-up policy: at step 0 every
     method's run of seed s samples exactly GRPO's responses of seed s."""
     method = base_method(spec.method)
+    t = ccfg.arithmetic
     ov = [f"model.path={sft_dir}", f"prm.path={prm_dir}", "prm.kind=discriminative",
+          f"data.arithmetic.num_ops=[{t.num_ops[0]}, {t.num_ops[1]}]",
+          f"data.arithmetic.operand_max={t.operand_max}", f"data.arithmetic.ops={t.ops}",
+          f"rollout.max_tokens={MAX_TOKENS[ccfg.task]}",
           f"trainer.steps={ccfg.hack_steps if spec.hack else ccfg.rl_steps}",
           f"trainer.seed={spec.seed}", f"advantage.method={method}",
           f"trainer.wandb={ccfg.wandb}"]
@@ -160,12 +200,12 @@ def run_overrides(spec: RunSpec, ccfg: CompareConfig, sft_dir: str, prm_dir: str
     return ov + list(ccfg.extra)
 
 
-def held_out_problems(n: int) -> list:
+def held_out_problems(n: int, task: str = "short") -> list:
     """The held-out problems every run is evaluated on (the trainer's HELD_OUT_SEED)."""
     # deferred: keeps --help fast (trainer.data reads the config module and the datasets)
     from megaprm.trainer.data import HELD_OUT_SEED
 
-    return generate_problems(TASK, n, seed=HELD_OUT_SEED)
+    return generate_problems(TASKS[task], n, seed=HELD_OUT_SEED)
 
 
 def repo_relative(path: str) -> str:

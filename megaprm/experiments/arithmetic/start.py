@@ -31,8 +31,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from tqdm import tqdm
 
-from megaprm.digest import json_digest
-from megaprm.experiments.arithmetic.runs import TASK, CompareConfig
+from megaprm.digest import json_digest, source_digest
+from megaprm.experiments.arithmetic.runs import TASKS, CompareConfig
 from megaprm.models.actor import build_stage
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.models.mapping import load_hf_weights
@@ -56,13 +56,15 @@ START_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_
 
 @dataclass
 class WarmupConfig:
-    """What the warm-up policy depends on (the digest of a cached warm-up is over these fields)."""
+    """What the warm-up policy depends on (the digest of a cached warm-up is over these fields).
+    `seed`: the random init and the supervised data stream (seed 0 is the shipped start's)."""
     seed: int = 0
     warmup_steps: int = 400
     warmup_batch: int = 64
     warmup_lr: float = 2e-3
     hidden: int = 128
     layers: int = 4
+    task: str = "short"   # a key of runs.TASKS
 
 
 def init_policy(wcfg: WarmupConfig, tokenizer, out_dir: str, rank: int) -> str:
@@ -108,7 +110,9 @@ def warmup(wcfg: WarmupConfig, groups: Groups, tokenizer, init_dir: str, out_dir
     loss = float("nan")
     bar = tqdm(range(wcfg.warmup_steps), desc="warm-up (SFT)", disable=groups.rank != 0)
     for step in bar:
-        probs = generate_problems(TASK, wcfg.warmup_batch, seed=10_000 + step)
+        # seed k > 0 draws its own stream (seed 0 keeps the shipped start's)
+        probs = generate_problems(TASKS[wcfg.task], wcfg.warmup_batch,
+                                  seed=10_000 + step + 1_000_003 * wcfg.seed)
         ids, mask = sft_batch(tokenizer, probs[groups.dp_rank * per:(groups.dp_rank + 1) * per])
         lr = wcfg.warmup_lr * min(1.0, (step + 1) / 20)  # short linear warm-up
         opt.set_lr(lr)
@@ -122,11 +126,30 @@ def warmup(wcfg: WarmupConfig, groups: Groups, tokenizer, init_dir: str, out_dir
 
 # ------------------------------------------------------------------ stage cache (also compare's)
 
-def warmup_digest(wcfg: WarmupConfig) -> str:
-    """What a cached warm-up depends on (`megaprm compare` caches its warm-up with it)."""
+# the modules whose source builds a start (with everything they import): a cached start is
+# keyed by their version and torch's (`digest.source_digest`), so a commit that changes how a
+# start is built never reuses another commit's start
+START_CODE = ("megaprm.experiments.arithmetic.start", "megaprm.tasks.tokenizer")
+# runs.py: the design's defaults and knobs; what of it builds a start (the task) is in the
+# digests by value, so changing a default there does not rebuild the starts
+# (and rewards.prm_eval: the PRM's metrics, which score a start and never change its weights)
+START_CODE_EXCLUDE = ("megaprm.experiments.arithmetic.runs", "megaprm.rewards.prm_eval")
+
+
+def code_version() -> dict:
+    """{"code", "files", "torch"}: the version of the code that builds a start."""
+    return source_digest(START_CODE, exclude=START_CODE_EXCLUDE)
+
+
+def warmup_digest(wcfg: WarmupConfig, code: dict | None = None) -> str:
+    """What a cached warm-up depends on (`megaprm compare` caches its warm-up with it; `code`:
+    `code_version()`, which the comparison's cache adds; the shipped demo start is keyed by its
+    recipe alone and checked tensor by tensor instead)."""
     keys = ["seed", "warmup_steps", "warmup_batch", "warmup_lr", "hidden", "layers"]
     blob = {k: getattr(wcfg, k) for k in keys}
-    blob["task"] = repr(TASK)
+    blob["task"] = repr(TASKS[wcfg.task])
+    if code is not None:
+        blob["code"] = code
     return json_digest(blob)
 
 
@@ -149,25 +172,28 @@ def mark_stage_done(out_dir: str, digest: str, groups: Groups, **info) -> None:
         dist.barrier()
 
 
-def prm_recipe(steps: int, examples: int) -> dict:
+def prm_recipe(steps: int, examples: int, task: str = "short", seed: int = 0) -> dict:
     """PRMTrainConfig's settings of docs/prm.md's recipe: `steps` whole-model steps on
-    `examples` training solutions."""
-    return {"arithmetic": TASK, "num_train": examples, "num_eval": 512,
+    `examples` training solutions of `task`; `seed`: its data and shuffles (the trunk's init
+    seed is the caller's)."""
+    return {"arithmetic": TASKS[task], "num_train": examples, "num_eval": 512,
             "stage1_steps": 20, "stage1_lr": 1e-3, "stage2_steps": steps, "stage2_lr": 2e-3,
             "warmup_steps": min(50, steps), "lr_decay": "cosine", "lm_loss_weight": 1.0,
-            "global_batch_size": 64, "micro_batch_size": 32, "log_every": 250, "seed": 0}
+            "global_batch_size": 64, "micro_batch_size": 32, "log_every": 250, "seed": seed}
 
 
-def recipe(warmup_steps: int = 400, prm_steps: int = 3000, prm_examples: int = 16000) -> dict:
+def recipe(warmup_steps: int = 400, prm_steps: int = 3000, prm_examples: int = 16000,
+           task: str = "short") -> dict:
     """Everything the warm-up policy and the PRM depend on (JSON-able)."""
-    d = WarmupConfig(warmup_steps=warmup_steps)
-    c = CompareConfig(prm_steps=prm_steps, prm_examples=prm_examples)
-    prm = prm_recipe(c.prm_steps, c.prm_examples)
+    d = WarmupConfig(warmup_steps=warmup_steps, task=task)
+    c = CompareConfig(prm_steps=prm_steps, prm_examples=prm_examples, task=task)
+    prm = prm_recipe(c.prm_steps, c.prm_examples, task)
     prm = {k: (repr(v) if k == "arithmetic" else v) for k, v in prm.items() if k != "log_every"}
     return {"warmup": {"seed": d.seed, "steps": d.warmup_steps, "batch": d.warmup_batch,
                        "lr": d.warmup_lr, "hidden": d.hidden, "layers": d.layers,
-                       "task": repr(TASK)},
-            "prm": {**prm, "hidden": c.prm_hidden, "layers": c.prm_layers, "init_seed": 0}}
+                       "task": repr(TASKS[d.task])},
+            "prm": {**prm, "hidden": c.prm_hidden, "layers": c.prm_layers, "init_seed": 0},
+            **({"task": task} if task != "short" else {})}
 
 
 def tensor_digests(model_dir: str) -> dict:
@@ -197,7 +223,8 @@ def build(out_dir: str, rec: dict, groups, tok, say=print) -> dict:
     sft_dir, prm_dir = os.path.join(out_dir, "sft"), os.path.join(out_dir, "prm")
     times = {}
     t = time.perf_counter()
-    wcfg = WarmupConfig(warmup_steps=w["steps"])
+    task = rec.get("task", "short")
+    wcfg = WarmupConfig(warmup_steps=w["steps"], task=task)
     init_dir = init_policy(wcfg, tok, os.path.join(out_dir, "init"), groups.rank)
     say(f"[demo] warm-up: {w['steps']} supervised steps of {w['batch']} solutions", flush=True)
     sft_loss = warmup(wcfg, groups, tok, init_dir, sft_dir)
@@ -216,7 +243,8 @@ def build(out_dir: str, rec: dict, groups, tok, say=print) -> dict:
     say(f"[demo] PRM: {p['stage1_steps']} head-only + {p['stage2_steps']} whole-model steps of "
         f"{p['global_batch_size']} solutions (docs/prm.md's recipe)", flush=True)
     res = train_prm(PRMTrainConfig(model_dir=prm_init, output_dir=prm_dir,
-                                   **prm_recipe(p["stage2_steps"], p["num_train"])), groups)
+                                   **prm_recipe(p["stage2_steps"], p["num_train"], task)),
+                    groups)
     times["prm_s"] = time.perf_counter() - t
     man = {"recipe": rec, "digest": json_digest(rec), "origin": "built",
            "sft_final_loss": sft_loss,
