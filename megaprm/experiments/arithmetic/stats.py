@@ -11,6 +11,11 @@
   stages). Paired: a method and its reference (GRPO) share the drawn seeds and, within a seed,
   the drawn problems, since a method's run with seed s and GRPO's run with seed s start from the
   same warm-up with the same sampling seed and are evaluated on the same problems.
+* `hier_bootstrap3`: the same with independently built starts (warm-up + PRM) as the outer
+  level: starts, then seeds inside a start, then problems (ragged seed counts allowed).
+* `noise` / `noise3`: the noise of one run's value split into evaluation, seed (and start)
+  parts; `eval_components` / `eval_design`: how many held-out problems (and samples per
+  problem) put the evaluation's part below the seed's.
 
 A cell's statistic is a ratio of sums over problems: accuracy = sum(correct) / sum(samples),
 "correct with a wrong step" = sum(wrong-step) / sum(correct); per seed, then averaged over seeds
@@ -159,3 +164,279 @@ def mean_ci(xs: list) -> dict:
         return {"mean": m, "ci95": None, "n": len(xs)}
     sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
     return {"mean": m, "ci95": t975(len(xs) - 1) * sd / math.sqrt(len(xs)), "n": len(xs)}
+
+
+# ------------------------------------------------------------ three levels: starts, seeds, problems
+#
+# A *start* is an independently built warm-up policy + PRM; every RL run (seed) starts from one
+# start, and every run is evaluated on the same held-out problems. Counts come as an array
+# [starts, seeds, problems] or, where starts finished different numbers of seeds (a run cut
+# short), as a list of [seeds_t, problems] arrays, one per start.
+
+GATHER = 1 << 21  # problem indices drawn at once by `hier_bootstrap3` (memory: 8 bytes each)
+
+
+def _by_start(x, name: str) -> list:
+    """[starts, seeds, problems] array or list of [seeds_t, problems] arrays -> list of 2-D
+    float arrays, one per start; every start has >= 1 seed and all share one problem count."""
+    arrs = [np.asarray(a, float) for a in x]
+    if not arrs or any(a.ndim != 2 or a.shape[0] < 1 for a in arrs):
+        raise ValueError(f"{name}: expected [starts, seeds, problems] or a list of [seeds, "
+                         f"problems] arrays with >= 1 seed each, got shapes "
+                         f"{[a.shape for a in arrs]}")
+    if len({a.shape[1] for a in arrs}) != 1:
+        raise ValueError(f"{name}: starts have different problem counts "
+                         f"{[a.shape[1] for a in arrs]}; every run is evaluated on the same "
+                         "held-out problems")
+    return arrs
+
+
+def _layout(rows: list, names: list) -> None:
+    """Every array list in `rows` has the first one's shape, start by start."""
+    want = [a.shape for a in rows[0]]
+    for arrs, name in zip(rows[1:], names[1:]):
+        if [a.shape for a in arrs] != want:
+            raise ValueError(f"{name}: shapes {[a.shape for a in arrs]} differ from {names[0]}'s "
+                             f"{want}; paired rows need the same starts, seeds and problems")
+
+
+def start_values(num, den) -> np.ndarray:
+    """Each start's statistic: the mean over its seeds of sum(num)/sum(den) -> [starts]."""
+    return np.array([np.nanmean(seed_values(n, d)) for n, d in
+                     zip(_by_start(num, "num"), _by_start(den, "den"))])
+
+
+def hier_bootstrap3(num, den, ref_num=None, ref_den=None, *, reps: int = 2000, seed: int = 0,
+                    level: float = 0.95) -> dict:
+    """Three-level paired percentile bootstrap of the mean over starts of the mean over seeds
+    of sum(num)/sum(den) (minus the reference's, when `ref_*` are given in the same layout).
+
+    Resampling at every stage (Davison & Hinkley 1997, sec. 3.8; Field & Welsh, "Bootstrapping
+    clustered data", JRSS-B 69, 2007): draw the starts with replacement; inside each drawn start
+    draw as many seeds as it has, with replacement; inside each drawn (start, seed) draw the
+    problems with replacement. The reference shares every draw. A start with fewer seeds keeps
+    its own seed count, and the mean over its drawn seeds weighs it like any other start.
+
+    With one start the random stream is `hier_bootstrap`'s (no start draw; seeds, then problems,
+    from the same generator), so both return identical numbers for the same `seed`.
+    Returns the point estimate (on the data), the percentile interval, the replicates' SD, and
+    `undefined`, the share of replicates dropped because a drawn run's ratio had no denominator.
+    """
+    names = ["num", "den"] + (["ref_num", "ref_den"] if ref_num is not None else [])
+    rows = [_by_start(x, n) for x, n in zip((num, den, ref_num, ref_den), names)]
+    _layout(rows, names)
+    paired = len(rows) == 4
+    starts, probs = len(rows[0]), rows[0][0].shape[1]
+    n_seeds = np.array([a.shape[0] for a in rows[0]])
+    width = int(n_seeds.max())
+    # channels [num, den(, ref_num, ref_den)], each flattened [starts * width * problems];
+    # the padding rows of a start with fewer seeds are never drawn
+    flat = np.zeros((len(rows), starts, width, probs))
+    for c, arrs in enumerate(rows):
+        for t, a in enumerate(arrs):
+            flat[c, t, :a.shape[0]] = a
+    flat = flat.reshape(len(rows), -1)
+
+    point = np.mean(start_values(num, den))
+    if paired:
+        point = point - np.mean(start_values(ref_num, ref_den))
+
+    rng = np.random.default_rng(seed)
+    st = (rng.integers(0, starts, size=(reps, starts)) if starts > 1
+          else np.zeros((reps, 1), np.int64))                       # [reps, starts]
+    ns = n_seeds[st]                                                 # seeds of each drawn start
+    si = rng.integers(0, ns[..., None], size=(reps, starts, width))  # [reps, starts, width]
+    used = np.arange(width) < ns[..., None]                          # slots past ns: unused
+    row0 = (st[..., None] * width + si) * probs                      # offset of each drawn run
+    chunk = max(1, GATHER // (starts * width * probs))
+    means, bad = [], []
+    for lo in range(0, reps, chunk):
+        hi = min(reps, lo + chunk)
+        idx = rng.integers(0, probs, size=(hi - lo, starts, width, probs))
+        idx += row0[lo:hi, ..., None]                                # [chunk, starts, width, P]
+        sums = [np.take(ch, idx).sum(-1) for ch in flat]             # each [chunk, starts, width]
+        v = _pair_ratio(sums[0], sums[1])
+        if paired:
+            v = v - _pair_ratio(sums[2], sums[3])
+        u = used[lo:hi]
+        v = np.where(u, v, 0.0)                                      # nan stays where used
+        m = (v.sum(2) / ns[lo:hi]).mean(1)                           # [chunk]
+        bad.append(np.isnan(m))
+        means.append(m)
+    means, bad = np.concatenate(means), np.concatenate(bad)
+    means = means[~bad]
+    a = (1 - level) / 2
+    if means.size == 0:
+        lo_q = hi_q = sd = math.nan
+    else:
+        lo_q, hi_q = np.quantile(means, [a, 1 - a])
+        sd = float(means.std(ddof=1)) if means.size > 1 else math.nan
+    return {"mean": float(point), "lo": float(lo_q), "hi": float(hi_q), "sd": sd,
+            "undefined": float(bad.mean()), "reps": reps, "level": level,
+            "seeds": n_seeds.tolist()}
+
+
+def _pair_ratio(n: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """n / d elementwise; nan where d is 0."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(d > 0, n / np.where(d > 0, d, 1), np.nan)
+
+
+def _eval_residuals(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """The linearised evaluation error of every run's ratio R = sum(num)/sum(den), per problem:
+    z_p = (num_p - R den_p) / sum(den) ([runs, problems] -> [runs, problems]). Resampling the
+    problems moves R by sum_p z_p to first order (delta method; Cochran, "Sampling Techniques",
+    3rd ed. 1977, sec. 6.4), so the bootstrap variance of one run's R is sum_p z_p^2 and the
+    covariance of two runs' R under the same problem draws is sum_p z_p z'_p."""
+    r = _ratio(num, den)[:, None]
+    return (num - r * den) / den.sum(-1, keepdims=True)
+
+
+def noise3(num, den) -> dict:
+    """The three noise sources of a row, each as the SD of *one* run's value (closed form, no
+    Monte Carlo).
+
+    Model (a nested random-effects model; Searle, Casella & McCulloch, "Variance Components",
+    1992, sec. 3.6 and ch. 5): run j of start i has value y_ij = mu + A_i + B_ij + E_ij, with
+    start effect A (variance s_a^2), seed effect B (s_s^2) and evaluation error E. All runs are
+    evaluated on the same problems, so E is correlated: from the linearised residuals z
+    (`_eval_residuals`), v = mean over runs of sum_p z^2 (one run's evaluation variance),
+    c_w = mean over pairs of runs in one start of sum_p z z' and c_b the same over pairs in
+    different starts. The part c_b is common to every run (the problem set's difficulty) and
+    moves no comparison; c_w - c_b is common to a start's runs; v - c_w is each run's own.
+
+    One-way ANOVA of the runs on their start (unbalanced; Searle et al. sec. 3.6):
+      MS_W = sum_ij (y_ij - ybar_i)^2 / (N - a),  E[MS_W] = s_s^2 + (v - c_w)
+      MS_A = sum_i n_i (ybar_i - ybar)^2 / (a - 1),
+             E[MS_A] = n0 (s_a^2 + c_w - c_b) + s_s^2 + (v - c_w),
+      n0 = (N - sum_i n_i^2 / N) / (a - 1)
+    (N runs, a starts, n_i seeds of start i, ybar the mean over runs), giving the
+    method-of-moments estimates
+      seed_var  = MS_W - (v - c_w)
+      start_var = (MS_A - MS_W) / n0 - (c_w - c_b).
+    `seed_sd`, `start_sd` are their square roots floored at 0 (the raw, possibly negative,
+    `seed_var` and `start_var` are returned too: they are unbiased, the floored SDs are not);
+    `eval_sd` = sqrt(v) is the SD of one run's value under resampling the problems (the
+    quantity `noise` bootstraps), `eval_run_sd` = sqrt(v - c_w) its part that differs between
+    runs of one start. A component that the layout cannot estimate (one start; no start with
+    two seeds) is nan. Unlike `noise`, the seed variance subtracts only the runs' own
+    evaluation variance, not the shared part: with heterogeneous problems, subtracting all of
+    v understates the seed spread. Runs whose ratio is undefined (den sums to 0) are left out.
+    """
+    nums, dens = _by_start(num, "num"), _by_start(den, "den")
+    _layout([nums, dens], ["num", "den"])
+    keep = [~np.isnan(_ratio(n, d)) for n, d in zip(nums, dens)]
+    nums = [n[k] for n, k in zip(nums, keep) if k.any()]
+    dens = [d[k] for d, k in zip(dens, keep) if k.any()]
+    ys = [_ratio(n, d) for n, d in zip(nums, dens)]                # per start: [n_i]
+    n_i = np.array([y.size for y in ys])
+    a, n_runs = len(ys), int(n_i.sum())
+    # block sums of the runs' covariance matrix sum_p z z', without forming it: within start i
+    # the off-diagonal pairs sum to |S_i|^2 - sum_j |z_ij|^2 (S_i = sum_j z_ij), and pairs in
+    # different starts to |T|^2 - sum_i |S_i|^2 (T = sum_i S_i)
+    zs = [_eval_residuals(n, d) for n, d in zip(nums, dens)]       # per start: [n_i, P]
+    diag = sum(float((z ** 2).sum()) for z in zs)
+    s_i = np.stack([z.sum(0) for z in zs])                         # [a, P]
+    ss_i = float((s_i ** 2).sum())
+    v = diag / n_runs
+    same_pairs = int((n_i * (n_i - 1)).sum())
+    other_pairs = n_runs ** 2 - int((n_i ** 2).sum())
+    c_w = (ss_i - diag) / same_pairs if same_pairs else math.nan
+    c_b = (float((s_i.sum(0) ** 2).sum()) - ss_i) / other_pairs if other_pairs else math.nan
+    y_all = np.concatenate(ys)
+    means = np.array([y.mean() for y in ys])
+    ms_w = (float(sum(((y - y.mean()) ** 2).sum() for y in ys) / (n_runs - a))
+            if n_runs > a else math.nan)
+    seed_var = ms_w - (v - c_w)
+    if a > 1:
+        ms_a = float((n_i * (means - y_all.mean()) ** 2).sum() / (a - 1))
+        n0 = (n_runs - (n_i ** 2).sum() / n_runs) / (a - 1)
+        start_var = (ms_a - ms_w) / n0 - (c_w - c_b)
+    else:
+        start_var = n0 = math.nan
+
+    def sd(var):
+        return math.nan if math.isnan(var) else math.sqrt(max(0.0, var))
+
+    return {"eval_sd": math.sqrt(v), "eval_run_sd": sd(v - c_w), "seed_sd": sd(seed_var),
+            "start_sd": sd(start_var), "seed_var": seed_var, "start_var": start_var,
+            "within_sd": sd(ms_w), "between_sd": float(np.std(means, ddof=1)) if a > 1
+            else math.nan, "n0": n0, "seeds": n_i.tolist()}
+
+
+# ------------------------------------------------------------ how many problems (and samples)
+
+def eval_components(num, den, k: int) -> dict:
+    """Between- and within-problem variance of the evaluation, for choosing its size.
+
+    Each problem is sampled k times; sample s of problem p has indicators num_ps <= den_ps in
+    {0, 1} (accuracy: den = 1, num = correct; wrong-step share: den = correct, num = correct
+    with a wrong step), and the counts given are their sums over the k samples. To first order
+    a run's ratio R = sum num / sum den moves with the mean over problems and samples of
+    u_ps = (num_ps - R den_ps) / dbar (dbar = sum den / (N k)), so with N problems drawn from
+    a population and k samples each
+        Var(R) = s_b^2 / N + s_w^2 / (N k),
+    s_w^2 = E_p[Var_s(u_ps)] (the samples' spread inside a problem) and
+    s_b^2 = Var_p(E_s u_ps) (the problems' spread) -- the variance of a two-stage sample mean
+    (Cochran 1977, sec. 10.2). From the counts, u takes (1 - R)/dbar on num_p samples,
+    -R/dbar on den_p - num_p samples and 0 on the rest, which gives each problem's sample
+    variance s_p^2 (ddof 1) exactly; s_w^2 = mean_p s_p^2 and s_b^2 = Var_p(ubar_p) (ddof 1)
+    - s_w^2 / k (unbiased; the mean of ubar_p is 0 by the choice of R). Averaged over runs.
+    With k = 1 the two are not separable: s_w^2 is nan and s_b^2 holds their sum.
+    Counts: any layout `_by_start` accepts (one run: [[counts]], i.e. shape [1, 1, problems])."""
+    runs = np.concatenate(_by_start(num, "num"))                 # [runs, problems]
+    dens = np.concatenate(_by_start(den, "den"))
+    if runs.shape != dens.shape:
+        raise ValueError(f"num {runs.shape} and den {dens.shape} differ")
+    if k < 1 or (runs < 0).any() or (runs > dens).any() or (dens > k).any():
+        raise ValueError(f"eval_components: need 0 <= num <= den <= k per problem (k = {k} "
+                         "samples per problem, counts of 0/1 indicators)")
+    n_probs = runs.shape[1]
+    b_parts, w_parts = [], []
+    for n_p, d_p in zip(runs, dens):
+        if d_p.sum() == 0:
+            continue
+        r = n_p.sum() / d_p.sum()
+        dbar = d_p.sum() / (n_probs * k)
+        hi, lo = (1 - r) / dbar, -r / dbar                       # u on num / den-only samples
+        ubar = (n_p * hi + (d_p - n_p) * lo) / k                 # [P]
+        if k > 1:
+            s2 = (n_p * hi ** 2 + (d_p - n_p) * lo ** 2 - k * ubar ** 2) / (k - 1)
+            w = float(s2.mean())
+        else:
+            w = 0.0
+        b_parts.append(float(ubar.var(ddof=1)) - w / k)
+        w_parts.append(w)
+    within = float(np.mean(w_parts)) if k > 1 else math.nan
+    return {"between_var": float(np.mean(b_parts)), "within_var": within, "k": k,
+            "problems": n_probs}
+
+
+def eval_sd_at(comp: dict, problems: int, k: int) -> float:
+    """The SD of one run's value at `problems` held-out problems and `k` samples each, from
+    `eval_components` (between-problem variance floored at 0)."""
+    if k != comp["k"] and math.isnan(comp["within_var"]):
+        return math.nan  # measured with one sample per problem: k's effect is not identified
+    within = 0.0 if math.isnan(comp["within_var"]) else comp["within_var"]
+    return math.sqrt(max(0.0, comp["between_var"]) / problems + within / (problems * k))
+
+
+def eval_design(num, den, *, k: int = 1, ks: tuple = (1, 2, 4, 8, 16)) -> dict:
+    """Does evaluation noise stay below seed noise for this column, and if not, how large must
+    the evaluation be? `num`, `den`: one column's counts over starts, seeds and problems (any
+    `_by_start` layout), measured with k samples per problem.
+
+    `holds`: eval_sd < seed_sd (both from `noise3`, SDs of one run's value). `problems_needed`
+    maps each k' in `ks` to the smallest N with eval_sd_at(N, k') < seed_sd, i.e.
+    N = floor((s_b^2 + s_w^2 / k') / seed_sd^2) + 1; None where no N suffices (seed_sd 0 or not
+    estimable) or k' is not identified (measured with k = 1: only k' = 1 is given)."""
+    nz = noise3(num, den)
+    comp = eval_components(num, den, k)
+    target = nz["seed_sd"]
+    need = {}
+    for kk in ks:
+        var1 = eval_sd_at(comp, 1, kk) ** 2                      # variance at N = 1
+        ok = not (math.isnan(var1) or math.isnan(target) or target <= 0)
+        need[kk] = int(math.floor(var1 / target ** 2)) + 1 if ok else None
+    return {"holds": bool(nz["eval_sd"] < target), "eval_sd": nz["eval_sd"],
+            "seed_sd": target, "start_sd": nz["start_sd"], **comp, "problems_needed": need}

@@ -141,3 +141,244 @@ def test_noise_split():
 def test_paired_shapes_must_match():
     with pytest.raises(ValueError, match="same seeds and problems"):
         stats.hier_bootstrap(np.ones((2, 3)), np.ones((2, 3)), np.ones((3, 3)), np.ones((3, 3)))
+
+
+# ------------------------------------------------------------ three levels: starts, seeds, problems
+
+def _seeds_layout_exact(nums, dens, rnums, rdens):
+    """Every resample of a tiny ragged [start][seed, problem] case with its probability: starts
+    drawn with replacement, then inside each drawn start as many seeds as it has, then the
+    problems inside each drawn run; the statistic is the mean over start slots of the mean
+    over seed slots of sum(num)/sum(den) - the reference's. Returns (values, probabilities)."""
+    starts, probs = len(nums), nums[0].shape[1]
+
+    def run_dist(t, s):  # the drawn run's value over all problem draws (equally likely)
+        out = []
+        for pd in itertools.product(range(probs), repeat=probs):
+            pd = list(pd)
+            out.append(nums[t][s, pd].sum() / dens[t][s, pd].sum()
+                       - rnums[t][s, pd].sum() / rdens[t][s, pd].sum())
+        return out
+
+    def start_dist(t):  # {value of the mean over seed slots: probability}
+        n = nums[t].shape[0]
+        dist = {}
+        for sd in itertools.product(range(n), repeat=n):
+            for vals in itertools.product(*[run_dist(t, s) for s in sd]):
+                v = sum(vals) / n
+                dist[v] = dist.get(v, 0.0) + 1.0 / (n ** n * (probs ** probs) ** n)
+        return dist
+
+    per_start = [start_dist(t) for t in range(starts)]
+    values, probs_out = [], []
+    for td in itertools.product(range(starts), repeat=starts):
+        for combo in itertools.product(*[per_start[t].items() for t in td]):
+            values.append(sum(v for v, _ in combo) / starts)
+            probs_out.append(math.prod(p for _, p in combo) / starts ** starts)
+    return np.array(values), np.array(probs_out)
+
+
+def _tiny_ragged():
+    # start 0 has 2 seeds, start 1 one seed (a run cut short); 2 problems, wrong-step-like ratio
+    nums = [np.array([[1, 0], [2, 1]], float), np.array([[0, 1]], float)]
+    dens = [np.array([[2, 1], [2, 2]], float), np.array([[1, 2]], float)]
+    rnums = [np.array([[1, 1], [1, 1]], float), np.array([[1, 1]], float)]
+    rdens = [np.array([[2, 2], [1, 2]], float), np.array([[2, 1]], float)]
+    return nums, dens, rnums, rdens
+
+
+def test_hier_bootstrap3_matches_exact_enumeration_on_ragged_starts():
+    nums, dens, rnums, rdens = _tiny_ragged()
+    vals, prob = _seeds_layout_exact(nums, dens, rnums, rdens)
+    assert prob.sum() == pytest.approx(1.0)
+    mean = (vals * prob).sum()
+    sd = math.sqrt(((vals - mean) ** 2 * prob).sum())
+    got = stats.hier_bootstrap3(nums, dens, rnums, rdens, reps=40_000, seed=5)
+    # the point: the mean over starts of each start's mean over its seeds
+    m = lambda n, d: n.sum(1) / d.sum(1)  # noqa: E731
+    point = (np.mean([m(a, b).mean() for a, b in zip(nums, dens)])
+             - np.mean([m(a, b).mean() for a, b in zip(rnums, rdens)]))
+    assert got["mean"] == pytest.approx(point) and got["seeds"] == [2, 1]
+    assert got["sd"] == pytest.approx(sd, rel=0.03)
+    order = np.argsort(vals)
+    cdf = np.cumsum(prob[order])
+    lo, hi = vals[order][np.searchsorted(cdf, 0.025)], vals[order][np.searchsorted(cdf, 0.975)]
+    assert got["lo"] == pytest.approx(lo, abs=0.03) and got["hi"] == pytest.approx(hi, abs=0.03)
+
+
+def _loop_replicates(nums, dens, rnums, rdens, reps, seed):
+    """Plain loops over the draws `hier_bootstrap3` documents, from the same generator in the
+    same order: starts [reps, starts] (skipped for one start), seeds [reps, starts, max seeds]
+    below each drawn start's seed count, problems [reps, starts, max seeds, problems]."""
+    starts, probs = len(nums), nums[0].shape[1]
+    n = [a.shape[0] for a in nums]
+    width = max(n)
+    rng = np.random.default_rng(seed)
+    st = rng.integers(0, starts, size=(reps, starts)) if starts > 1 else np.zeros((reps, 1), int)
+    si = rng.integers(0, np.array(n)[st][..., None], size=(reps, starts, width))
+    pi = rng.integers(0, probs, size=(reps, starts, width, probs))
+    out = []
+    for r in range(reps):
+        tot = 0.0
+        for slot in range(starts):
+            t = st[r, slot]
+            sub = 0.0
+            for j in range(n[t]):
+                s = si[r, slot, j]
+                a = b = c = d = 0.0
+                for p in pi[r, slot, j]:
+                    a, b = a + nums[t][s, p], b + dens[t][s, p]
+                    c, d = c + rnums[t][s, p], d + rdens[t][s, p]
+                sub += a / b - c / d
+            tot += sub / n[t]
+        out.append(tot / starts)
+    return np.array(out)
+
+
+def test_hier_bootstrap3_equals_a_loop_over_the_same_draws():
+    rng = np.random.default_rng(6)
+    shape = [3, 1, 2]  # seeds finished per start
+    nums = [rng.integers(0, 3, size=(s, 4)).astype(float) for s in shape]
+    dens = [n + rng.integers(1, 3, size=n.shape) for n in nums]
+    rnums = [rng.integers(0, 3, size=(s, 4)).astype(float) for s in shape]
+    rdens = [n + rng.integers(1, 3, size=n.shape) for n in rnums]
+    loop = _loop_replicates(nums, dens, rnums, rdens, reps=300, seed=8)
+    got = stats.hier_bootstrap3(nums, dens, rnums, rdens, reps=300, seed=8)
+    assert got["sd"] == pytest.approx(loop.std(ddof=1), rel=1e-12)
+    assert [got["lo"], got["hi"]] == pytest.approx(np.quantile(loop, [0.025, 0.975]), rel=1e-12)
+
+
+def test_hier_bootstrap3_with_one_start_is_hier_bootstrap():
+    """Decided: identical numbers for the same seed (one start draws nothing at the start
+    level, and the seed and problem draws come in hier_bootstrap's order)."""
+    rng = np.random.default_rng(7)
+    num = (rng.random((4, 300)) < 0.3).astype(float)
+    ref = np.maximum(num, (rng.random((4, 300)) < 0.1).astype(float))
+    den = np.ones_like(num)
+    for args in ((num, den), (num, den, ref, den)):
+        two = stats.hier_bootstrap(*args, reps=700, seed=3)        # 700: not a chunk multiple
+        three = stats.hier_bootstrap3(*[a[None] for a in args], reps=700, seed=3)
+        assert {k: three[k] for k in two} == two
+
+
+def test_hier_bootstrap3_start_level_widens_the_interval_and_layouts_are_checked():
+    rng = np.random.default_rng(9)
+    # three starts whose accuracy differs (0.2, 0.3, 0.4), five seeds each, 200 problems
+    num = np.stack([(rng.random((5, 200)) < p).astype(float) for p in (0.2, 0.3, 0.4)])
+    den = np.ones_like(num)
+    three = stats.hier_bootstrap3(num, den, reps=500)
+    pooled = stats.hier_bootstrap(num.reshape(15, 200), den.reshape(15, 200), reps=500)
+    assert three["mean"] == pytest.approx(pooled["mean"])
+    # the start spread (SD 0.1 over 3 starts: the mean's SD ~ 0.1 * sqrt(2/3) / sqrt(3)) shows
+    assert three["sd"] == pytest.approx(0.1 * math.sqrt(2 / 3) / math.sqrt(3), rel=0.25)
+    assert three["sd"] > 2 * pooled["sd"]
+    with pytest.raises(ValueError, match="same starts, seeds and problems"):
+        stats.hier_bootstrap3(num, den, num[:, :4], den[:, :4])
+    with pytest.raises(ValueError, match="same held-out problems"):
+        stats.hier_bootstrap3([num[0], num[1, :, :5]], [den[0], den[1, :, :5]])
+
+
+def _simulated_rows(rng, seeds=(5, 5, 4, 3, 5, 2), problems=1000, start_sd=0.03, seed_sd=0.02,
+                    base=(0.1, 0.9), knows=0.0):
+    """One comparison row: problem p of the held-out set (shared by every run) is solved with
+    probability base_p + A_start + B_seed (+ G_start,p), one sample each; base_p ~ U(base), so
+    the problems' difficulty is shared noise and each run's own evaluation noise is binomial.
+    G = +-`knows` at random per (start, problem): each start knows its own problems, which
+    moves its runs together on this problem set but not on the population (E G = 0)."""
+    base = rng.uniform(*base, problems)
+    nums = []
+    for n in seeds:
+        g = knows * rng.choice([-1.0, 1.0], problems)
+        q = np.clip(base + g + rng.normal(0, start_sd) + rng.normal(0, seed_sd, (n, 1)), 0, 1)
+        nums.append((rng.random(q.shape) < q).astype(float))
+    return nums, [np.ones_like(x) for x in nums], base
+
+
+def test_noise3_recovers_known_components_over_simulated_datasets():
+    rng = np.random.default_rng(10)
+    res, own = [], []
+    for _ in range(400):
+        nums, dens, base = _simulated_rows(rng)
+        res.append(stats.noise3(nums, dens))
+        own.append((base * (1 - base)).mean() / base.size)  # a run's binomial variance
+    get = lambda k: np.array([r[k] for r in res])  # noqa: E731
+    for key, truth in (("seed_var", 0.02 ** 2), ("start_var", 0.03 ** 2)):
+        x = get(key)
+        se = x.std() / math.sqrt(x.size)
+        assert abs(x.mean() - truth) < 4 * se and abs(x.mean() - truth) < 0.1 * truth, key
+    assert np.mean(get("eval_run_sd") ** 2) == pytest.approx(np.mean(own), rel=0.03)
+    # one run's total evaluation variance adds the problems' spread: Var(base)/N + own
+    assert np.mean(get("eval_sd") ** 2) == pytest.approx(np.mean(own) + 0.8 ** 2 / 12 / 1000,
+                                                          rel=0.05)
+    # subtracting the whole evaluation variance (as `noise` does) understates the seed spread
+    naive = get("within_sd") ** 2 - get("eval_sd") ** 2
+    assert naive.mean() < 0.02 ** 2 - 5 * naive.std() / math.sqrt(naive.size)
+
+
+def test_noise3_separates_a_start_that_knows_its_own_problems_from_the_start_effect():
+    """Starts that solve different problems (G = +-0.3 per problem; its share on 400 problems,
+    Var = 0.09 / 400, equals the start variance 0.015^2) look like start spread on one problem
+    set; noise3 takes it out (c_w - c_b) and recovers the start variance."""
+    rng = np.random.default_rng(14)
+    res = [stats.noise3(*_simulated_rows(rng, problems=400, start_sd=0.015, base=(0.35, 0.65),
+                                         knows=0.3)[:2]) for _ in range(300)]
+    x = np.array([r["start_var"] for r in res])
+    se = x.std() / math.sqrt(x.size)
+    assert abs(x.mean() - 0.015 ** 2) < 4 * se and 4 * se < 0.5 * 0.015 ** 2
+    y = np.array([r["seed_var"] for r in res])
+    assert abs(y.mean() - 0.02 ** 2) < 4 * y.std() / math.sqrt(y.size)
+
+
+def test_noise3_evaluation_parts_and_degenerate_layouts():
+    rng = np.random.default_rng(11)
+    # a wrong-step share (num <= den, den = correct answers of 4 samples): eval_sd is the
+    # problem bootstrap's SD of one run's value (delta method vs resampling)
+    den = rng.binomial(4, rng.uniform(0, 1, (1, 2000))).astype(float)
+    num = rng.binomial(den.astype(int), 0.3).astype(float)
+    boot = stats.eval_only_bootstrap(num, den, reps=3000, seed=1)
+    assert stats.noise3(num[None], den[None])["eval_sd"] == pytest.approx(boot, rel=0.05)
+    # identical seeds: no seed spread and no evaluation noise of their own; one start: no
+    # start component
+    row = (rng.random(500) < 0.4).astype(float)
+    nz = stats.noise3(np.stack([row] * 3)[None], np.ones((1, 3, 500)))
+    assert nz["seed_var"] == pytest.approx(0.0, abs=1e-15) and nz["seed_sd"] == 0
+    assert nz["eval_run_sd"] == pytest.approx(0.0, abs=1e-7)
+    assert nz["eval_sd"] == pytest.approx(math.sqrt(row.mean() * (1 - row.mean()) / 500))
+    assert math.isnan(nz["start_sd"]) and math.isnan(nz["start_var"])
+
+
+def _population_eval(rng, problems, k, wrong_step):
+    """An evaluation of N fresh problems drawn from a population, k samples each: counts
+    (num, den) of accuracy or of the wrong-step share among correct answers."""
+    q = rng.beta(0.6, 0.6, problems)
+    correct = rng.binomial(k, q).astype(float)
+    if not wrong_step:
+        return correct, np.full(problems, float(k))
+    return rng.binomial(correct.astype(int), rng.beta(1, 3, problems)).astype(float), correct
+
+
+@pytest.mark.parametrize("wrong_step", [False, True])
+def test_eval_components_predict_the_sd_at_other_sizes(wrong_step):
+    """Measured on 4000 problems x 4 samples, the SD of one run's value predicted at other
+    (N, k) matches the SD over 1500 fresh simulated evaluations of that size."""
+    rng = np.random.default_rng(12)
+    n, d = _population_eval(rng, 4000, 4, wrong_step)
+    comp = stats.eval_components(n[None, None], d[None, None], 4)
+    for problems, k in ((400, 1), (400, 16)):
+        vals = [np.divide(*[x.sum() for x in _population_eval(rng, problems, k, wrong_step)])
+                for _ in range(1500)]
+        assert stats.eval_sd_at(comp, problems, k) == pytest.approx(np.std(vals), rel=0.06)
+
+
+def test_eval_design_says_when_evaluation_noise_is_below_seed_noise():
+    rng = np.random.default_rng(13)
+    nums, dens, _ = _simulated_rows(rng, seeds=(5, 5, 5), problems=400, seed_sd=0.03)
+    d = stats.eval_design(nums, dens, k=1)
+    assert d["holds"] == (d["eval_sd"] < d["seed_sd"])
+    assert d["problems_needed"][2] is None  # one sample per problem: k's effect unidentified
+    need = d["problems_needed"][1]
+    comp = stats.eval_components(nums, dens, 1)
+    # the smallest N: below the seed SD at N, not at N - 1
+    assert stats.eval_sd_at(comp, need, 1) < d["seed_sd"] <= stats.eval_sd_at(comp, need - 1, 1)
+    with pytest.raises(ValueError, match="num <= den <= k"):
+        stats.eval_components(nums, [x * 0 for x in dens], 1)
