@@ -50,6 +50,7 @@ from megaprm.parallel.device import DTYPE_CHOICES, DTYPES, resolve_dtype_name, t
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.optimizer import OptimConfig, Optimizer
 from megaprm.rewards import scoring
+from megaprm.rewards.prm_eval import step_auroc  # moved there; importable here as before
 from megaprm.rewards.steps import STEP_SEP, segment_steps, separator_token_ids
 from megaprm.rollout import weight_sync
 from megaprm.tasks import arithmetic
@@ -304,21 +305,6 @@ def _right_padded(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------- evaluation
-
-def step_auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """P(score of a good step > score of a bad step), ties counted half (Mann-Whitney U).
-    scores, labels: 1-D over steps; labels 1 = good. nan when one class is absent."""
-    labels = labels.bool()
-    n_pos, n_neg = int(labels.sum()), int((~labels).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    _, inverse, counts = torch.unique(scores.double(), return_inverse=True, return_counts=True)
-    counts = counts.double()
-    first = counts.cumsum(0) - counts  # 0-based rank of each distinct value's first copy
-    ranks = (first + (counts + 1) / 2.0)[inverse]  # 1-based average ranks
-    u = ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0
-    return float(u / (n_pos * n_neg))
-
 
 @dataclass(frozen=True)
 class PRMEval:
