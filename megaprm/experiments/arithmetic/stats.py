@@ -289,10 +289,11 @@ def _eval_residuals(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     3rd ed. 1977, sec. 6.4), so the bootstrap variance of one run's R is sum_p z_p^2 and the
     covariance of two runs' R under the same problem draws is sum_p z_p z'_p."""
     r = _ratio(num, den)[:, None]
-    return (num - r * den) / den.sum(-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (num - r * den) / den.sum(-1, keepdims=True)
 
 
-def noise3(num, den) -> dict:
+def noise3(num, den, ref_num=None, ref_den=None) -> dict:
     """The three noise sources of a row, each as the SD of *one* run's value (closed form, no
     Monte Carlo).
 
@@ -322,19 +323,29 @@ def noise3(num, den) -> dict:
     two seeds) is nan. Unlike `noise`, the seed variance subtracts only the runs' own
     evaluation variance, not the shared part: with heterogeneous problems, subtracting all of
     v understates the seed spread. Runs whose ratio is undefined (den sums to 0) are left out.
+
+    Paired (`ref_*` in the same layout): the same split of the difference from the reference's
+    run of the same start and seed, y = R - R_ref, z = z - z_ref (the two share the problems).
     """
-    nums, dens = _by_start(num, "num"), _by_start(den, "den")
-    _layout([nums, dens], ["num", "den"])
-    keep = [~np.isnan(_ratio(n, d)) for n, d in zip(nums, dens)]
-    nums = [n[k] for n, k in zip(nums, keep) if k.any()]
-    dens = [d[k] for d, k in zip(dens, keep) if k.any()]
-    ys = [_ratio(n, d) for n, d in zip(nums, dens)]                # per start: [n_i]
+    names = ["num", "den"] + (["ref_num", "ref_den"] if ref_num is not None else [])
+    rows = [_by_start(x, n) for x, n in zip((num, den, ref_num, ref_den), names)]
+    _layout(rows, names)
+    ys, zs = [], []                                                # per start: [n_i], [n_i, P]
+    for t in range(len(rows[0])):
+        y, z = _ratio(rows[0][t], rows[1][t]), _eval_residuals(rows[0][t], rows[1][t])
+        if len(rows) == 4:
+            y = y - _ratio(rows[2][t], rows[3][t])
+            z = z - _eval_residuals(rows[2][t], rows[3][t])
+        if (~np.isnan(y)).any():
+            ys.append(y[~np.isnan(y)])
+            zs.append(z[~np.isnan(y)])
     n_i = np.array([y.size for y in ys])
     a, n_runs = len(ys), int(n_i.sum())
+    if n_runs == 0:
+        raise ValueError("noise3: no run has a defined ratio (every denominator sums to 0)")
     # block sums of the runs' covariance matrix sum_p z z', without forming it: within start i
     # the off-diagonal pairs sum to |S_i|^2 - sum_j |z_ij|^2 (S_i = sum_j z_ij), and pairs in
     # different starts to |T|^2 - sum_i |S_i|^2 (T = sum_i S_i)
-    zs = [_eval_residuals(n, d) for n, d in zip(nums, dens)]       # per start: [n_i, P]
     diag = sum(float((z ** 2).sum()) for z in zs)
     s_i = np.stack([z.sum(0) for z in zs])                         # [a, P]
     ss_i = float((s_i ** 2).sum())

@@ -347,6 +347,30 @@ def test_noise3_evaluation_parts_and_degenerate_layouts():
     assert math.isnan(nz["start_sd"]) and math.isnan(nz["start_var"])
 
 
+def test_noise3_paired_splits_the_difference_from_the_reference():
+    """GRPO and a method share each start's and seed's effects; the method adds its own
+    (start SD 0.02, seed SD 0.015): the paired split recovers those, not the shared ones, and
+    its evaluation SD is the paired problem bootstrap's of one run's difference."""
+    rng = np.random.default_rng(15)
+    res = []
+    for _ in range(200):
+        base = rng.uniform(0.2, 0.8, 400)
+        rows = [[], [], [], []]
+        for n in (4, 4, 3):
+            q = base + rng.normal(0, 0.03) + rng.normal(0, 0.02, (n, 1))     # shared
+            d = rng.normal(0, 0.02) + rng.normal(0, 0.015, (n, 1))           # the method's
+            for i, qq in ((0, np.clip(q + d, 0, 1)), (2, np.clip(q, 0, 1))):
+                rows[i].append(rng.binomial(2, qq).astype(float))
+                rows[i + 1].append(np.full(qq.shape, 2.0))
+        res.append(stats.noise3(*rows))
+    for key, truth in (("seed_var", 0.015 ** 2), ("start_var", 0.02 ** 2)):
+        x = np.array([r[key] for r in res])
+        assert abs(x.mean() - truth) < 4 * x.std() / math.sqrt(x.size), key
+    one = [[r[0][:1]] for r in rows]                   # one start, one seed: only problems
+    boot = stats.hier_bootstrap3(*one, reps=3000, seed=2)
+    assert stats.noise3(*one)["eval_sd"] == pytest.approx(boot["sd"], rel=0.05)
+
+
 def _population_eval(rng, problems, k, wrong_step):
     """An evaluation of N fresh problems drawn from a population, k samples each: counts
     (num, den) of accuracy or of the wrong-step share among correct answers."""
