@@ -42,11 +42,15 @@ def wilson(k: float, n: float, z: float = Z95) -> tuple:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
-    """sum(num) / sum(den) over the last axis; nan where the denominator is 0."""
-    n, d = num.sum(-1), den.sum(-1)
+def _div(n: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """n / d elementwise; nan where d is 0."""
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(d > 0, n / np.where(d > 0, d, 1), np.nan)
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """sum(num) / sum(den) over the last axis; nan where the denominator is 0."""
+    return _div(num.sum(-1), den.sum(-1))
 
 
 def seed_values(num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -221,6 +225,14 @@ def hier_bootstrap3(num, den, ref_num=None, ref_den=None, *, reps: int = 2000, s
     from the same generator), so both return identical numbers for the same `seed`.
     Returns the point estimate (on the data), the percentile interval, the replicates' SD, and
     `undefined`, the share of replicates dropped because a drawn run's ratio had no denominator.
+
+    Few starts: a percentile bootstrap over a clusters has SD sqrt((a-1)/a) of the usual
+    standard error and normal-like tails, so it undercovers when the start spread dominates
+    (simulated, start SD 0.03 > seed SD 0.02, 5 seeds x 400 problems, 300 datasets: 85% of
+    nominal 95% at 3 starts, 92% at 5, 94% at 8). `t_lo`, `t_hi` give the interval that holds
+    with few starts: Student's t over the per-start values (each start's mean over its seeds,
+    or of its paired differences), mean +- t_{0.975, a-1} sd / sqrt(a) (93.7%, 95.3%, 94.7% in
+    the same simulation); nan with one start.
     """
     names = ["num", "den"] + (["ref_num", "ref_den"] if ref_num is not None else [])
     rows = [_by_start(x, n) for x, n in zip((num, den, ref_num, ref_den), names)]
@@ -237,9 +249,15 @@ def hier_bootstrap3(num, den, ref_num=None, ref_den=None, *, reps: int = 2000, s
             flat[c, t, :a.shape[0]] = a
     flat = flat.reshape(len(rows), -1)
 
-    point = np.mean(start_values(num, den))
+    per_start = start_values(num, den)
     if paired:
-        point = point - np.mean(start_values(ref_num, ref_den))
+        per_start = per_start - start_values(ref_num, ref_den)
+    point = np.mean(per_start)
+    if starts > 1:
+        half = t975(starts - 1) * np.std(per_start, ddof=1) / math.sqrt(starts)
+        t_lo, t_hi = point - half, point + half
+    else:
+        t_lo = t_hi = math.nan
 
     rng = np.random.default_rng(seed)
     st = (rng.integers(0, starts, size=(reps, starts)) if starts > 1
@@ -255,9 +273,9 @@ def hier_bootstrap3(num, den, ref_num=None, ref_den=None, *, reps: int = 2000, s
         idx = rng.integers(0, probs, size=(hi - lo, starts, width, probs))
         idx += row0[lo:hi, ..., None]                                # [chunk, starts, width, P]
         sums = [np.take(ch, idx).sum(-1) for ch in flat]             # each [chunk, starts, width]
-        v = _pair_ratio(sums[0], sums[1])
+        v = _div(sums[0], sums[1])
         if paired:
-            v = v - _pair_ratio(sums[2], sums[3])
+            v = v - _div(sums[2], sums[3])
         u = used[lo:hi]
         v = np.where(u, v, 0.0)                                      # nan stays where used
         m = (v.sum(2) / ns[lo:hi]).mean(1)                           # [chunk]
@@ -273,13 +291,7 @@ def hier_bootstrap3(num, den, ref_num=None, ref_den=None, *, reps: int = 2000, s
         sd = float(means.std(ddof=1)) if means.size > 1 else math.nan
     return {"mean": float(point), "lo": float(lo_q), "hi": float(hi_q), "sd": sd,
             "undefined": float(bad.mean()), "reps": reps, "level": level,
-            "seeds": n_seeds.tolist()}
-
-
-def _pair_ratio(n: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """n / d elementwise; nan where d is 0."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(d > 0, n / np.where(d > 0, d, 1), np.nan)
+            "t_lo": float(t_lo), "t_hi": float(t_hi), "seeds": n_seeds.tolist()}
 
 
 def _eval_residuals(num: np.ndarray, den: np.ndarray) -> np.ndarray:

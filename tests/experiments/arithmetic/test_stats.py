@@ -272,6 +272,15 @@ def test_hier_bootstrap3_start_level_widens_the_interval_and_layouts_are_checked
     # the start spread (SD 0.1 over 3 starts: the mean's SD ~ 0.1 * sqrt(2/3) / sqrt(3)) shows
     assert three["sd"] == pytest.approx(0.1 * math.sqrt(2 / 3) / math.sqrt(3), rel=0.25)
     assert three["sd"] > 2 * pooled["sd"]
+    # Student's t over the three starts' means (a loop), the few-starts interval
+    m = [num[t].mean() for t in range(3)]
+    half = 4.303 * math.sqrt(sum((x - sum(m) / 3) ** 2 for x in m) / 2) / math.sqrt(3)
+    assert [three["t_lo"], three["t_hi"]] == pytest.approx([sum(m) / 3 - half, sum(m) / 3 + half])
+    ref = num[::-1]  # a paired reference: the t interval is over per-start differences
+    diff = stats.hier_bootstrap3(num, den, ref, den, reps=10)
+    d = [num[t].mean() - ref[t].mean() for t in range(3)]
+    half = 4.303 * np.std(d, ddof=1) / math.sqrt(3)
+    assert [diff["t_lo"], diff["t_hi"]] == pytest.approx([np.mean(d) - half, np.mean(d) + half])
     with pytest.raises(ValueError, match="same starts, seeds and problems"):
         stats.hier_bootstrap3(num, den, num[:, :4], den[:, :4])
     with pytest.raises(ValueError, match="same held-out problems"):
