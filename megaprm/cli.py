@@ -400,6 +400,8 @@ def cmd_eval_prm(args) -> int:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--jsonl {path}: no such file; give ProcessBench-format "
                                     "JSONL (one file per subset)")
+    subsets = [(os.path.splitext(os.path.basename(path))[0],
+                prm_eval.read_processbench_jsonl(path)) for path in args.jsonl or ()]
     if args.out:
         inputs = {"--prm": args.prm, "--implicit": args.implicit, "--ref": args.ref}
         inputs.update({f"--jsonl[{i}]": p for i, p in enumerate(args.jsonl or ())})
@@ -416,9 +418,8 @@ def cmd_eval_prm(args) -> int:
                 "num": args.num, "seed": args.seed}
     else:
         examples, labels, step_labels = [], [], []
-        for path in args.jsonl:
-            kind = os.path.splitext(os.path.basename(path))[0]
-            ex, y, sl = prm_judge.processbench_set(prm_eval.read_processbench_jsonl(path), kind)
+        for kind, rows in subsets:
+            ex, y, sl = prm_judge.processbench_set(rows, kind)
             examples += ex
             labels += y
             step_labels += sl

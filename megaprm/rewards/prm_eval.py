@@ -152,7 +152,7 @@ def judge(solutions: Sequence[ScoredSolution], threshold: float, *,
                 for k in kinds}
     return {"threshold": threshold, "all": row(list(range(len(solutions))), pooled=False),
             "per_kind": per_kind,
-            "mean_f1": (float("nan") if pooled_kinds
+            "mean_f1": (float("nan") if pooled_kinds or not per_kind
                         else sum(r["f1"] for r in per_kind.values()) / len(per_kind))}
 
 
