@@ -389,7 +389,21 @@ def noise3(num, den, ref_num=None, ref_den=None) -> dict:
 
 # ------------------------------------------------------------ how many problems (and samples)
 
-def eval_components(num, den, k: int) -> dict:
+def _sample_parts(n_p: np.ndarray, d_p: np.ndarray, k: int):
+    """One run's linearised per-sample values u, summarised per problem: the mean ubar_p and
+    the sample variance s2_p (ddof 1; zeros for k = 1), or None when sum(den) is 0."""
+    if d_p.sum() == 0:
+        return None
+    r = n_p.sum() / d_p.sum()
+    dbar = d_p.sum() / (n_p.size * k)
+    hi, lo = (1 - r) / dbar, -r / dbar                           # u on num / den-only samples
+    ubar = (n_p * hi + (d_p - n_p) * lo) / k                     # [P]
+    s2 = ((n_p * hi ** 2 + (d_p - n_p) * lo ** 2 - k * ubar ** 2) / (k - 1) if k > 1
+          else np.zeros_like(ubar))
+    return ubar, s2
+
+
+def eval_components(num, den, k: int, ref_num=None, ref_den=None) -> dict:
     """Between- and within-problem variance of the evaluation, for choosing its size.
 
     Each problem is sampled k times; sample s of problem p has indicators num_ps <= den_ps in
@@ -406,33 +420,33 @@ def eval_components(num, den, k: int) -> dict:
     variance s_p^2 (ddof 1) exactly; s_w^2 = mean_p s_p^2 and s_b^2 = Var_p(ubar_p) (ddof 1)
     - s_w^2 / k (unbiased; the mean of ubar_p is 0 by the choice of R). Averaged over runs.
     With k = 1 the two are not separable: s_w^2 is nan and s_b^2 holds their sum.
-    Counts: any layout `_by_start` accepts (one run: [[counts]], i.e. shape [1, 1, problems])."""
-    runs = np.concatenate(_by_start(num, "num"))                 # [runs, problems]
-    dens = np.concatenate(_by_start(den, "den"))
-    if runs.shape != dens.shape:
-        raise ValueError(f"num {runs.shape} and den {dens.shape} differ")
-    if k < 1 or (runs < 0).any() or (runs > dens).any() or (dens > k).any():
+
+    Paired (`ref_*`: the reference's run of the same start and seed, same problems): the same
+    for the difference R - R_ref, whose per-problem mean is ubar_p - ubar_ref,p and whose
+    within-problem variance is s_p^2 + s_ref,p^2 (the two runs' samples are drawn apart).
+    Counts: any layout `_by_start` accepts (one run: shape [1, 1, problems])."""
+    names = ["num", "den"] + (["ref_num", "ref_den"] if ref_num is not None else [])
+    rows = [np.concatenate(_by_start(x, n)) for x, n in zip((num, den, ref_num, ref_den), names)]
+    if any(r.shape != rows[0].shape for r in rows):
+        raise ValueError(f"eval_components: shapes {[r.shape for r in rows]} differ ({names})")
+    pairs = list(zip(rows[0::2], rows[1::2]))
+    if k < 1 or any((n < 0).any() or (n > d).any() or (d > k).any() for n, d in pairs):
         raise ValueError(f"eval_components: need 0 <= num <= den <= k per problem (k = {k} "
                          "samples per problem, counts of 0/1 indicators)")
-    n_probs = runs.shape[1]
     b_parts, w_parts = [], []
-    for n_p, d_p in zip(runs, dens):
-        if d_p.sum() == 0:
+    for run in range(rows[0].shape[0]):
+        parts = [_sample_parts(n[run], d[run], k) for n, d in pairs]
+        if any(p is None for p in parts):
             continue
-        r = n_p.sum() / d_p.sum()
-        dbar = d_p.sum() / (n_probs * k)
-        hi, lo = (1 - r) / dbar, -r / dbar                       # u on num / den-only samples
-        ubar = (n_p * hi + (d_p - n_p) * lo) / k                 # [P]
-        if k > 1:
-            s2 = (n_p * hi ** 2 + (d_p - n_p) * lo ** 2 - k * ubar ** 2) / (k - 1)
-            w = float(s2.mean())
-        else:
-            w = 0.0
+        ubar = parts[0][0] - (parts[1][0] if len(parts) == 2 else 0.0)
+        w = float(sum(p[1] for p in parts).mean())
         b_parts.append(float(ubar.var(ddof=1)) - w / k)
         w_parts.append(w)
-    within = float(np.mean(w_parts)) if k > 1 else math.nan
-    return {"between_var": float(np.mean(b_parts)), "within_var": within, "k": k,
-            "problems": n_probs}
+    if not b_parts:
+        raise ValueError("eval_components: no run has a defined ratio (every den sums to 0)")
+    return {"between_var": float(np.mean(b_parts)),
+            "within_var": float(np.mean(w_parts)) if k > 1 else math.nan, "k": k,
+            "problems": rows[0].shape[1]}
 
 
 def eval_sd_at(comp: dict, problems: int, k: int) -> float:
@@ -444,17 +458,19 @@ def eval_sd_at(comp: dict, problems: int, k: int) -> float:
     return math.sqrt(max(0.0, comp["between_var"]) / problems + within / (problems * k))
 
 
-def eval_design(num, den, *, k: int = 1, ks: tuple = (1, 2, 4, 8, 16)) -> dict:
+def eval_design(num, den, ref_num=None, ref_den=None, *, k: int = 1,
+                ks: tuple = (1, 2, 4, 8, 16)) -> dict:
     """Does evaluation noise stay below seed noise for this column, and if not, how large must
     the evaluation be? `num`, `den`: one column's counts over starts, seeds and problems (any
-    `_by_start` layout), measured with k samples per problem.
+    `_by_start` layout), measured with k samples per problem; with `ref_*`, of the column's
+    paired difference from the reference (both noises then of one run's difference).
 
     `holds`: eval_sd < seed_sd (both from `noise3`, SDs of one run's value). `problems_needed`
     maps each k' in `ks` to the smallest N with eval_sd_at(N, k') < seed_sd, i.e.
     N = floor((s_b^2 + s_w^2 / k') / seed_sd^2) + 1; None where no N suffices (seed_sd 0 or not
     estimable) or k' is not identified (measured with k = 1: only k' = 1 is given)."""
-    nz = noise3(num, den)
-    comp = eval_components(num, den, k)
+    nz = noise3(num, den, ref_num, ref_den)
+    comp = eval_components(num, den, k, ref_num, ref_den)
     target = nz["seed_sd"]
     need = {}
     for kk in ks:

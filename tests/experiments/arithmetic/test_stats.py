@@ -403,6 +403,26 @@ def test_eval_components_predict_the_sd_at_other_sizes(wrong_step):
         assert stats.eval_sd_at(comp, problems, k) == pytest.approx(np.std(vals), rel=0.06)
 
 
+def test_eval_components_predict_the_paired_sd_at_other_sizes():
+    """The same for a method's accuracy minus GRPO's on the same fresh problems: the method
+    solves each problem with probability q_p +- 0.15, its samples drawn apart from GRPO's."""
+    rng = np.random.default_rng(16)
+
+    def pair(problems, k):
+        q = rng.uniform(0.2, 0.8, problems)
+        qm = q + 0.15 * rng.choice([-1.0, 1.0], problems)
+        return [rng.binomial(k, x).astype(float) for x in (qm, q)], np.full(problems, float(k))
+
+    (m, r), d = pair(4000, 4)
+    comp = stats.eval_components(m[None, None], d[None, None], 4, r[None, None], d[None, None])
+    for problems, k in ((400, 1), (400, 16)):
+        vals = []
+        for _ in range(1500):
+            (a, b), dd = pair(problems, k)
+            vals.append((a.sum() - b.sum()) / dd.sum())
+        assert stats.eval_sd_at(comp, problems, k) == pytest.approx(np.std(vals), rel=0.06)
+
+
 def test_eval_design_says_when_evaluation_noise_is_below_seed_noise():
     rng = np.random.default_rng(13)
     nums, dens, _ = _simulated_rows(rng, seeds=(5, 5, 5), problems=400, seed_sd=0.03)
@@ -413,5 +433,7 @@ def test_eval_design_says_when_evaluation_noise_is_below_seed_noise():
     comp = stats.eval_components(nums, dens, 1)
     # the smallest N: below the seed SD at N, not at N - 1
     assert stats.eval_sd_at(comp, need, 1) < d["seed_sd"] <= stats.eval_sd_at(comp, need - 1, 1)
+    ref = stats.eval_design(nums, dens, nums[::-1], dens, k=1)  # paired: of the difference
+    assert ref["holds"] == (ref["eval_sd"] < ref["seed_sd"]) and ref["between_var"] > 0
     with pytest.raises(ValueError, match="num <= den <= k"):
         stats.eval_components(nums, [x * 0 for x in dens], 1)
