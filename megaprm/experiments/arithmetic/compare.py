@@ -347,16 +347,41 @@ def _plateau(mean_curve: list, window: int = 10) -> dict:
             "slope_last_quarter": 100 * slope}
 
 
-def aggregate(results: list, ccfg: CompareConfig) -> list:
-    """One row per (method, process reward): per-seed values, mean and intervals per column.
-    An oracle row of a method that reads no step scores is its learned row (same run).
+def _by_start(recs: list) -> dict:
+    """start -> its cells sorted by seed (cells written before starts were a level: start 0)."""
+    out: dict = {}
+    for r in sorted(recs, key=lambda r: (r.get("start", 0), r["seed"])):
+        out.setdefault(r.get("start", 0), []).append(r)
+    return out
 
-    Per evaluation column: `lo`/`hi`, the two-level bootstrap's 95% interval of the mean over
-    seeds (seeds, then problems; `stats.hier_bootstrap`), `ci95` the old t half-width
-    (kept for readers of earlier reports), `wilson` every seed's Wilson interval, and `noise`
-    (evaluation vs seed SD of one seed's value). `paired`: per column of PAIRED, the row's
-    difference from GRPO's run of the same seed, per seed, with the paired bootstrap's 95%
-    interval over the seeds both rows have; `separated` when that interval excludes 0."""
+
+def _start_counts(recs: list, label: str):
+    """Per start, the [seeds, problems] numerator and denominator arrays of a column (the
+    layout of `stats.hier_bootstrap3`), or None when a cell lacks per-problem counts."""
+    cnt = [_counts(g, label) for g in _by_start(recs).values()]
+    if any(c is None for c in cnt):
+        return None
+    return [c[0] for c in cnt], [c[1] for c in cnt]
+
+
+def _separated(boot: dict) -> bool:
+    return bool(boot["lo"] > 0 or boot["hi"] < 0)
+
+
+def aggregate(results: list, ccfg: CompareConfig) -> list:
+    """One row per (method, process reward), over every start and seed: per-cell values, mean
+    and intervals per column. An oracle row of a method that reads no step scores is its
+    learned row (same run).
+
+    Per evaluation column: `mean`, `lo`/`hi`, the three-level bootstrap's 95% interval of the
+    mean over starts of the mean over seeds (starts, then seeds, then problems;
+    `stats.hier_bootstrap3`; with one start it is the two-level bootstrap), `per_start` each
+    start's mean over its seeds, `ci95` the old t half-width over cells (kept for readers of
+    earlier reports), `wilson` every cell's Wilson interval, and `noise` (`stats.noise3`:
+    evaluation, seed and start SD of one run's value). `paired`: per column of PAIRED, the
+    row's difference from GRPO's run of the same start and seed, per cell, with the paired
+    three-level bootstrap's 95% interval over the cells both rows have; `separated` when it
+    excludes 0; `by_start`: the same per start (two levels: its seeds, then problems)."""
 
     rows, by_key = [], {}
     for r in results:
@@ -369,44 +394,73 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
             if src in by_key:
                 by_key[(m, "oracle")] = by_key[src]
                 keys.append((m, "oracle"))
-    ref = {r["seed"]: r for r in by_key.get((REFERENCE, "learned"), [])}
+    ref = {(r.get("start", 0), r["seed"]): r for r in by_key.get((REFERENCE, "learned"), [])}
+    reps = ccfg.bootstrap_reps
     for key in keys:
-        recs = sorted(by_key[key], key=lambda r: r["seed"])
+        recs = [r for g in _by_start(by_key[key]).values() for r in g]
         row = {"method": key[0], "prm": key[1], "seeds": [r["seed"] for r in recs],
+               "starts": [r.get("start", 0) for r in recs],
                "same_run_as_learned": key[1] == "oracle" and key[0] not in READS_STEP_SCORES,
                "variant_of": VARIANTS[key[0]][0] if key[0] in VARIANTS else None,
                "variant_overrides": VARIANTS[key[0]][1] if key[0] in VARIANTS else []}
         for label, path in COLUMNS:
             vals = [lookup(r, path) for r in recs]
             row[label] = {"per_seed": vals, **stats.mean_ci(vals)}
-            cnt = _counts(recs, label) if label in EVAL_RATIOS else None
+            cnt = _start_counts(recs, label) if label in EVAL_RATIOS else None
             if cnt is not None:
-                boot = stats.hier_bootstrap(*cnt, reps=ccfg.bootstrap_reps)
-                row[label].update(lo=boot["lo"], hi=boot["hi"], wilson=_seed_wilson(recs, label),
-                                  noise=stats.noise(*cnt, reps=ccfg.bootstrap_reps))
-        if (key != (REFERENCE, "learned") and not row["same_run_as_learned"]
-                and any(r["seed"] in ref for r in recs)):
-            both = [r for r in recs if r["seed"] in ref]
-            row["paired"] = {"reference": REFERENCE, "seeds": [r["seed"] for r in both]}
+                boot = stats.hier_bootstrap3(*cnt, reps=reps)
+                row[label].update(mean=boot["mean"], lo=boot["lo"], hi=boot["hi"],
+                                  per_start=[float(x) for x in stats.start_values(*cnt)],
+                                  wilson=_seed_wilson(recs, label), noise=stats.noise3(*cnt))
+        both = [r for r in recs if (r.get("start", 0), r["seed"]) in ref]
+        if key != (REFERENCE, "learned") and not row["same_run_as_learned"] and both:
+            row["paired"] = {"reference": REFERENCE, "seeds": [r["seed"] for r in both],
+                             "starts": [r.get("start", 0) for r in both]}
             for label in PAIRED:
-                mine, theirs = _counts(both, label), _counts([ref[r["seed"]] for r in both], label)
+                mine = _start_counts(both, label)
+                theirs = _start_counts([ref[(r.get("start", 0), r["seed"])] for r in both],
+                                       label)
                 if mine is None or theirs is None:
                     continue
-                boot = stats.hier_bootstrap(*mine, *theirs, reps=ccfg.bootstrap_reps)
+                boot = stats.hier_bootstrap3(*mine, *theirs, reps=reps)
                 path = dict(COLUMNS)[label]
+                by_start = {}
+                for k, (mn, md, tn, td) in zip(_by_start(both), zip(*mine, *theirs)):
+                    b = stats.hier_bootstrap(mn, md, tn, td, reps=reps)
+                    by_start[str(k)] = {"seeds": int(mn.shape[0]), "mean": b["mean"],
+                                        "lo": b["lo"], "hi": b["hi"], "separated": _separated(b)}
                 row["paired"][label] = {
-                    "per_seed": [lookup(r, path) - lookup(ref[r["seed"]], path) for r in both],
+                    "per_seed": [lookup(r, path) - lookup(ref[(r.get("start", 0), r["seed"])],
+                                                          path) for r in both],
                     "mean": boot["mean"], "lo": boot["lo"], "hi": boot["hi"],
-                    "separated": bool(boot["lo"] > 0 or boot["hi"] < 0)}
+                    "separated": _separated(boot), "by_start": by_start}
         curve = _mean_curve([r["curves"].get("reward/outcome_mean", []) for r in recs])
         row["plateau"] = _plateau(curve)
         row["plateau_wrong_step"] = _plateau(_mean_curve(
             [r["curves"].get("exact/correct_with_wrong_step_frac", []) for r in recs]))
+        for name, k in (("step_auroc", "prm/step_auroc"),
+                        ("implicit_step_auroc", "prm/implicit_step_auroc")):
+            if any(r["curves"].get(k) for r in recs):
+                row[name] = _plateau(_mean_curve([_finite(r["curves"].get(k, []))
+                                                  for r in recs]))
         if base_method(key[0]) == "prime":  # the implicit PRM's loss: ln 2 = not learning
-            row["implicit_prm_loss"] = _plateau(_mean_curve(
-                [r["curves"].get("prm/loss", []) for r in recs]))
+            # steps where no row passed the accuracy filter train nothing (loss 0): left out
+            row["implicit_prm_loss"] = _plateau(_mean_curve([_trained(r["curves"])
+                                                             for r in recs]))
         rows.append(row)
     return rows
+
+
+def _finite(xs: list) -> list:
+    return [x for x in xs if x is not None and math.isfinite(x)]
+
+
+def _trained(curves: dict) -> list:
+    """The implicit PRM's loss at the steps where it trained on some row."""
+    loss, rows = curves.get("prm/loss", []), curves.get("prm/trained_rows")
+    if rows is None:
+        return _finite(loss)
+    return [x for x, n in zip(loss, rows) if n and x is not None and math.isfinite(x)]
 
 
 def _mean_curve(series: list) -> list:

@@ -15,8 +15,9 @@ from megaprm.experiments.readme import replace_block
 # monitors kept per RL step for the curves (metrics.jsonl keys)
 CURVE_KEYS = ("reward/outcome_mean", "exact/correct_with_wrong_step_frac",
               "prm/outcome_agreement", "prm/score_mean", "prm/correct_with_low_prm_frac",
-              "prm/loss", "response/steps_mean", "response/tokens_per_step",
-              "response/length_mean", "actor/entropy")
+              "prm/loss", "prm/trained_rows", "prm/step_auroc", "prm/implicit_step_auroc",
+              "response/steps_mean", "response/tokens_per_step", "response/length_mean",
+              "actor/entropy")
 
 
 # (label, path into a result) of every column of the table

@@ -99,8 +99,9 @@ def _run_until_killed(args, done_file, next_started, next_done, log, timeout=120
 @pytest.mark.learning
 def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     rd = tmp_path / "cmp"
-    first = rd / "rl" / "grpo-learned-s0" / "result.json"
-    second = rd / "rl" / "prof_grpo-learned-s0"
+    st = rd / "start0"  # the one start's warm-up, PRM, baseline and cells
+    first = st / "rl" / "grpo-learned-s0" / "result.json"
+    second = st / "rl" / "prof_grpo-learned-s0"
     _run_until_killed([*MEGAPRM, "compare", "--run-dir", str(rd), *TINY], first,
                       second / "metrics.jsonl", second / "result.json", tmp_path / "killed.log")
     mtime = os.path.getmtime(first)
@@ -119,12 +120,12 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
                          ("prof_grpo", "oracle"), ("grpo", "oracle")}
     # GRPO reads no step scores: its oracle row is its learned run, said so, not re-run
     assert rows[("grpo", "oracle")]["same_run_as_learned"]
-    assert not os.path.isdir(rd / "rl" / "grpo-oracle-s0")
+    assert not os.path.isdir(st / "rl" / "grpo-oracle-s0")
     res = {}
     for name in ("grpo-learned-s0", "prof_grpo-learned-s0", "prof_grpo-oracle-s0",
                  "hack-pure-prm-only-s0"):
-        res[name] = _load(rd / "rl" / name / "result.json")
-        metrics = _lines(rd / "rl" / name / "metrics.jsonl")
+        res[name] = _load(st / "rl" / name / "result.json")
+        metrics = _lines(st / "rl" / name / "metrics.jsonl")
         assert [m["step"] for m in metrics] == [0, 1]
         assert res[name]["curves"]["reward/outcome_mean"] == [m["reward/outcome_mean"]
                                                               for m in metrics]
@@ -143,7 +144,7 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     # paired design: the same seed samples the same responses at step 0 (same warm-up, prompts
     # and sampling seed), whichever method (these are rollout-side monitors, before any update);
     # the (killed and re-run) PROF-GRPO cell reproduces GRPO's step 0 in another process
-    m0 = {n: _lines(rd / "rl" / n / "metrics.jsonl")[0]
+    m0 = {n: _lines(st / "rl" / n / "metrics.jsonl")[0]
           for n in ("grpo-learned-s0", "prof_grpo-learned-s0", "prof_grpo-oracle-s0")}
     for k in ("reward/outcome_mean", "response/length_mean", "exact/correct_with_wrong_step_frac"):
         assert m0["grpo-learned-s0"][k] == m0["prof_grpo-learned-s0"][k] == \
@@ -157,12 +158,12 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
 
     # the baseline row is the warm-up policy's greedy accuracy as transformers decodes it
     problems = runs.held_out_problems(32)
-    ref = _greedy_reference(str(rd / "sft"), problems)
+    ref = _greedy_reference(str(st / "sft"), problems)
     base = rep["baseline"]["greedy"]
     for k in ("accuracy", "all_steps_correct", "correct_with_wrong_step"):
         assert base[k] == pytest.approx(ref[k]), (k, base, ref)
     # problem by problem, not only the sums (compare.json keeps the sums; baseline.json all)
-    assert _load(rd / "baseline.json")["greedy"]["per_problem"] == ref["per_problem"]
+    assert _load(st / "baseline.json")["greedy"]["per_problem"] == ref["per_problem"]
     # The check is not vacuous: the warm-up solves some problems. A training outcome, so its
     # budget (TINY's --warmup-steps, --eval-problems) holds with a margin on every CPU kernel
     # path and seed measured (docs/testing.md; with 100 steps and 16 problems it solved 0-3
@@ -224,6 +225,13 @@ def test_plan_is_seed_major_with_fewer_seeds_for_some_rows():
     assert [r.name for r in runs.plan(ccfg)] == [
         "grpo-learned-s0", "papo-learned-s0", "prime_scaled-implicit-s0", "papo-oracle-s0",
         "grpo-learned-s1", "papo-learned-s1", "papo-oracle-s1", "hack-pure-prm-only-s0"]
+    # starts are the outer level: start 0's cells (and the hack run, paired with start 0's
+    # seed 0), then start 1's, in the same order
+    two = runs.plan(runs.CompareConfig(methods=("grpo", "papo"), seeds=1, oracle=(),
+                                       starts=2))
+    assert [(r.start, r.name) for r in two] == [
+        (0, "grpo-learned-s0"), (0, "papo-learned-s0"), (0, "hack-pure-prm-only-s0"),
+        (1, "grpo-learned-s0"), (1, "papo-learned-s0")]
     # the variant runs PRIME with its own beta on top of PRIME's overrides; seed s is the
     # trainer seed of every row's run s (the paired design)
     ov = runs.run_overrides(runs.RunSpec("prime_scaled", "implicit", 1), ccfg, "S", "P")
@@ -317,19 +325,26 @@ def test_compare_bad_input_one_line(tmp_path, args, needle):
 def test_only_finished_needs_the_stages_and_a_finished_run(tmp_path):
     """The check names what is missing: with this comparison's warm-up and PRM marked done (the
     markers the stages write) but no finished cell it still refuses; a marker of other settings
-    counts as missing; one result.json lets it through."""
+    counts as missing, and so does one built by other code (the start's cache key holds the
+    building code's version and torch's); one result.json lets it through."""
     ccfg = runs.CompareConfig(run_dir=str(tmp_path), methods=("grpo",), seeds=1, oracle=())
-    for d, digest in (("sft", compare.warmup_digest(compare.WarmupConfig(
-            warmup_steps=ccfg.warmup_steps))), ("prm", "other settings")):
-        os.makedirs(tmp_path / d)
-        compare.mark_stage_done(str(tmp_path / d), digest, _Rank0())
+    st = tmp_path / "start0"
+    code = compare.code_version()
+    for d, digest in (("sft", compare.warmup_digest(compare._warmup_config(ccfg, 0), code)),
+                      ("prm", "other settings")):
+        os.makedirs(st / d)
+        compare.mark_stage_done(str(st / d), digest, _Rank0())
     with pytest.raises(ValueError, match=r"has no PRM, no finished run with these settings"):
         compare.check_only_finished(ccfg)
-    compare.mark_stage_done(str(tmp_path / "prm"), compare._prm_digest(ccfg), _Rank0())
+    other_code = {**code, "code": "0" * 16}  # the same recipe built by another commit
+    compare.mark_stage_done(str(st / "prm"), compare._prm_digest(ccfg, 0, other_code), _Rank0())
+    with pytest.raises(ValueError, match=r"has no PRM, no finished run"):
+        compare.check_only_finished(ccfg)
+    compare.mark_stage_done(str(st / "prm"), compare._prm_digest(ccfg, 0, code), _Rank0())
     with pytest.raises(ValueError, match=r"has no finished run with these settings"):
         compare.check_only_finished(ccfg)
-    os.makedirs(tmp_path / "rl" / "grpo-learned-s0")
-    (tmp_path / "rl" / "grpo-learned-s0" / "result.json").write_text("{}")
+    os.makedirs(st / "rl" / "grpo-learned-s0")
+    (st / "rl" / "grpo-learned-s0" / "result.json").write_text("{}")
     compare.check_only_finished(ccfg)
 
 
