@@ -298,8 +298,9 @@ def _eval_residuals(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     """The linearised evaluation error of every run's ratio R = sum(num)/sum(den), per problem:
     z_p = (num_p - R den_p) / sum(den) ([runs, problems] -> [runs, problems]). Resampling the
     problems moves R by sum_p z_p to first order (delta method; Cochran, "Sampling Techniques",
-    3rd ed. 1977, sec. 6.4), so the bootstrap variance of one run's R is sum_p z_p^2 and the
-    covariance of two runs' R under the same problem draws is sum_p z_p z'_p."""
+    3rd ed. 1977, ch. 6, ratio estimators), so the bootstrap variance of one run's R is
+    sum_p z_p^2 and the covariance of two runs' R under the same problem draws is
+    sum_p z_p z'_p."""
     r = _ratio(num, den)[:, None]
     with np.errstate(invalid="ignore", divide="ignore"):
         return (num - r * den) / den.sum(-1, keepdims=True)
@@ -310,7 +311,7 @@ def noise3(num, den, ref_num=None, ref_den=None) -> dict:
     Monte Carlo).
 
     Model (a nested random-effects model; Searle, Casella & McCulloch, "Variance Components",
-    1992, sec. 3.6 and ch. 5): run j of start i has value y_ij = mu + A_i + B_ij + E_ij, with
+    1992, ch. 3 and 5): run j of start i has value y_ij = mu + A_i + B_ij + E_ij, with
     start effect A (variance s_a^2), seed effect B (s_s^2) and evaluation error E. All runs are
     evaluated on the same problems, so E is correlated: from the linearised residuals z
     (`_eval_residuals`), v = mean over runs of sum_p z^2 (one run's evaluation variance),
@@ -318,7 +319,7 @@ def noise3(num, den, ref_num=None, ref_den=None) -> dict:
     different starts. The part c_b is common to every run (the problem set's difficulty) and
     moves no comparison; c_w - c_b is common to a start's runs; v - c_w is each run's own.
 
-    One-way ANOVA of the runs on their start (unbalanced; Searle et al. sec. 3.6):
+    One-way ANOVA of the runs on their start (unbalanced; Searle et al. ch. 3):
       MS_W = sum_ij (y_ij - ybar_i)^2 / (N - a),  E[MS_W] = s_s^2 + (v - c_w)
       MS_A = sum_i n_i (ybar_i - ybar)^2 / (a - 1),
              E[MS_A] = n0 (s_a^2 + c_w - c_b) + s_s^2 + (v - c_w),
@@ -328,7 +329,7 @@ def noise3(num, den, ref_num=None, ref_den=None) -> dict:
       seed_var  = MS_W - (v - c_w)
       start_var = (MS_A - MS_W) / n0 - (c_w - c_b).
     `seed_sd`, `start_sd` are their square roots floored at 0 (the raw, possibly negative,
-    `seed_var` and `start_var` are returned too: they are unbiased, the floored SDs are not);
+    `seed_var` and `start_var` are returned too: unbiased to first order, the floored SDs not);
     `eval_sd` = sqrt(v) is the SD of one run's value under resampling the problems (the
     quantity `noise` bootstraps), `eval_run_sd` = sqrt(v - c_w) its part that differs between
     runs of one start. A component that the layout cannot estimate (one start; no start with
@@ -415,7 +416,7 @@ def eval_components(num, den, k: int, ref_num=None, ref_den=None) -> dict:
         Var(R) = s_b^2 / N + s_w^2 / (N k),
     s_w^2 = E_p[Var_s(u_ps)] (the samples' spread inside a problem) and
     s_b^2 = Var_p(E_s u_ps) (the problems' spread) -- the variance of a two-stage sample mean
-    (Cochran 1977, sec. 10.2). From the counts, u takes (1 - R)/dbar on num_p samples,
+    (Cochran 1977, ch. 10, two-stage sampling). From the counts, u takes (1 - R)/dbar on num_p samples,
     -R/dbar on den_p - num_p samples and 0 on the rest, which gives each problem's sample
     variance s_p^2 (ddof 1) exactly; s_w^2 = mean_p s_p^2 and s_b^2 = Var_p(ubar_p) (ddof 1)
     - s_w^2 / k (unbiased; the mean of ubar_p is 0 by the choice of R). Averaged over runs.
