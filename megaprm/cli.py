@@ -731,7 +731,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="which of the comparison's arithmetic tasks (default short)")
     ep.add_argument("--task-config", nargs="*", default=[], metavar="KEY=VALUE",
                     help="ArithmeticConfig settings on top, e.g. num_ops=2,4 operand_max=20")
-    ep.add_argument("--num", type=int, default=512, help="arithmetic solutions (default 512)")
+    ep.add_argument("--num", "--num-solutions", dest="num", type=int, default=512,
+                    help="arithmetic solutions (default 512; under torchrun write "
+                         "--num-solutions: torchrun reads --num as its own --numa-binding)")
     ep.add_argument("--seed", type=int, default=1_000_000,
                     help="the solutions' seed (default 1000000: the held-out set train-prm "
                          "evaluates a seed-0 PRM on)")

@@ -16,7 +16,7 @@ its `\\` continuations and heredoc. Two checks:
            metrics.jsonl in place of `megaprm train`'s output (the README's tiny training itself
            runs in tests/test_megaprm_cli.py), and `pytest ... tests` collects tests/gpu only;
     dry    `megaprm train/train-prm/demo/compare/bench/eval` whose run takes minutes or a GPU
-           (`megaprm plan`, `eval`, `plot` and `data` run as written):
+           (`megaprm plan`, `eval`, `eval-prm`, `plot` and `data` run as written):
            argv parsed by megaprm's own parser and the config + overrides loaded and validated
            (everything short of starting ranks);
     flags  synopses with placeholders (HF_DIR, [--x a|b]) and the benchmark and repeat scripts
@@ -133,7 +133,7 @@ def kind(cmd: str) -> str:
     if any(PLACEHOLDER.search(w) for w in words):
         return "flags"
     if words[0] == ".venv/bin/megaprm":
-        return "run" if words[1] in ("eval", "plot", "plan", "data") else "dry"
+        return "run" if words[1] in ("eval", "eval-prm", "plot", "plan", "data") else "dry"
     if words[1:3] == ["-m", "checkpoint_tools"] and len(words) == 3:
         return "flags"  # the program's name in prose
     if re.match(r"\.venv/bin/python scripts/(bench_\w+|repeat_\w+)\.py", cmd):
