@@ -151,7 +151,7 @@ def cmd_compare(args) -> int:
         from megaprm.experiments.readme import read_block
 
         for path in (args.readme, args.doc):
-            read_block(path, "compare")
+            read_block(path, "compare" if ccfg.task == "short" else f"compare-{ccfg.task}")
 
     def preflight():
         # deferred: keeps --help fast

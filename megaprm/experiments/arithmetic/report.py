@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 
+from megaprm.experiments.arithmetic.runs import TASKS
 from megaprm.experiments.readme import replace_block
 
 
@@ -126,10 +127,21 @@ def markdown(report: dict, title: bool = True) -> str:
         lines += [(f"**Partial run: {len(report['planned']) - len(report['missing'])} of "
                   f"{len(report['planned'])} planned cells finished**; not yet run: "
                   f"{', '.join(report['missing'])} (the same command resumes it)."), ""]
-    lines += [(f"PRM (learned): held-out step AUROC {report['prm'].get('auroc', float('nan')):.3f}"
-              f" ({report['prm'].get('trunk', '')}). Seeds per row: {seeds_note}. Cells: mean "
-              f"over seeds [95% interval of a two-level bootstrap: seeds, then the held-out "
-              f"problems within each seed; a row with one seed has the evaluation's interval "
+    starts = report.get("starts") or []
+    if starts:
+        rt = report.get("response_tokens") or {}
+        lines += [(f"Task **{report.get('task', 'short')}** (`{report.get('task_config', '')}`; "
+                   f"responses {rt.get('first5', float('nan')):.0f} tokens on average over the "
+                   f"first 5 RL steps, {rt.get('last5', float('nan')):.0f} over the last 5; "
+                   f"rollout.max_tokens {report.get('max_tokens')}). {len(starts)} independently "
+                   "built start(s) (warm-up policy + PRM, seed k each): the outer level of the "
+                   "design."), ""]
+    lines += [(f"PRM (learned, start 0): held-out step AUROC "
+              f"{report['prm'].get('auroc', float('nan')):.3f}"
+              f" ({report['prm'].get('trunk', '')}). Cells per row: {seeds_note}. Cells: mean "
+              f"over starts of the mean over seeds [95% interval of a three-level bootstrap: "
+              f"starts, then seeds within a start, then the held-out problems within each run; "
+              f"with one start, two levels; a row with one cell has the evaluation's interval "
               f"alone]. 'correct with a wrong step' is a share of the "
               f"correct answers; sampled: {report['sampled_n']} samples per problem at the "
               f"rollout temperature. Built on {report['device']} (load {report['load']}): "
@@ -143,37 +155,81 @@ def markdown(report: dict, title: bool = True) -> str:
     for r in report["rows"]:
         lines.append(f"| {row_label(r)} | {_prm_label(r)} | "
                      + " | ".join(_fmt(r[c]) for c in cols) + " |")
+    if len(starts) > 1 or any(s.get("prm_judged") for s in starts):
+        lines += ["", "### The starts (each built from its own seeds)", "",
+                  ("| start | warm-up greedy accuracy | warm-up greedy correct with a wrong step | "
+                   "PRM held-out step AUROC | PRM first-error F1 (ProcessBench) | cells |"),
+                  "|---|---|---|---|---|---|"]
+        for st in starts:
+            g = (st.get("baseline") or {}).get("greedy") or {}
+            judged = st.get("prm_judged") or {}
+            lines.append(f"| {st['start']} | {_fmt({'mean': g.get('accuracy')})} | "
+                         f"{_fmt({'mean': g.get('correct_with_wrong_step')})} | "
+                         f"{_fmt({'mean': (st.get('prm') or {}).get('auroc')})} | "
+                         f"{_fmt({'mean': judged.get('f1')})} | {st.get('cells', '-')} |")
     paired = [r for r in report["rows"] if r.get("paired")]
     if paired:
-        lines += ["", ("### Paired difference from GRPO (same seed: same warm-up, prompts and "
-                      "sampling seed)"), "",
-                  ("Each row's run of seed s minus GRPO's run of seed s, averaged over the seeds "
-                  "both have; [95% interval of the paired two-level bootstrap]; **bold**: the "
-                  "interval excludes 0."), "",
-                  "| method | process reward | paired seeds | " + " | ".join(
+        lines += ["", ("### Paired difference from GRPO (same start and seed: same warm-up, "
+                       "prompts and sampling seed)"), "",
+                  ("Each row's run of start k, seed s minus GRPO's run of start k, seed s, "
+                   "averaged over the seeds, then the starts, both have; [95% interval of the "
+                   "paired three-level bootstrap (two levels with one start)]; **bold**: the "
+                   "interval excludes 0."), "",
+                  "| method | process reward | paired cells (starts) | " + " | ".join(
                       f"Δ {c}" for c in PAIRED) + " |",
                   "|---|---|---|" + "---|" * len(PAIRED)]
         for r in paired:
-            lines.append(f"| {row_label(r)} | {r['prm']} | {len(r['paired']['seeds'])} | "
+            n_starts = len(set(r["paired"].get("starts") or [0]))
+            lines.append(f"| {row_label(r)} | {r['prm']} | {len(r['paired']['seeds'])} "
+                         f"({n_starts}) | "
                          + " | ".join(_fmt_diff(r["paired"].get(c)) for c in PAIRED) + " |")
         lines += [""] + [f"- {verdict(r)}" for r in paired if verdict(r)]
+        multi = [r for r in paired if len(set(r["paired"].get("starts") or [0])) > 1]
+        if multi:
+            heads = PAIRED[:2]
+            lines += ["", "#### The paired differences start by start", "",
+                      ("Each start's own paired difference (its seeds, then problems: a two-level "
+                       "bootstrap); where the starts disagree, the finding holds for some "
+                       "starts only."), "",
+                      "| method | process reward | start | paired seeds | " + " | ".join(
+                          f"Δ {c}" for c in heads) + " |",
+                      "|---|---|---|---|" + "---|" * len(heads)]
+            for r in multi:
+                ks = sorted({k for c in heads for k in (r["paired"].get(c) or {}).get(
+                    "by_start", {})}, key=int)
+                for k in ks:
+                    cells = [(r["paired"].get(c) or {}).get("by_start", {}).get(k)
+                             for c in heads]
+                    n = next((x["seeds"] for x in cells if x), "-")
+                    lines.append(f"| {row_label(r)} | {r['prm']} | {k} | {n} | "
+                                 + " | ".join(_fmt_diff(x) for x in cells) + " |")
     noisy = [r for r in report["rows"] if r.get("greedy accuracy", {}).get("noise")
              and not r["same_run_as_learned"]]
     if noisy:
-        lines += ["", "### Evaluation noise vs seed noise (SD of one seed's value)", "",
-                  ("evaluation: the bootstrap over the held-out problems (seed fixed); seed: the "
-                  "spread across seeds less what the evaluation explains."), "",
-                  ("| method | process reward | greedy accuracy: evaluation / seed | greedy wrong-"
-                  "step share: evaluation / seed | sampled wrong-step share: evaluation / seed |"),
-                  "|---|---|---|---|---|"]
+        lines += ["", "### Evaluation, seed and start noise (SD of one run's value)", "",
+                  ("evaluation: resampling the held-out problems (start and seed fixed); seed: "
+                   "the spread of a start's runs less their own evaluation noise; start: the "
+                   "spread of the starts' means less what seeds and evaluation explain (nested "
+                   "random-effects moments, `stats.noise3`; '-': not estimable, e.g. one "
+                   "start); ✓: evaluation below seed noise."), "",
+                  ("| method | process reward | greedy accuracy: evaluation / seed / start | "
+                   "greedy wrong-step share: evaluation / seed / start | sampled accuracy: "
+                   "evaluation / seed / start | sampled wrong-step share: evaluation / seed / "
+                   "start |"),
+                  "|---|---|---|---|---|---|"]
+
+        def sd(x):
+            return "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
+
         for r in noisy:
             cells = []
             for col in ("greedy accuracy", "greedy correct with a wrong step",
-                        "sampled correct with a wrong step"):
+                        "sampled accuracy", "sampled correct with a wrong step"):
                 nz = r[col]["noise"]
-                cells.append(f"{nz['eval_sd']:.3f} / " + ("-" if nz["seed_sd"] is None
-                                                          or not math.isfinite(nz["seed_sd"])
-                                                          else f"{nz['seed_sd']:.3f}"))
+                below = (nz.get("seed_sd") is not None and math.isfinite(nz["seed_sd"])
+                         and nz["eval_sd"] < nz["seed_sd"])
+                cells.append(f"{sd(nz['eval_sd'])} / {sd(nz.get('seed_sd'))} / "
+                             f"{sd(nz.get('start_sd'))}" + (" ✓" if below else ""))
             lines.append(f"| {row_label(r)} | {r['prm']} | " + " | ".join(cells) + " |")
     flat = [r for r in report["rows"] if r.get("plateau", {}).get("last") is not None
             and not r["same_run_as_learned"]]
@@ -194,11 +250,17 @@ def markdown(report: dict, title: bool = True) -> str:
     prime = [r for r in report["rows"] if (r.get("implicit_prm_loss") or {}).get("last")
              is not None and not r["same_run_as_learned"]]
     if prime:
-        lines += ["", "### PRIME's implicit PRM: its loss on each fresh batch (ln 2 = 0.693: chance)",
-                  "", "| method | first 10 steps | last 10 steps |", "|---|---|---|"]
+        lines += ["", ("### PRIME's implicit PRM: its loss on each fresh batch (ln 2 = 0.693: "
+                       "chance) and its step AUROC against the exact labels"), "",
+                  ("loss: mean over the runs of the steps it trained on some row (10-step "
+                   "windows); AUROC: P(a correct step's summed log-ratio > a wrong step's) on "
+                   "the rows it scored, per RL step (0.5: chance)."), "",
+                  ("| method | loss: first 10 trained steps | last 10 | step AUROC: first 10 "
+                   "steps | last 10 |"), "|---|---|---|---|---|"]
         for r in prime:
-            pl = r["implicit_prm_loss"]
-            lines.append(f"| {row_label(r)} | {pl['first']:.3f} | {pl['last']:.3f} |")
+            pl, au = r["implicit_prm_loss"], r.get("implicit_step_auroc") or {}
+            lines.append(f"| {row_label(r)} | {pl['first']:.3f} | {pl['last']:.3f} | "
+                         f"{_fmt({'mean': au.get('first')})} | {_fmt({'mean': au.get('last')})} |")
     h = report.get("hack")
     if h:
         te = h["train_end"]
@@ -239,14 +301,21 @@ def readme_table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def block_name(report: dict) -> str:
+    """The marker name of a report's blocks: `compare` (short task), `compare-TASK` else."""
+    task = report.get("task")  # reports before the long task name none (their task is short)
+    return f"compare-{task}" if task in TASKS and task != "short" else "compare"
+
+
 def write_docs(report: dict, readme: str | None = None, doc: str | None = None) -> list:
-    """Regenerate the `compare` blocks of README.md and docs/compare.md from a report."""
+    """Regenerate the report's task's blocks (`block_name`) of README.md and docs/compare.md
+    from a report."""
     written = []
     if readme:
-        replace_block(readme, "compare", readme_table(report))
+        replace_block(readme, block_name(report), readme_table(report))
         written.append(readme)
     if doc:
-        replace_block(doc, "compare", markdown(report, title=False))
+        replace_block(doc, block_name(report), markdown(report, title=False))
         written.append(doc)
     return written
 
