@@ -469,6 +469,7 @@ def cmd_eval_prm(args) -> int:
                        "beta": args.beta if not args.prm else None, "score": what,
                        "input_format": args.input_format if args.prm else None},
                "data": data, "report": clean(report), "skipped": j.skipped,
+               "solutions": prm_eval.solution_rows(j.solutions, threshold),
                "seconds": round(time.perf_counter() - t0, 1)}
         parent = os.path.dirname(os.path.abspath(args.out))
         os.makedirs(parent, exist_ok=True)

@@ -103,13 +103,15 @@ def first_error_f1(predictions: Sequence[int], labels: Sequence[int]) -> FirstEr
 @dataclass(frozen=True)
 class ScoredSolution:
     """One judged solution: the PRM's step scores, ProcessBench's label (first error, -1 =
-    none), the exact step labels when known (1 = good; None for a ProcessBench row) and the
-    solution's kind ("reference", a corruption kind, or a ProcessBench subset name)."""
+    none), the exact step labels when known (1 = good; None for a ProcessBench row), the
+    solution's kind ("reference", a corruption kind, or a ProcessBench subset name) and where
+    it came from."""
 
     scores: tuple
     label: int
     kind: str
     step_labels: Optional[tuple] = None
+    source: str = ""  # where it came from (file:line, or kind:index)
 
 
 def judge(solutions: Sequence[ScoredSolution], threshold: float, *,
@@ -217,6 +219,17 @@ def read_processbench_jsonl(path: str) -> List[ProcessBenchRow]:
     if not rows:
         raise ValueError(f"{path}: no rows; {need}")
     return rows
+
+
+def solution_rows(solutions: Sequence[ScoredSolution], threshold: float) -> List[dict]:
+    """Per solution, as ProcessBench's release writes its outputs: source, kind, label,
+    prediction, match, and the step scores."""
+    out = []
+    for s in solutions:
+        pred = predicted_first_error(s.scores, threshold)
+        out.append({"source": s.source, "kind": s.kind, "label": s.label, "prediction": pred,
+                    "match": pred == s.label, "scores": [round(x, 6) for x in s.scores]})
+    return out
 
 
 def format_table(report: dict, title: str) -> str:

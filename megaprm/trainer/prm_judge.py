@@ -160,10 +160,11 @@ def judged(examples: Sequence[StepExample], labels: Sequence[int],
            threshold: float, score: str) -> Judged:
     """Pair the scores with the labels; examples without scores are listed as skipped."""
     solutions, skipped = [], []
-    for e, y, sl, s in zip(examples, labels, step_labels, scores):
+    for i, (e, y, sl, s) in enumerate(zip(examples, labels, step_labels, scores)):
+        source = e.source or f"{e.kind}:{i}"
         if s is None:
-            skipped.append(f"{e.source or e.kind}: the PRM's input has another number of steps "
-                           f"than the solution's {len(e.labels)}")
+            skipped.append(f"{source}: the PRM's input has another number of steps than the "
+                           f"solution's {len(e.labels)}")
             continue
-        solutions.append(ScoredSolution(tuple(s), y, e.kind, sl))
+        solutions.append(ScoredSolution(tuple(s), y, e.kind, sl, source))
     return Judged(solutions, skipped, threshold, score)

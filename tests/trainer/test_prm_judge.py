@@ -129,8 +129,15 @@ def test_eval_prm_on_arithmetic_and_processbench_jsonl(models):
     out = root / "pb.json"
     p = _run("--prm", prm, "--jsonl", str(FIXTURE), "--threshold", repr(thr), "--out", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(out.read_text())["report"]["per_kind"]["processbench_tiny"]
+    doc = json.loads(out.read_text())
+    got = doc["report"]["per_kind"]["processbench_tiny"]
     acc1, acc2, f1 = _release(ref, [r.label for r in rows], thr)
+    # row by row, as the release writes its outputs: the prediction from transformers' scores
+    assert [(s["source"], s["prediction"]) for s in doc["solutions"]] == [
+        (f"{FIXTURE}:{i + 1}", next((k for k, x in enumerate(row) if x < thr), -1))
+        for i, row in enumerate(ref)]
+    assert [s["scores"] for s in doc["solutions"]] == [
+        pytest.approx(row, abs=1e-4) for row in ref]
     assert got["solutions"] == 10
     assert (got["acc_erroneous"], got["acc_correct"], got["f1"]) == pytest.approx((acc1, acc2, f1))
     assert "mean F1 over the 1 file(s)" in p.stdout
