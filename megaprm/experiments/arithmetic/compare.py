@@ -202,6 +202,65 @@ def prm_stage(ccfg: CompareConfig, groups: Groups, tok, start: int,
     return prm_dir, {**rec, "digest": digest}
 
 
+# the labelled solutions every PRM of a comparison is judged on (`prm_judge.arithmetic_set`:
+# half reference, half corrupted, every corruption kind): one set for every start, drawn apart
+# from the PRMs' training (seeds 0..starts-1) and held-out (1_000_000 + seed) sets
+JUDGE_SEED, JUDGE_SOLUTIONS = 3_000_017, 512
+
+
+def _judged(scores: list, examples, labels, step_labels, threshold: float, what: str) -> dict:
+    """ProcessBench's first-error F1 and the step AUROC (all, per error kind) of the scores."""
+    from megaprm.rewards.prm_eval import judge
+    from megaprm.trainer.prm_judge import judged
+
+    j = judged(examples, labels, step_labels, scores, threshold, what)
+    rep = judge(j.solutions, threshold)
+    return {**rep["all"], "threshold": threshold, "score": what, "skipped": len(j.skipped),
+            "per_kind": rep["per_kind"]}
+
+
+def judge_set(ccfg: CompareConfig):
+    from megaprm.trainer.prm_judge import arithmetic_set
+
+    return arithmetic_set(ccfg.arithmetic, JUDGE_SOLUTIONS, JUDGE_SEED)
+
+
+def prm_judge_stage(ccfg: CompareConfig, groups: Groups, start: int, prm_dir: str,
+                    prm_digest: str) -> dict:
+    """Start k's PRM judged as the field judges PRMs (`megaprm eval-prm`'s metrics): first-error
+    F1 (ProcessBench: a step is called wrong below P(good) 0.5) and step AUROC against the
+    exact labels, per error kind, on the comparison's judging set; cached beside the PRM."""
+    from megaprm.trainer.prm_judge import score_discriminative
+
+    path = os.path.join(ccfg.start_dir(start), "prm_judged.json")
+    digest = json_digest([prm_digest, JUDGE_SEED, JUDGE_SOLUTIONS])
+    rec = _read_json(path)
+    if rec is not None and rec.get("digest") == digest:
+        return rec
+    ex, labels, step_labels = judge_set(ccfg)
+    scores = score_discriminative(prm_dir, ex, groups)
+    rec = {"digest": digest, **_judged(scores, ex, labels, step_labels, 0.5, "P(good)")}
+    _write_json(path, rec, groups)
+    return rec
+
+
+def judge_implicit(ccfg: CompareConfig, groups: Groups, trainer, run_dir: str,
+                   sft_dir: str) -> dict:
+    """PRIME's implicit PRM at the end of its run, saved (RUN/implicit_prm) and judged like a
+    discriminative PRM: a step's score is beta * sum of its tokens' log pi_prm - log pi_ref
+    (the reference: the warm-up policy, the implicit PRM's start), called wrong below 0."""
+    from megaprm.trainer.export import save_hf
+    from megaprm.trainer.prm_judge import score_implicit
+
+    out = save_hf(trainer.implicit.model, groups, os.path.join(run_dir, "implicit_prm"),
+                  side_files_from=sft_dir)
+    _barrier(groups)
+    ex, labels, step_labels = judge_set(ccfg)
+    beta = trainer.cfg.prm.beta
+    scores = score_implicit(out, sft_dir, ex, groups, beta=beta)
+    return _judged(scores, ex, labels, step_labels, 0.0, f"{beta} * sum log-ratio")
+
+
 def evaluate_policy(engine, tok, groups: Groups, ccfg: CompareConfig, temperature: float) -> dict:
     probs = held_out_problems(ccfg.eval_problems, ccfg.task)
     mt = MAX_TOKENS[ccfg.task]
@@ -281,6 +340,8 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
     rl_s = time.perf_counter() - t
     ev = trainer.lifecycle.generate(functools.partial(
         evaluate_policy, trainer.engine, tok, groups, ccfg, cfg.rollout.temperature))
+    if getattr(trainer, "implicit", None) is not None:
+        ev["implicit_judged"] = judge_implicit(ccfg, groups, trainer, d, sft_dir)
     _barrier(groups)  # rank 0 has written every step's metrics
     curves = _curves(d)
     rec = {"digest": digest, **asdict(spec), "name": spec.name,
@@ -383,6 +444,8 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
     three-level bootstrap's 95% interval over the cells both rows have; `separated` when it
     excludes 0; `by_start`: the same per start (two levels: its seeds, then problems)."""
 
+    import numpy as np
+
     rows, by_key = [], {}
     for r in results:
         if not r.get("hack"):
@@ -411,7 +474,7 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
                 boot = stats.hier_bootstrap3(*cnt, reps=reps)
                 row[label].update(mean=boot["mean"], lo=boot["lo"], hi=boot["hi"],
                                   per_start=[float(x) for x in stats.start_values(*cnt)],
-                                  wilson=_seed_wilson(recs, label), noise=stats.noise3(*cnt))
+                                  wilson=_seed_wilson(recs, label), noise=_noise3(*cnt))
         both = [r for r in recs if (r.get("start", 0), r["seed"]) in ref]
         if key != (REFERENCE, "learned") and not row["same_run_as_learned"] and both:
             row["paired"] = {"reference": REFERENCE, "seeds": [r["seed"] for r in both],
@@ -443,12 +506,27 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
             if any(r["curves"].get(k) for r in recs):
                 row[name] = _plateau(_mean_curve([_finite(r["curves"].get(k, []))
                                                   for r in recs]))
+        judged = [r["implicit_judged"] for r in recs if r.get("implicit_judged")]
+        if judged:  # the final implicit PRM of each run, judged on the judging set
+            row["implicit_judged"] = {
+                "cells": len(judged),
+                **{k: float(np.nanmean([j[k] for j in judged]))
+                   for k in ("f1", "acc_erroneous", "acc_correct", "step_auroc")}}
         if base_method(key[0]) == "prime":  # the implicit PRM's loss: ln 2 = not learning
             # steps where no row passed the accuracy filter train nothing (loss 0): left out
             row["implicit_prm_loss"] = _plateau(_mean_curve([_trained(r["curves"])
                                                              for r in recs]))
         rows.append(row)
     return rows
+
+
+def _noise3(num, den) -> dict:
+    """`stats.noise3`, or every component nan where no run has the ratio defined (a
+    wrong-step share of runs without a correct answer)."""
+    try:
+        return stats.noise3(num, den)
+    except ValueError:
+        return {"eval_sd": math.nan, "seed_sd": math.nan, "start_sd": math.nan}
 
 
 def _finite(xs: list) -> list:
@@ -589,10 +667,11 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False) -> dic
                 sft_dir, sft = warmup_stage(ccfg, groups, tok, k, code)
                 t_warm = time.perf_counter() - t
                 prm_dir, prm = prm_stage(ccfg, groups, tok, k, code)
+                judged = prm_judge_stage(ccfg, groups, k, prm_dir, prm["digest"])
                 baseline = baseline_stage(ccfg, groups, tok, sft_dir, sft["digest"],
                                           temperature, k)
                 starts[k] = {"sft_dir": sft_dir, "prm_dir": prm_dir, "sft": sft, "prm": prm,
-                             "baseline": baseline,
+                             "baseline": baseline, "prm_judged": judged,
                              "base_digest": json_digest([sft["digest"], prm["digest"]]),
                              "t_warm": t_warm, "t_prm": time.perf_counter() - t - t_warm}
         return starts[k]
@@ -629,6 +708,7 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False) -> dic
                   "prm": {x: y for x, y in v["prm"].items() if x != "digest"},
                   "baseline": {x: _no_counts(y) for x, y in v["baseline"].items()
                                if x != "digest"},
+                  "prm_judged": {x: y for x, y in v["prm_judged"].items() if x != "digest"},
                   "cells": sum(r["start"] == k for r in results)}
                  for k, v in built.items()]
     report = {"methods": list(ccfg.methods), "seeds": ccfg.seeds, "rl_steps": ccfg.rl_steps,

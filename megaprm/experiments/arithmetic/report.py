@@ -256,11 +256,15 @@ def markdown(report: dict, title: bool = True) -> str:
                    "windows); AUROC: P(a correct step's summed log-ratio > a wrong step's) on "
                    "the rows it scored, per RL step (0.5: chance)."), "",
                   ("| method | loss: first 10 trained steps | last 10 | step AUROC: first 10 "
-                   "steps | last 10 |"), "|---|---|---|---|---|"]
+                   "steps | last 10 | final implicit PRM on the judging set: first-error F1 | "
+                   "step AUROC |"), "|---|---|---|---|---|---|---|"]
         for r in prime:
             pl, au = r["implicit_prm_loss"], r.get("implicit_step_auroc") or {}
+            jd = r.get("implicit_judged") or {}
             lines.append(f"| {row_label(r)} | {pl['first']:.3f} | {pl['last']:.3f} | "
-                         f"{_fmt({'mean': au.get('first')})} | {_fmt({'mean': au.get('last')})} |")
+                         f"{_fmt({'mean': au.get('first')})} | {_fmt({'mean': au.get('last')})} "
+                         f"| {_fmt({'mean': jd.get('f1')})} | "
+                         f"{_fmt({'mean': jd.get('step_auroc')})} |")
     h = report.get("hack")
     if h:
         te = h["train_end"]
