@@ -1,30 +1,48 @@
-"""megaprm.digest: the digest of a JSON-able value, independent of key order; the compact form
-stays the one every trainer checkpoint stored."""
-import hashlib
-import json
+"""`digest.source_digest`: the version of the code a cached result was built by (the
+comparison's start cache key holds it), over a module and what it imports, transitively."""
+import torch
 
-from megaprm.digest import json_digest
-
-
-def test_key_order_does_not_matter_and_values_do():
-    a = {"b": [1, 2.5, {"x": None}], "a": "s"}
-    b = {"a": "s", "b": [1, 2.5, {"x": None}]}
-    assert json_digest(a) == json_digest(b) and len(json_digest(a)) == 16
-    assert json_digest(a) != json_digest({**a, "a": "t"})
+from megaprm.digest import source_digest
 
 
-def test_both_forms_are_the_sha256_of_the_sorted_json():
-    obj = {"trainer": {"seed": 1}, "model": ("m", 2), "lr": 1e-6}
-    plain = json.dumps(obj, sort_keys=True, default=str)
-    compact = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
-    assert json_digest(obj) == hashlib.sha256(plain.encode()).hexdigest()[:16]
-    assert json_digest(obj, compact=True) == hashlib.sha256(compact.encode()).hexdigest()[:16]
-    assert json_digest(obj) != json_digest(obj, compact=True)
+def _package(root, files):
+    pkg = root / "megaprm"
+    pkg.mkdir(exist_ok=True)
+    for name, text in files.items():
+        (pkg / name).write_text(text)
 
 
-def test_values_json_cannot_hold_are_written_as_str():
-    class Odd:
-        def __str__(self):
-            return "odd"
+def test_a_change_to_an_imported_module_changes_the_version_and_others_do_not(tmp_path):
+    _package(tmp_path, {
+        "__init__.py": "",
+        "a.py": "def f():\n    from megaprm.b import g  # function-local: counts\n    return g()\n",
+        "b.py": "from megaprm import c\n\ndef g():\n    return c.K\n",
+        "c.py": "K = 1\n",
+        "unrelated.py": "X = 1\n"})
 
-    assert json_digest({"k": Odd()}) == json_digest({"k": "odd"})
+    def version(**kw):
+        return source_digest(["megaprm.a"], root_dir=str(tmp_path), **kw)
+
+    v0 = version()
+    assert v0["files"] == 4 and v0["torch"] == torch.__version__  # __init__, a, b, c
+    (tmp_path / "megaprm" / "unrelated.py").write_text("X = 2\n")
+    assert version() == v0  # not imported by a: not part of its version
+    (tmp_path / "megaprm" / "c.py").write_text("K = 2\n")  # imported through b
+    v1 = version()
+    assert v1["code"] != v0["code"]
+    # an excluded module (and what only it imports) is left out
+    ex = version(exclude=("megaprm.b",))
+    assert ex["files"] == 2
+    (tmp_path / "megaprm" / "c.py").write_text("K = 3\n")
+    assert version(exclude=("megaprm.b",)) == ex and version()["code"] != v1["code"]
+
+
+def test_the_start_version_covers_the_code_that_builds_a_start():
+    """The comparison's start key: start.py and what it imports (the warm-up's SFT step, the PRM
+    trainer, the models), not the design's knobs in runs.py."""
+    from megaprm.experiments.arithmetic import start
+
+    v = start.code_version()
+    assert v["files"] > 20
+    with_runs = source_digest(start.START_CODE)
+    assert with_runs["code"] != v["code"]  # runs.py is what the exclusion leaves out

@@ -115,6 +115,18 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     assert os.path.getmtime(first) == mtime
     rep = _load(rd / "compare.json")
     assert rep["missing"] == [] and len(rep["planned"]) == 4
+    # what another machine needs to rebuild it: the commit, the code versions, torch, the CPU;
+    # no absolute path (compare.json is committed)
+    prov = rep["provenance"]
+    assert len(prov["commit"]) == 40 and prov["torch"] == __import__("torch").__version__
+    assert prov["start_code"]["code"] and prov["cells_by_rl_code"] == {
+        prov["rl_code"]["code"]: 4}
+    assert prov["cpu"]["aten_capability"] and prov["cpu"]["cores"]
+    assert str(tmp_path) not in json.dumps(rep)
+    # the start's PRM judged as the field does: first-error F1 and step AUROC per error kind
+    judged = rep["starts"][0]["prm_judged"]
+    assert 0 <= judged["f1"] <= 1 and judged["solutions"] == compare.JUDGE_SOLUTIONS
+    assert set(judged["per_kind"]) >= {"reference", "wrong_result", "truncated"}
     rows = {(r["method"], r["prm"]): r for r in rep["rows"]}
     assert set(rows) == {("grpo", "learned"), ("prof_grpo", "learned"),
                          ("prof_grpo", "oracle"), ("grpo", "oracle")}
@@ -375,3 +387,84 @@ def test_a_second_compare_on_one_run_dir_is_refused(tmp_path, monkeypatch, capsy
         assert str(os.getpid()) in err[0], err
     finally:
         first.release()
+
+
+def test_aggregate_over_starts_and_the_report_of_each_start(tmp_path):
+    """Starts are the outer level: a row's value is the mean over starts of the mean over
+    seeds (checked by a loop), its paired difference pairs (start, seed) with GRPO's, each
+    start has its own paired difference, and the noise splits into evaluation, seed and start;
+    the report shows the starts' table and the per-start differences."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    ccfg = runs.CompareConfig(methods=("grpo", "pure"), seeds=2, oracle=(), starts=3,
+                              hack_steps=0, bootstrap_reps=300)
+    # start 2 is a weak start: every run there is less accurate; PURE helps on starts 0-1 only
+    acc = {0: 0.6, 1: 0.55, 2: 0.3}
+    wrong = {("grpo", 0): 0.4, ("grpo", 1): 0.4, ("grpo", 2): 0.4,
+             ("pure", 0): 0.1, ("pure", 1): 0.1, ("pure", 2): 0.4}
+    results = []
+    for r in runs.plan(ccfg):
+        results.append({**r.__dict__, "name": r.name,
+                        "greedy": _fake_eval(rng, acc[r.start], wrong[(r.method, r.start)], 400),
+                        "sampled": _fake_eval(rng, acc[r.start], wrong[(r.method, r.start)], 400,
+                                              n=2),
+                        "train_end": {}, "curves": {}})
+    rows = {(r["method"], r["prm"]): r for r in compare.aggregate(results, ccfg)}
+    pure = rows[("pure", "learned")]
+    assert pure["starts"] == [0, 0, 1, 1, 2, 2] and pure["seeds"] == [0, 1] * 3
+    cell = pure["greedy accuracy"]
+    by = {(r["method"], r["start"], r["seed"]): r for r in results}
+    want = [np.mean([by[("pure", k, s)]["greedy"]["accuracy"] for s in (0, 1)])
+            for k in range(3)]
+    assert cell["per_start"] == pytest.approx(want)
+    assert cell["mean"] == pytest.approx(np.mean(want))
+    assert cell["lo"] <= cell["mean"] <= cell["hi"]
+    assert cell["noise"]["start_sd"] > 0.05  # start 2 is far from the others
+    d = pure["paired"]["greedy correct with a wrong step"]
+    assert d["per_seed"] == pytest.approx([
+        by[("pure", k, s)]["greedy"]["correct_with_wrong_step"]
+        - by[("grpo", k, s)]["greedy"]["correct_with_wrong_step"]
+        for k in range(3) for s in (0, 1)])
+    per = d["by_start"]
+    assert per["0"]["separated"] and per["1"]["separated"] and per["0"]["hi"] < 0
+    assert not per["2"]["separated"]  # the weak start disagrees: no effect there
+    md = report.markdown({"rows": list(rows.values()), "baseline": {"greedy":
+                          results[0]["greedy"]}, "rl_steps": 60, "eval_problems": 400,
+                          "seeds": 2, "sampled_n": 2, "prm": {"auroc": 0.9},
+                          "compute_s": {"warmup": 1, "prm_train": 1, "runs": 1},
+                          "device": "CPU", "load": [1.0], "total_s": 1, "hack": None,
+                          "task": "long", "task_config": "ArithmeticConfig(...)",
+                          "max_tokens": 224, "response_tokens": {"first5": 150, "last5": 152},
+                          "starts": [{"start": k, "baseline": {"greedy": {"accuracy": acc[k]}},
+                                      "prm": {"auroc": 0.9}, "prm_judged": {"f1": 0.8},
+                                      "cells": 4} for k in range(3)]})
+    assert "Task **long**" in md and "### The starts" in md
+    assert "| 2 | 0.300 | - | 0.900 | 0.800 | 4 |" in md
+    assert "The paired differences start by start" in md and "| pure | learned | 2 | 2 |" in md
+    assert report.block_name({"task": "long"}) == "compare-long"
+    assert report.block_name({"task": "ArithmeticConfig(num_ops=(2, 4))"}) == "compare"
+
+
+def test_the_long_task_runs_to_150_tokens_with_its_own_overrides():
+    """The long task's solutions run to >= 150 tokens (median, char tokenizer) and every one fits
+    its rollout budget; its RL runs get its task and budget as overrides, which the trainer's
+    config accepts."""
+    from megaprm.config import load_config
+    from megaprm.tasks.arithmetic import generate_problems, reference_solution
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    lens = sorted(len(tok.encode(reference_solution(p), add_special_tokens=False)) + 1
+                  for p in generate_problems(runs.TASKS["long"], 400, seed=3))
+    assert lens[len(lens) // 2] >= 150 and lens[0] >= 110
+    assert lens[-1] <= runs.MAX_TOKENS["long"]
+    ccfg = runs.CompareConfig(task="long", methods=("grpo",), oracle=())
+    ov = runs.run_overrides(runs.RunSpec("grpo", "learned", 0), ccfg, "S", "P")
+    cfg = load_config(runs.RL_YAML, ov)
+    assert cfg.data.arithmetic == runs.TASKS["long"] and cfg.rollout.max_tokens == 224
+    assert runs.held_out_problems(5, "long") == generate_problems(
+        runs.TASKS["long"], 5, seed=__import__("megaprm.trainer.data", fromlist=["x"]
+                                               ).HELD_OUT_SEED)
+    with pytest.raises(ValueError, match="--task nosuch: unknown task"):
+        runs.CompareConfig(task="nosuch")
