@@ -88,12 +88,16 @@ def _rollout_tensors(examples: Sequence[StepExample], tok):
     return p_ids, p_mask, r_ids, r_mask, pad
 
 
-def _load(path: str, what: str, build, groups: Groups):
+def _source(path: str, what: str):
+    """(model source, spec) of `path`, before any weight is read."""
     src = model_source.resolve(path, what)
-    spec = spec_from_hf(src.hf_dir)
+    return src, spec_from_hf(src.hf_dir)
+
+
+def _load(src, spec, build, groups: Groups):
     model = build(spec)
     model_source.load_weights(model, src, spec, groups)
-    return model.eval(), spec, src
+    return model.eval()
 
 
 def score_discriminative(prm_dir: str, examples: Sequence[StepExample], groups: Groups, *,
@@ -103,12 +107,13 @@ def score_discriminative(prm_dir: str, examples: Sequence[StepExample], groups: 
     whose scored step count differs from its own)."""
     from megaprm.models.prm import PRM_HEADS, build_prm  # deferred: megatron
 
-    model, spec, src = _load(prm_dir, "--prm", lambda s: build_prm(
-        s, tp=1, pp=1, pp_rank=0, dtype=torch.float32), groups)
+    src, spec = _source(prm_dir, "--prm")
     if spec.head not in PRM_HEADS:
         raise ValueError(f"--prm {prm_dir}: a {spec.architecture} is no discriminative PRM "
                          f"(its head is {spec.head!r}); give a PRM (megaprm train-prm output or "
                          "Qwen2.5-Math-PRM), or an implicit PRM with --implicit and --ref")
+    model = _load(src, spec, lambda s: build_prm(s, tp=1, pp=1, pp_rank=0, dtype=torch.float32),
+                  groups)
     fmt = scoring.resolve_prm_input_format(input_format, src.hf_dir, hf_config=spec.hf_config)
     chat = isinstance(fmt, scoring.ChatStepFormat)
     tok = fmt.tokenizer if chat else load_tokenizer(src.hf_dir)
@@ -133,13 +138,14 @@ def score_implicit(implicit_dir: str, ref_dir: str, examples: Sequence[StepExamp
     def build(spec):
         return build_stage(spec, groups, dtype=torch.float32)
 
-    prm, spec, src = _load(implicit_dir, "--implicit", build, groups)
-    ref, ref_spec, _ = _load(ref_dir, "--ref", build, groups)
+    (src, spec), (ref_src, ref_spec) = _source(implicit_dir, "--implicit"), _source(ref_dir,
+                                                                                   "--ref")
     if spec.head != "lm" or ref_spec.head != "lm" or spec.vocab_size != ref_spec.vocab_size:
         raise ValueError(f"--implicit {implicit_dir} and --ref {ref_dir} must be causal LMs of "
                          f"one vocabulary (heads {spec.head!r}/{ref_spec.head!r}, vocab sizes "
                          f"{spec.vocab_size}/{ref_spec.vocab_size}); PRIME's implicit PRM and "
                          "its reference start from the same policy")
+    prm, ref = _load(src, spec, build, groups), _load(ref_src, ref_spec, build, groups)
     tok = load_tokenizer(src.hf_dir)
     p_ids, p_mask, r_ids, r_mask, pad = _rollout_tensors(examples, tok)
     q = scoring.implicit_prm_rewards(prm, ref, groups, p_ids, p_mask, r_ids, r_mask,
