@@ -709,7 +709,7 @@ def _parser() -> argparse.ArgumentParser:
                         "predicted first error, -1 if none; accuracy on erroneous solutions "
                         "at finding the first wrong step, on correct ones at finding none, and "
                         "their harmonic mean F1) and, with exact step labels, the step AUROC, "
-                        "overall and per error kind. One process (CPU or one GPU); "
+                        "overall and per error kind. One process; "
                         "docs/prm.md, 'Judging a PRM'.")
     ep.add_argument("--prm", default=None, metavar="DIR",
                     help="a discriminative PRM: megaprm train-prm output or an HF "
