@@ -34,18 +34,18 @@ def _megaprm_imports(path: str) -> set:
     return out
 
 
-def source_digest(roots, exclude=(), root_dir: str | None = None) -> dict:
+def source_digest(roots, exclude=()) -> dict:
     """The version of the code a cached result was built by: sha256 (first 16 hex) over the
     source of `roots` (module names) and every megaprm module they import, transitively (read
     from the files with `ast`, so function-local imports count and nothing is imported), and
     torch's version. Returns {"code": digest, "files": n, "torch": version}. `exclude`: module
-    names (and their submodules) left out, e.g. reporting code that never changes a result.
-    `root_dir`: the directory holding the `megaprm` package (default: this one's)."""
+    names (and their submodules) left out, e.g. reporting code that never changes a result."""
     import os
 
     import torch
 
-    root_dir = root_dir or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pkg_dir = os.path.dirname(os.path.abspath(__file__))
+    root_dir = os.path.dirname(pkg_dir)
 
     def file_of(mod: str):
         rel = os.path.join(*mod.split("."))

@@ -1,19 +1,30 @@
 """`digest.source_digest`: the version of the code a cached result was built by (the
 comparison's start cache key holds it), over a module and what it imports, transitively."""
+import importlib.util
+import shutil
+
 import torch
 
+import megaprm.digest
 from megaprm.digest import source_digest
 
 
 def _package(root, files):
+    """A `megaprm` package of `files` under root, with a copy of digest.py whose
+    `source_digest` reads that package (it resolves modules next to its own file)."""
     pkg = root / "megaprm"
     pkg.mkdir(exist_ok=True)
     for name, text in files.items():
         (pkg / name).write_text(text)
+    shutil.copy(megaprm.digest.__file__, pkg / "digest_copy.py")
+    spec = importlib.util.spec_from_file_location("digest_copy", pkg / "digest_copy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.source_digest
 
 
 def test_a_change_to_an_imported_module_changes_the_version_and_others_do_not(tmp_path):
-    _package(tmp_path, {
+    digest = _package(tmp_path, {
         "__init__.py": "",
         "a.py": "def f():\n    from megaprm.b import g  # function-local: counts\n    return g()\n",
         "b.py": "from megaprm import c\n\ndef g():\n    return c.K\n",
@@ -21,7 +32,7 @@ def test_a_change_to_an_imported_module_changes_the_version_and_others_do_not(tm
         "unrelated.py": "X = 1\n"})
 
     def version(**kw):
-        return source_digest(["megaprm.a"], root_dir=str(tmp_path), **kw)
+        return digest(["megaprm.a"], **kw)
 
     v0 = version()
     assert v0["files"] == 4 and v0["torch"] == torch.__version__  # __init__, a, b, c

@@ -130,7 +130,10 @@ def warmup_stage(ccfg: CompareConfig, groups: Groups, tok, start: int,
         init_dir = init_policy(wcfg, tok, os.path.join(ccfg.start_dir(start), "init"),
                                groups.rank)
         rec = {"final_loss": warmup(wcfg, groups, tok, init_dir, sft_dir),
-               "seconds": time.perf_counter() - t}
+               "seconds": time.perf_counter() - t,
+               # the key's parts: the settings alone (`--only-finished` checks them) and the
+               # code that built it
+               "settings": warmup_digest(wcfg), "code": code}
         mark_stage_done(sft_dir, digest, groups, **rec)
     else:
         _say(groups, f"warm-up: reusing {sft_dir} (same settings)")
@@ -149,23 +152,41 @@ def _prm_digest(ccfg: CompareConfig, start: int, code: dict) -> str:
                         "layers": ccfg.prm_layers, "init_seed": start, "code": code})
 
 
+def recorded_start(ccfg: CompareConfig, k: int, code: dict) -> dict | None:
+    """`--only-finished`: start k's warm-up and PRM records as they are on disk, when their
+    settings are this comparison's, whatever code built them (it reports finished work and
+    trains nothing, so a start of another commit is reported, with `same_code` saying so,
+    never trained on); None when a stage is missing or of other settings. A record written
+    before the settings were recorded apart is taken as it is (`settings_checked` false)."""
+    want = {"sft": warmup_digest(_warmup_config(ccfg, k)), "prm": _prm_digest(ccfg, k, None)}
+    recs = {d: _read_json(os.path.join(ccfg.start_dir(k), d, "demo_stage.json"))
+            for d in ("sft", "prm")}
+    if any(r is None or r.get("settings", want[d]) != want[d] for d, r in recs.items()):
+        return None
+    same = (recs["sft"]["digest"] == warmup_digest(_warmup_config(ccfg, k), code)
+            and recs["prm"]["digest"] == _prm_digest(ccfg, k, code))
+    return {**recs, "same_code": same,
+            "settings_checked": all("settings" in r for r in recs.values())}
+
+
 def check_only_finished(ccfg: CompareConfig) -> None:
     """`--only-finished` runs nothing new, so the run directory must already hold this
-    comparison's warm-up and PRM (same settings) and at least one finished cell; checked before
-    any rank starts, as otherwise the stages would be trained (minutes) to report nothing."""
-    code = code_version()
-    missing = [name for name, d, digest in (
-        ("warm-up", "sft", warmup_digest(_warmup_config(ccfg, 0), code)),
-        ("PRM", "prm", _prm_digest(ccfg, 0, code)))
-        if cached_stage(os.path.join(ccfg.start_dir(0), d), digest) is None]
+    comparison's warm-up and PRM (same settings; `recorded_start`) and at least one finished
+    cell; checked before any rank starts, as otherwise the stages would be trained (minutes) to
+    report nothing."""
+    want = {"sft": warmup_digest(_warmup_config(ccfg, 0)), "prm": _prm_digest(ccfg, 0, None)}
+    missing = []
+    for name, d in (("warm-up", "sft"), ("PRM", "prm")):
+        r = _read_json(os.path.join(ccfg.start_dir(0), d, "demo_stage.json"))
+        if r is None or r.get("settings", want[d]) != want[d]:
+            missing.append(name)
     rl = os.path.join(ccfg.start_dir(0), "rl")
     if not any(os.path.isfile(os.path.join(rl, name, "result.json"))
                for name in (os.listdir(rl) if os.path.isdir(rl) else ())):
         missing.append("finished run")
     if missing:
         raise ValueError(f"--only-finished: {ccfg.start_dir(0)} has no {', no '.join(missing)} "
-                         "with these settings and this code (a start is keyed by the code that "
-                         "builds it and torch's version), and the flag runs nothing new; run "
+                         "with these settings, and the flag runs nothing new; run "
                          "`megaprm compare` "
                          "without --only-finished first (or pass the --run-dir and settings of "
                          "a finished comparison)")
@@ -197,7 +218,8 @@ def prm_stage(ccfg: CompareConfig, groups: Groups, tok, start: int,
     rec = {"auroc": res.eval.auroc, "f1": res.eval.f1, "train_s": res.train_seconds,
            "per_kind": res.eval.per_kind,
            "recipe": {k: (v if k != "arithmetic" else repr(v)) for k, v in recipe.items()},
-           "trunk": f"qwen2 hidden {ccfg.prm_hidden}, {ccfg.prm_layers} layers, random init"}
+           "trunk": f"qwen2 hidden {ccfg.prm_hidden}, {ccfg.prm_layers} layers, random init",
+           "settings": _prm_digest(ccfg, start, None), "code": code}
     mark_stage_done(prm_dir, digest, groups, **rec)
     return prm_dir, {**rec, "digest": digest}
 
@@ -557,13 +579,6 @@ RL_CODE = ("megaprm.trainer.loop", "megaprm.trainer.evaluate", "megaprm.rollout.
            "megaprm.experiments.arithmetic.runs")
 
 
-def _start_cached(ccfg: CompareConfig, k: int, code: dict) -> bool:
-    return (cached_stage(os.path.join(ccfg.start_dir(k), "sft"),
-                         warmup_digest(_warmup_config(ccfg, k), code)) is not None
-            and cached_stage(os.path.join(ccfg.start_dir(k), "prm"),
-                             _prm_digest(ccfg, k, code)) is not None)
-
-
 def _response_tokens(results: list) -> dict | None:
     """The training responses' mean length (tokens) over the cells: first and last 5 steps."""
     curves = [r["curves"].get("response/length_mean") for r in results if not r.get("hack")]
@@ -659,21 +674,37 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False) -> dic
     starts: dict = {}  # k -> its stages, built (or read back) when its first cell comes
 
     def stages(k: int) -> dict | None:
-        if k not in starts:
-            if only_finished and not _start_cached(ccfg, k, code):
+        if k not in starts and only_finished:
+            rec = recorded_start(ccfg, k, code)
+            if rec is None:
                 starts[k] = None  # never built: its cells are missing, nothing is trained
-            else:
-                t = time.perf_counter()
-                sft_dir, sft = warmup_stage(ccfg, groups, tok, k, code)
-                t_warm = time.perf_counter() - t
-                prm_dir, prm = prm_stage(ccfg, groups, tok, k, code)
-                judged = prm_judge_stage(ccfg, groups, k, prm_dir, prm["digest"])
-                baseline = baseline_stage(ccfg, groups, tok, sft_dir, sft["digest"],
-                                          temperature, k)
+            else:  # as built, by whichever code (said in the report); nothing trains
+                sft_dir, prm_dir = (os.path.join(ccfg.start_dir(k), d) for d in ("sft", "prm"))
+                sft, prm = rec["sft"], rec["prm"]
                 starts[k] = {"sft_dir": sft_dir, "prm_dir": prm_dir, "sft": sft, "prm": prm,
-                             "baseline": baseline, "prm_judged": judged,
+                             "baseline": baseline_stage(ccfg, groups, tok, sft_dir,
+                                                        sft["digest"], temperature, k),
+                             "prm_judged": prm_judge_stage(ccfg, groups, k, prm_dir,
+                                                           prm["digest"]),
                              "base_digest": json_digest([sft["digest"], prm["digest"]]),
-                             "t_warm": t_warm, "t_prm": time.perf_counter() - t - t_warm}
+                             "same_code": rec["same_code"],
+                             "settings_checked": rec["settings_checked"], "t_warm": 0.0,
+                             "t_prm": 0.0}
+                if not rec["same_code"]:
+                    _say(groups, f"start {k}: reporting its warm-up and PRM as built by other "
+                                 "code than this checkout's (compare.json: starts[].same_code)")
+        if k not in starts:
+            t = time.perf_counter()
+            sft_dir, sft = warmup_stage(ccfg, groups, tok, k, code)
+            t_warm = time.perf_counter() - t
+            prm_dir, prm = prm_stage(ccfg, groups, tok, k, code)
+            judged = prm_judge_stage(ccfg, groups, k, prm_dir, prm["digest"])
+            baseline = baseline_stage(ccfg, groups, tok, sft_dir, sft["digest"],
+                                      temperature, k)
+            starts[k] = {"sft_dir": sft_dir, "prm_dir": prm_dir, "sft": sft, "prm": prm,
+                         "baseline": baseline, "prm_judged": judged,
+                         "base_digest": json_digest([sft["digest"], prm["digest"]]),
+                         "t_warm": t_warm, "t_prm": time.perf_counter() - t - t_warm}
         return starts[k]
 
     runs = plan(ccfg)
@@ -709,6 +740,10 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False) -> dic
                   "baseline": {x: _no_counts(y) for x, y in v["baseline"].items()
                                if x != "digest"},
                   "prm_judged": {x: y for x, y in v["prm_judged"].items() if x != "digest"},
+                  # built by this checkout's code (False: reported by --only-finished from an
+                  # earlier commit's start; the provenance's start_code is this checkout's)
+                  "same_code": v.get("same_code", True),
+                  "settings_checked": v.get("settings_checked", True),
                   "cells": sum(r["start"] == k for r in results)}
                  for k, v in built.items()]
     report = {"methods": list(ccfg.methods), "seeds": ccfg.seeds, "rl_steps": ccfg.rl_steps,

@@ -336,28 +336,37 @@ def test_compare_bad_input_one_line(tmp_path, args, needle):
 
 def test_only_finished_needs_the_stages_and_a_finished_run(tmp_path):
     """The check names what is missing: with this comparison's warm-up and PRM marked done (the
-    markers the stages write) but no finished cell it still refuses; a marker of other settings
-    counts as missing, and so does one built by other code (the start's cache key holds the
-    building code's version and torch's); one result.json lets it through."""
+    markers the stages write) but no finished cell it still refuses; a stage of other settings
+    counts as missing; one result.json lets it through. A start built by another commit's code
+    is not reused by a run (its key holds the code's version) but is reported by
+    --only-finished, which trains nothing, with `same_code` false."""
     ccfg = runs.CompareConfig(run_dir=str(tmp_path), methods=("grpo",), seeds=1, oracle=())
     st = tmp_path / "start0"
     code = compare.code_version()
-    for d, digest in (("sft", compare.warmup_digest(compare._warmup_config(ccfg, 0), code)),
-                      ("prm", "other settings")):
-        os.makedirs(st / d)
-        compare.mark_stage_done(str(st / d), digest, _Rank0())
+    wcfg = compare._warmup_config(ccfg, 0)
+    os.makedirs(st / "sft")
+    os.makedirs(st / "prm")
+    compare.mark_stage_done(str(st / "sft"), compare.warmup_digest(wcfg, code), _Rank0(),
+                            settings=compare.warmup_digest(wcfg), code=code)
+    compare.mark_stage_done(str(st / "prm"), "x", _Rank0(), settings="other settings")
     with pytest.raises(ValueError, match=r"has no PRM, no finished run with these settings"):
         compare.check_only_finished(ccfg)
+    assert compare.recorded_start(ccfg, 0, code) is None
     other_code = {**code, "code": "0" * 16}  # the same recipe built by another commit
-    compare.mark_stage_done(str(st / "prm"), compare._prm_digest(ccfg, 0, other_code), _Rank0())
-    with pytest.raises(ValueError, match=r"has no PRM, no finished run"):
-        compare.check_only_finished(ccfg)
-    compare.mark_stage_done(str(st / "prm"), compare._prm_digest(ccfg, 0, code), _Rank0())
+    compare.mark_stage_done(str(st / "prm"), compare._prm_digest(ccfg, 0, other_code), _Rank0(),
+                            settings=compare._prm_digest(ccfg, 0, None), code=other_code)
     with pytest.raises(ValueError, match=r"has no finished run with these settings"):
         compare.check_only_finished(ccfg)
     os.makedirs(st / "rl" / "grpo-learned-s0")
     (st / "rl" / "grpo-learned-s0" / "result.json").write_text("{}")
     compare.check_only_finished(ccfg)
+    rec = compare.recorded_start(ccfg, 0, code)
+    assert rec is not None and rec["same_code"] is False and rec["settings_checked"]
+    # a run would not reuse it: the PRM stage's key under this code is another
+    assert compare.cached_stage(str(st / "prm"), compare._prm_digest(ccfg, 0, code)) is None
+    compare.mark_stage_done(str(st / "prm"), compare._prm_digest(ccfg, 0, code), _Rank0(),
+                            settings=compare._prm_digest(ccfg, 0, None), code=code)
+    assert compare.recorded_start(ccfg, 0, code)["same_code"] is True
 
 
 class _Rank0:
