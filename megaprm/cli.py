@@ -65,13 +65,18 @@ def _on_ranks(args, argv, preflight, body) -> int:
 def cmd_demo(args) -> int:
     # deferred: keeps --help fast
     from megaprm.experiments.arithmetic import demo
+    from megaprm.experiments.arithmetic.runs import TASK_DEFAULTS
 
-    overrides = {"rl_steps": args.rl_steps, "warmup_steps": args.warmup_steps,
-                 "eval_problems": args.eval_problems, "prm_steps": args.prm_steps,
-                 "prm_examples": args.prm_examples}
-    dcfg = demo.DemoConfig(run_dir=args.run_dir, method=args.method, seed=args.seed,
-                           from_scratch=args.from_scratch,
-                           **{k: v for k, v in overrides.items() if v})
+    overrides = {**TASK_DEFAULTS.get(args.task, {}),  # the task's start recipe, then flags
+                 **{k: v for k, v in {"rl_steps": args.rl_steps,
+                                      "warmup_steps": args.warmup_steps,
+                                      "eval_problems": args.eval_problems,
+                                      "prm_steps": args.prm_steps,
+                                      "prm_examples": args.prm_examples}.items() if v}}
+    dcfg = demo.DemoConfig(run_dir=args.run_dir or ("runs/demo" if args.task == "short"
+                                                    else f"runs/demo-{args.task}"),
+                           method=args.method, seed=args.seed, task=args.task,
+                           from_scratch=args.from_scratch, **overrides)
 
     def preflight():
         # deferred: keeps --help fast
@@ -81,6 +86,10 @@ def cmd_demo(args) -> int:
 
         world_size_of(args)  # --nproc vs GPUs, node rank
         check_output(dcfg.run_dir, "--run-dir", {}, holds_runs=True)
+        if args.write_readme and args.task != "short":
+            raise ValueError(f"--write-readme with --task {args.task}: README's demo block and "
+                             "docs/demo/ are the shipped short-task demo's; drop --write-readme "
+                             f"(the run's demo.json and PNG stay in {dcfg.run_dir})")
         if args.write_readme:  # the markers are there before minutes of work
             read_block("README.md", "demo")
 
@@ -604,7 +613,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="the process-reward method set against GRPO (default pure, the "
                         "strongest in the full comparison); prime trains its own implicit PRM "
                         "from outcome labels and does not learn at the demo's scale")
-    d.add_argument("--run-dir", default="runs/demo")
+    d.add_argument("--run-dir", default="",
+                   help="default runs/demo (--task short), runs/demo-TASK otherwise")
+    d.add_argument("--task", default="short", choices=("short", "long"),
+                   help="short: the shipped start (2-4 steps); long: 18-22-step chains, its "
+                   "warm-up and PRM trained first (not shipped: ~30 CPU minutes on 2 cores)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--from-scratch", action="store_true",
                    help="train the warm-up policy and the PRM instead of using the shipped "

@@ -36,9 +36,10 @@ from megaprm.algorithms.registry import METHODS
 from megaprm.config import RolloutConfig, load_config
 from megaprm.experiments.arithmetic import start
 from megaprm.experiments.arithmetic.runs import (
+    MAX_TOKENS,
     REPO_ROOT,
     RL_YAML,
-    TASK,
+    TASKS,
     CompareConfig,
     RunSpec,
     held_out_problems,
@@ -93,6 +94,7 @@ class DemoConfig:
     rl_steps: int = 40
     eval_problems: int = 200
     from_scratch: bool = False
+    task: str = "short"  # a key of runs.TASKS; only the short task's start is shipped
 
     def __post_init__(self):
 
@@ -101,6 +103,8 @@ class DemoConfig:
         if self.method == self.baseline:
             raise ValueError(f"--method={self.method}: that is the baseline the demo compares "
                              f"with; pick a process-reward method, e.g. --method pure")
+        if self.task not in TASKS:
+            raise ValueError(f"--task {self.task}: unknown task; choose from {list(TASKS)}")
         for k in ("warmup_steps", "prm_steps", "prm_examples", "rl_steps"):
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')}={getattr(self, k)}: must be >= 1")
@@ -125,12 +129,13 @@ class _Recording:
         return out
 
 
-def evaluate_and_record(engine, tokenizer, groups: Groups, problems: list) -> dict:
+def evaluate_and_record(engine, tokenizer, groups: Groups, problems: list,
+                        max_tokens: int = 64) -> dict:
     """Greedy evaluation with the project's `evaluate_arithmetic` (dp-sharded, exact step
     checks), plus every rank's generated texts in problem order (for an independent recount)."""
 
     rec = _Recording(engine)
-    res = evaluate_arithmetic(rec, tokenizer, groups, problems)
+    res = evaluate_arithmetic(rec, tokenizer, groups, problems, max_tokens=max_tokens)
     (batch,) = rec.batches
     lo, hi = shard(problems, groups)  # evaluate_arithmetic's shard of this rank
     mine = problems[lo:hi]
@@ -170,18 +175,19 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
     say = print if groups.rank == 0 else (lambda *a, **k: None)
     times = {}
     tok = build_char_tokenizer()
-    rec = start.recipe(dcfg.warmup_steps, dcfg.prm_steps, dcfg.prm_examples)
+    rec = start.recipe(dcfg.warmup_steps, dcfg.prm_steps, dcfg.prm_examples, dcfg.task)
     if dcfg.method == "prime":
         say(f"[demo] {PRIME_NOTE}", flush=True)
     begin = start.ensure(dcfg.run_dir, rec, groups, tok, dcfg.from_scratch, say)
     times["start"] = time.perf_counter() - t0
     man = begin["manifest"]
 
-    problems = held_out_problems(dcfg.eval_problems)
+    problems = held_out_problems(dcfg.eval_problems, dcfg.task)
+    max_tokens = MAX_TOKENS[dcfg.task]
     t = time.perf_counter()
     engine = build_engine(RolloutConfig(engine="hf"), begin["sft"], tok,
                           world_size=groups.world_size, tp_size=1, seed=0, device=rank_device())
-    before = evaluate_and_record(engine, tok, groups, problems)
+    before = evaluate_and_record(engine, tok, groups, problems, max_tokens)
     del engine
     times["eval_before_rl"] = time.perf_counter() - t
     say(f"[demo] before RL: accuracy {before['accuracy']:.3f} on {before['problems']} held-out "
@@ -189,7 +195,7 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
 
     ccfg = CompareConfig(rl_steps=dcfg.rl_steps, eval_problems=dcfg.eval_problems,
                                  warmup_steps=dcfg.warmup_steps, prm_steps=dcfg.prm_steps,
-                                 prm_examples=dcfg.prm_examples,
+                                 prm_examples=dcfg.prm_examples, task=dcfg.task,
                                  # metrics.jsonl and the PNG are the record; wandb's offline
                                  # writer costs seconds a run and floods the demo's output
                                  wandb="disabled")
@@ -211,7 +217,8 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
         rl_s = time.perf_counter() - t
         t = time.perf_counter()
         after = trainer.lifecycle.generate(
-            functools.partial(evaluate_and_record, trainer.engine, tok, groups, problems))
+            functools.partial(evaluate_and_record, trainer.engine, tok, groups, problems,
+                              max_tokens))
         eval_s = time.perf_counter() - t
         if groups.world_size > 1:
             dist.barrier()  # rank 0 has written every step's metrics
@@ -235,7 +242,7 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
 
     summary = {
         "config": asdict(dcfg), "world_size": groups.world_size, "device": str(rank_device()),
-        "task": repr(TASK), "held_out_seed_problems": dcfg.eval_problems,
+        "task": repr(TASKS[dcfg.task]), "held_out_seed_problems": dcfg.eval_problems,
         "start": {"source": begin["source"], "recipe_digest": man["digest"],
                   "sft_final_loss": man.get("sft_final_loss"), "prm_eval": man["prm_eval"],
                   "build_s": man.get("build"), "rebuild_check": begin.get("rebuild_check")},

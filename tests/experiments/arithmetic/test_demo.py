@@ -313,3 +313,26 @@ def test_demo_refuses_grpo_as_the_method_in_one_line():
     p = _run([*MEGAPRM, "demo", "--method", "grpo"], timeout=120)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "--method=grpo" in p.stderr and "baseline" in p.stderr
+
+
+def test_demo_task_long_trains_its_own_start(tmp_path):
+    """`megaprm demo --task long`: the long task's recipe (its warm-up and PRM steps) is not the
+    shipped start's, so the start is trained, not copied; its problems and budget are the long
+    task's; --write-readme (the shipped demo's block) is refused in one line."""
+    from megaprm.experiments.arithmetic import demo as demo_mod
+    from megaprm.experiments.arithmetic import runs, start
+
+    d = demo_mod.DemoConfig(task="long", **runs.TASK_DEFAULTS["long"])
+    rec = start.recipe(d.warmup_steps, d.prm_steps, d.prm_examples, d.task)
+    shipped = start.read_manifest()
+    assert rec["task"] == "long" and rec["warmup"]["task"] == repr(runs.TASKS["long"])
+    assert json_digest(rec) != shipped["digest"]
+    assert json_digest(start.recipe()) == shipped["digest"]  # the short one is still shipped
+    with pytest.raises(ValueError, match="--task nosuch: unknown task"):
+        demo_mod.DemoConfig(task="nosuch")
+    from tests.test_megaprm_cli import one_line_error
+
+    p = _run([*MEGAPRM, "demo", "--task", "long", "--write-readme", "--run-dir",
+              str(tmp_path / "d")])
+    one_line_error(p, "megaprm demo: error:", "--write-readme with --task long")
+    assert not os.path.exists(tmp_path / "d")
