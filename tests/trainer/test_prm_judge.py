@@ -53,13 +53,15 @@ def _hf_p_good(prm_dir, examples):
 
     tok = load_tokenizer(prm_dir)
     model = AutoModelForTokenClassification.from_pretrained(prm_dir, dtype=torch.float32).eval()
+    from megaprm.tasks.arithmetic import split_steps
+
     out = []
     for ex in examples:
-        steps = ex.response.split("\n\n")
+        steps = split_steps(ex.response, ex.ends_with_eos)  # a cut after "\n\n" ends there
         ids, pos = tok(ex.prompt, add_special_tokens=False).input_ids, []
         for k, step in enumerate(steps):
-            ids += tok(step + ("\n\n" if k < len(steps) - 1 else ""),
-                       add_special_tokens=False).input_ids
+            closed = k < len(steps) - 1 or ex.response.endswith("\n\n")
+            ids += tok(step + ("\n\n" if closed else ""), add_special_tokens=False).input_ids
             if k == len(steps) - 1 and ex.ends_with_eos:
                 ids.append(tok.eos_token_id)
             pos.append(len(ids) - 1)
