@@ -129,3 +129,18 @@ def test_step_auroc_keeps_its_old_home():
 
     assert prm_training.step_auroc is prm_eval.step_auroc
     assert prm_eval.step_auroc(torch.tensor([0.1, 0.9, 0.5]), torch.tensor([0, 1, 1])) == 1.0
+
+
+def test_subsets_are_judged_apart_and_averaged_like_the_release():
+    # subset a: erroneous right 1/1, correct right 0/1 -> F1 0; subset b: 1/2 and 1/1 -> 2/3.
+    # The release prints each subset's F1 and their mean: (0 + 2/3) / 2 = 1/3.
+    sols = [ScoredSolution((0.9, 0.1), 1, "a"), ScoredSolution((0.1,), -1, "a"),
+            ScoredSolution((0.1, 0.9), 1, "b"), ScoredSolution((0.9, 0.1), 1, "b"),
+            ScoredSolution((0.9,), -1, "b")]
+    rep = prm_eval.judge(sols, 0.5, pooled_kinds=False)
+    a, b = rep["per_kind"]["a"], rep["per_kind"]["b"]
+    assert (a["acc_erroneous"], a["acc_correct"], a["f1"]) == (1.0, 0.0, 0.0)
+    assert (b["acc_erroneous"], b["acc_correct"]) == (0.5, 1.0)
+    assert b["f1"] == pytest.approx(2 / 3) and rep["mean_f1"] == pytest.approx(1 / 3)
+    # pooled (error kinds): b's correct accuracy becomes the whole set's, 1/2
+    assert prm_eval.judge(sols, 0.5)["per_kind"]["b"]["acc_correct"] == 0.5
