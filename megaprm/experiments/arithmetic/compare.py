@@ -71,9 +71,12 @@ from megaprm.parallel.device import rank_device
 from megaprm.parallel.groups import Groups
 from megaprm.rollout.factory import build_engine
 from megaprm.tasks.tokenizer import build_char_tokenizer
+from megaprm.rewards.prm_eval import judge
 from megaprm.trainer.evaluate import evaluate_arithmetic
+from megaprm.trainer.export import save_hf
 from megaprm.trainer.loop import RLTrainer
 from megaprm.trainer.metrics import read_metrics
+from megaprm.trainer.prm_judge import arithmetic_set, judged, score_discriminative, score_implicit
 from megaprm.trainer.prm_training import PRMTrainConfig, train_prm
 
 SAMPLED_SEED = 424_242
@@ -232,9 +235,6 @@ JUDGE_SEED, JUDGE_SOLUTIONS = 3_000_017, 512
 
 def _judged(scores: list, examples, labels, step_labels, threshold: float, what: str) -> dict:
     """ProcessBench's first-error F1 and the step AUROC (all, per error kind) of the scores."""
-    from megaprm.rewards.prm_eval import judge
-    from megaprm.trainer.prm_judge import judged
-
     j = judged(examples, labels, step_labels, scores, threshold, what)
     rep = judge(j.solutions, threshold)
     return {**rep["all"], "threshold": threshold, "score": what, "skipped": len(j.skipped),
@@ -242,8 +242,6 @@ def _judged(scores: list, examples, labels, step_labels, threshold: float, what:
 
 
 def judge_set(ccfg: CompareConfig):
-    from megaprm.trainer.prm_judge import arithmetic_set
-
     return arithmetic_set(ccfg.arithmetic, JUDGE_SOLUTIONS, JUDGE_SEED)
 
 
@@ -252,8 +250,6 @@ def prm_judge_stage(ccfg: CompareConfig, groups: Groups, start: int, prm_dir: st
     """Start k's PRM judged as the field judges PRMs (`megaprm eval-prm`'s metrics): first-error
     F1 (ProcessBench: a step is called wrong below P(good) 0.5) and step AUROC against the
     exact labels, per error kind, on the comparison's judging set; cached beside the PRM."""
-    from megaprm.trainer.prm_judge import score_discriminative
-
     path = os.path.join(ccfg.start_dir(start), "prm_judged.json")
     digest = json_digest([prm_digest, JUDGE_SEED, JUDGE_SOLUTIONS])
     rec = _read_json(path)
@@ -271,9 +267,6 @@ def judge_implicit(ccfg: CompareConfig, groups: Groups, trainer, run_dir: str,
     """PRIME's implicit PRM at the end of its run, saved (RUN/implicit_prm) and judged like a
     discriminative PRM: a step's score is beta * sum of its tokens' log pi_prm - log pi_ref
     (the reference: the warm-up policy, the implicit PRM's start), called wrong below 0."""
-    from megaprm.trainer.export import save_hf
-    from megaprm.trainer.prm_judge import score_implicit
-
     out = save_hf(trainer.implicit.model, groups, os.path.join(run_dir, "implicit_prm"),
                   side_files_from=sft_dir)
     _barrier(groups)
