@@ -99,18 +99,25 @@ class PRMModel(GPTModel):
     def _postprocess(self, hidden_states, **_):
         """GPTModel's hook after the decoder: [s, b, h] -> head logits [b, s, num_labels].
 
-        With `aux_lm` and `emit_lm_logits` set, this tp rank's vocab-parallel LM logits follow
-        the head logits on the last dim: [b, s, num_labels + V/tp] (PRM training's auxiliary
-        next-token loss). The LM head (`output_layer`) has no HF counterpart in a PRM
-        checkpoint, so it is neither loaded by `mapping.load_hf_weights` nor exported.
+        With `aux_lm` and `emit_lm_logits` set, the final hidden states follow the head logits
+        on the last dim: [b, s, num_labels + h], for PRM training's auxiliary next-token loss,
+        which puts through `lm_logits` only the positions it scores (not every position's
+        vocabulary-sized logits: with a 151k vocabulary those dominated a CPU PRM's step).
+        The LM head (`output_layer`) has no HF counterpart in a PRM checkpoint, so it is
+        neither loaded by `mapping.load_hf_weights` nor exported.
         """
         if not self.post_process:
             return hidden_states
         out = self.score(hidden_states)
         if self.aux_lm and self.emit_lm_logits:
-            lm, _ = self.output_layer(hidden_states)
-            out = torch.cat([out, lm.to(out.dtype)], dim=-1)
+            out = torch.cat([out, hidden_states.to(out.dtype)], dim=-1)
         return out.transpose(0, 1).contiguous()
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This tp rank's vocab-parallel LM logits [n, V/tp] of final hidden states [n, h]
+        (the `aux_lm` output layer; every tp rank passes the same rows)."""
+        logits, _ = self.output_layer(hidden[:, None, :])  # the layer reads [s, b, h]
+        return logits[:, 0]
 
 
 def as_prm_spec(spec: ModelSpec, head: str) -> ModelSpec:

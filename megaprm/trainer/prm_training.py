@@ -427,17 +427,22 @@ def _local_train_step(model, optimizer, groups: Groups, data: EncodedSteps, rows
         if lm_mask is not None:
             lm_mask = F.pad(lm_mask, (0, L - lm_mask.shape[1]))
 
-    def post(mb, logits):  # logits [b, L, 2 (+ V/tp with the aux LM)] on the last stage
+    def post(mb, logits):  # logits [b, L, 2 (+ h: hidden states, with the aux LM)], last stage
         index, mask, labels = mb.payload
         z = gather_positions(logits[..., :2], index).float()  # [b, S, 2]
         ce = F.cross_entropy(z.reshape(-1, 2), labels.reshape(-1), reduction="none")
         loss = (ce.view(mask.shape) * mask).sum() / denom
         lm = loss.new_zeros(())  # on the loss's device: the two are stacked below
         if lm_loss_weight:
-            target = torch.roll(mb.input_ids, -1, dims=1)  # masked where it wraps around
-            logp = vocab_parallel_logprobs(logits[..., 2:], target, tp_group=groups.tp,
+            # the LM head runs on the n positions the loss counts (correct solutions, t
+            # predicting t + 1), not on all b * L: the same loss without the vocabulary-sized
+            # logits of wrong solutions and padding
+            keep = mb.loss_mask.bool()  # [b, L]
+            target = torch.roll(mb.input_ids, -1, dims=1)[keep]  # [n]
+            lm_logits = getattr(model, "module", model).lm_logits(logits[..., 2:][keep])
+            logp = vocab_parallel_logprobs(lm_logits, target, tp_group=groups.tp,
                                            tp_rank=groups.tp_rank, vocab_size=vocab_size)
-            lm = -(logp * mb.loss_mask).sum() / lm_denom
+            lm = -logp.sum() / lm_denom
         return loss + lm_loss_weight * lm, torch.stack([loss.detach(), lm.detach()])
 
     optimizer.zero_grad()
