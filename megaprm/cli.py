@@ -616,7 +616,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--run-dir", default="",
                    help="default runs/demo (--task short), runs/demo-TASK otherwise")
     d.add_argument("--task", default="short", choices=("short", "long"),
-                   help="short: the shipped start (2-4 steps); long: 18-22-step chains, its "
+                   help="short: the shipped start (2-4 steps); long: 8-11-step restating chains, its "
                    "warm-up and PRM trained first (not shipped: ~30 CPU minutes on 2 cores)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--from-scratch", action="store_true",
@@ -654,8 +654,9 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("--run-dir", default="",
                     help="default runs/compare (--task short), runs/compare-TASK otherwise")
     cp.add_argument("--task", default=defaults.task, choices=tuple(TASKS),
-                    help="short: 2-4 steps (~32-token solutions); long: 18-22 steps (120-186 "
-                    "tokens), each with its own warm-up and PRM")
+                    help="short: 2-4 steps (~32-token solutions); long: 8-11 steps restating the "
+                    "operations still to apply (114-208 tokens), each with its own warm-up "
+                    "and PRM")
     cp.add_argument("--starts", type=int, default=defaults.starts,
                     help="independently built starts (warm-up policy + PRM, seed k each): the "
                     "outer level of the paired design")

@@ -21,7 +21,17 @@ Step correctness is *local* (what a careful grader checking one line at a time w
 * anything else (garbage, an extra step, a partial step) is incorrect.
 
 So a step that correctly continues from a wrong earlier result is itself correct; the earlier
-step carries the blame. `StepCheck.first_error_index` gives the "first error onward" view, and
+step carries the blame.
+
+`ArithmeticConfig(restate=True)` (the comparison's long task): every equation step also restates
+the operations still to apply, so each step reads its next operand from the step before it,
+not from a position in the prompt a small model must count to::
+
+    prompt    "7+5-3+8="
+    solution  "7+5=12-3+8\n\n12-3=9+8\n\n9+8=17\n\n\boxed{17}"
+
+and a step is correct iff it is correct as above and its restated tail is exactly the problem's
+operations after it (a response of 10 steps runs to ~150 tokens with one-digit operands). `StepCheck.first_error_index` gives the "first error onward" view, and
 `step_labelled_examples(label_mode="prefix")` emits those labels instead.
 """
 
@@ -35,6 +45,8 @@ SEP = "\n\n"
 CORRUPTION_KINDS = ("wrong_result", "flawed_but_correct", "wrong_operand", "truncated")
 
 _EQ_RE = re.compile(r"(-?\d+)([+\-*])(\d+)=(-?\d+)")
+# an equation step that restates the operations still to apply (`restate`)
+_EQ_TAIL_RE = re.compile(r"(-?\d+)([+\-*])(\d+)=(-?\d+)((?:[+\-*]\d+)*)")
 _BOXED_RE = re.compile(r"\\boxed\{(-?\d+)\}")
 _LAST_BOXED_RE = re.compile(r"\\boxed\{([^{}]*)\}")
 
@@ -50,6 +62,14 @@ class ArithmeticConfig:
     ops: str = "+-"
     allow_negative: bool = False
     seed: int = 0
+    restate: bool = False  # each step restates the operations still to apply (module docstring)
+
+    def __repr__(self) -> str:
+        # `restate` is named only when set: the repr keys cached starts (and the shipped demo's
+        # recipe), which must not change for the tasks that existed before it
+        base = (f"ArithmeticConfig(num_ops={self.num_ops!r}, operand_max={self.operand_max!r}, "
+                f"ops={self.ops!r}, allow_negative={self.allow_negative!r}, seed={self.seed!r}")
+        return base + (", restate=True)" if self.restate else ")")
 
     def __post_init__(self) -> None:
         lo_hi = tuple(self.num_ops)
@@ -75,6 +95,7 @@ class Problem:
     operands: tuple[int, ...]  # len(ops) + 1 operands, all >= 1
     ops: tuple[str, ...]  # each in "+-*"
     answer: int  # left-to-right value
+    restate: bool = False  # its solutions restate the operations still to apply
 
     @property
     def results(self) -> list[int]:
@@ -111,13 +132,15 @@ def _apply(a: int, op: str, b: int) -> int:
     return a * b
 
 
-def make_problem(operands: list[int] | tuple[int, ...], ops: list[str] | tuple[str, ...]) -> Problem:
+def make_problem(operands: list[int] | tuple[int, ...], ops: list[str] | tuple[str, ...],
+                 restate: bool = False) -> Problem:
     assert len(operands) == len(ops) + 1 and len(ops) >= 1
     prompt = str(operands[0]) + "".join(f"{op}{b}" for op, b in zip(ops, operands[1:])) + "="
     acc = operands[0]
     for op, b in zip(ops, operands[1:]):
         acc = _apply(acc, op, b)
-    return Problem(prompt=prompt, operands=tuple(operands), ops=tuple(ops), answer=acc)
+    return Problem(prompt=prompt, operands=tuple(operands), ops=tuple(ops), answer=acc,
+                   restate=restate)
 
 
 def _sample_problem(cfg: ArithmeticConfig, rng: random.Random) -> Problem:
@@ -133,7 +156,7 @@ def _sample_problem(cfg: ArithmeticConfig, rng: random.Random) -> Problem:
         acc = _apply(acc, op, b)
         operands.append(b)
         ops.append(op)
-    return make_problem(operands, ops)
+    return make_problem(operands, ops, cfg.restate)
 
 
 def generate_problems(cfg: ArithmeticConfig, n: int, seed: int | None = None) -> list[Problem]:
@@ -144,8 +167,18 @@ def generate_problems(cfg: ArithmeticConfig, n: int, seed: int | None = None) ->
     return [_sample_problem(cfg, rng) for _ in range(n)]
 
 
-def _render(steps: list[tuple[int, str, int, int]], boxed: int | None) -> str:
-    parts = [f"{a}{op}{b}={c}" for a, op, b, c in steps]
+def _tail(problem: Problem, k: int) -> str:
+    """The operations after step k, as step k restates them (`restate`)."""
+    return "".join(f"{op}{b}" for op, b in zip(problem.ops[k + 1:], problem.operands[k + 2:]))
+
+
+def _render(steps: list[tuple[int, str, int, int]], boxed: int | None,
+            problem: Problem | None = None) -> str:
+    """Equation steps (then the boxed answer); with a `restate` problem, step k also restates
+    the problem's operations after it (a corrupted step keeps the true tail)."""
+    restate = problem is not None and problem.restate
+    parts = [f"{a}{op}{b}={c}" + (_tail(problem, k) if restate else "")
+             for k, (a, op, b, c) in enumerate(steps)]
     if boxed is not None:
         parts.append(f"\\boxed{{{boxed}}}")
     return SEP.join(parts)
@@ -161,7 +194,7 @@ def _reference_steps(problem: Problem) -> list[tuple[int, str, int, int]]:
 
 
 def reference_solution(problem: Problem) -> str:
-    return _render(_reference_steps(problem), problem.answer)
+    return _render(_reference_steps(problem), problem.answer, problem)
 
 
 def split_steps(text: str, ends_with_eos: bool = True) -> list[str]:
@@ -196,7 +229,7 @@ def check_steps(problem: Problem, response_text: str, ends_with_eos: bool = True
     parsed_ok = len(steps) > 0
     prev = problem.operands[0]  # the result the next step must start from (as stated)
     for k, text in enumerate(steps):
-        eq = _EQ_RE.fullmatch(text)
+        eq = (_EQ_TAIL_RE if problem.restate else _EQ_RE).fullmatch(text)
         boxed = _BOXED_RE.fullmatch(text)
         if eq is not None:
             a, op, b, c = int(eq[1]), eq[2], int(eq[3]), int(eq[4])
@@ -206,6 +239,7 @@ def check_steps(problem: Problem, response_text: str, ends_with_eos: bool = True
                 and op == problem.ops[k]
                 and b == problem.operands[k + 1]
                 and c == _apply(a, op, b)
+                and (not problem.restate or eq[5] == _tail(problem, k))
             )
             prev = c
             correct.append(ok)
@@ -276,7 +310,7 @@ def corrupt_solution(
     n = len(ref)
     allow_negative = allow_negative or min(problem.results) < 0  # it has negatives already
     if kind == "truncated":
-        body = _render(ref, None)
+        body = _render(ref, None, problem)
         return body[: rng.randint(1, len(body) - 1)]
 
     if kind in ("wrong_result", "wrong_operand"):
@@ -284,7 +318,7 @@ def corrupt_solution(
         if wrong is None:  # no operand error survives (e.g. every step multiplies a 0)
             wrong = _propagated_error(problem, ref, rng, "wrong_result", allow_negative)
         assert wrong is not None  # an upward result error always survives and stays >= 0
-        return _render(wrong, wrong[-1][3])
+        return _render(wrong, wrong[-1][3], problem)
 
     # flawed_but_correct
     variants = ["boxed_ignores"] + (["restart", "compensate"] if n >= 2 else [])
@@ -293,7 +327,7 @@ def corrupt_solution(
     if variant == "boxed_ignores":
         a, op, b, c = ref[-1]
         steps[-1] = (a, op, b, c + _delta(rng, c, allow_negative))
-        return _render(steps, problem.answer)
+        return _render(steps, problem.answer, problem)
     k = rng.randrange(n - 1)
     a, op, b, c = ref[k]
     d = _delta(rng, c, allow_negative)
@@ -303,7 +337,7 @@ def corrupt_solution(
         _, op1, b1, c1 = ref[k + 1]
         steps[k + 1] = (c + d, op1, b1, c1)
     # "restart": step k+1 is left as in the reference, i.e. it starts from the true value
-    return _render(steps, problem.answer)
+    return _render(steps, problem.answer, problem)
 
 
 def step_labelled_examples(

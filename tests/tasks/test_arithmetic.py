@@ -20,6 +20,7 @@ CONFIGS = [
     ArithmeticConfig(num_ops=(1, 6), operand_max=9, ops="+-*"),
     ArithmeticConfig(num_ops=(3, 3), ops="-*", allow_negative=False),
     ArithmeticConfig(num_ops=(2, 5), ops="+-", allow_negative=True),
+    ArithmeticConfig(num_ops=(8, 11), operand_max=9, restate=True),  # the long task's format
 ]
 
 
@@ -73,6 +74,30 @@ def test_corruptions_flagged(cfg, kind):
             assert c.step_correct.count(False) == 1, (text, c)  # later steps continue validly
         if not cfg.allow_negative and kind != "truncated":
             assert "=-" not in text and "{-" not in text, text
+
+
+def test_restating_format_and_its_rules():
+    """`restate`: each equation step restates the operations still to apply; a step whose
+    arithmetic is right but whose tail drops, changes or reorders an operation is wrong, and
+    the repr names the knob only when set (it keys the cached starts of the other tasks)."""
+    p = make_problem([7, 5, 3, 8], ["+", "-", "+"], restate=True)
+    ref = reference_solution(p)
+    assert ref == "7+5=12-3+8\n\n12-3=9+8\n\n9+8=17\n\n\\boxed{17}"
+    assert check_steps(p, ref).all_steps_correct
+    c = check_steps(p, "7+5=12-3\n\n12-3=9+8\n\n9+8=17\n\n\\boxed{17}")  # dropped +8
+    assert c.step_correct == [False, True, True, True] and c.correct_with_wrong_step
+    assert check_steps(p, "7+5=12+8-3\n\n12-3=9+8\n\n9+8=17\n\n\\boxed{17}"
+                       ).step_correct[0] is False  # reordered
+    # the plain format is not a restating step, and a restating one is not a plain step
+    assert check_steps(p, "7+5=12\n\n12-3=9\n\n9+8=17\n\n\\boxed{17}").step_correct == [
+        False, False, True, True]
+    plain = make_problem([7, 5, 3, 8], ["+", "-", "+"])
+    # (its third step has no tail to parse but starts from 9, not the 7 the unparsed steps
+    # left: wrong; the boxed 17 follows the stated 17)
+    assert check_steps(plain, ref).step_correct == [False, False, False, True]
+    assert "restate" not in repr(ArithmeticConfig())
+    assert repr(ArithmeticConfig(restate=True)).endswith("restate=True)")
+    assert generate_problems(ArithmeticConfig(restate=True), 3)[0].restate
 
 
 def test_step_rules():

@@ -13,21 +13,24 @@ from dataclasses import dataclass, field
 from megaprm.tasks.arithmetic import ArithmeticConfig, generate_problems
 
 # the tasks of the comparison, on the same exact checker. "short": the demo's (2-4 steps, a
-# solution of ~32 tokens). "long": 18-22 steps of a one-digit operand carried on a running
-# result, solutions of 120-186 tokens (median 152 with the char tokenizer): the regime PRIME was
-# built for (its released run samples hundreds of tokens), where "short" is ~20x too short for
-# its implicit PRM's beta (docs/compare.md, "PRIME at this response length"). One-digit operands
-# keep every step easy for the tiny policy (each operand sits at a fixed offset in the prompt),
-# so the chain's length, not a step's difficulty, is what changes.
+# solution of ~32 tokens). "long": 8-11 steps of a one-digit operand carried on a running
+# result, each step restating the operations still to apply (`restate`), so a solution runs to
+# 114-208 tokens (median 160 with the char tokenizer): the regime PRIME was built for (its
+# released run samples hundreds of tokens), where "short" is ~20x too short for its implicit
+# PRM's beta (docs/compare.md, "PRIME at this response length"). The restated tail puts each
+# step's next operand in the step before it: without it, a first long task of 18-22 plain steps
+# (median 152 tokens) left the tiny policy at 4.9% greedy accuracy and no fully correct chain
+# after 600 supervised steps (3.5% after 200 more): it picked the wrong operand from the prompt.
 TASKS = {"short": ArithmeticConfig(num_ops=(2, 4), operand_max=20, ops="+-", seed=0),
-         "long": ArithmeticConfig(num_ops=(18, 22), operand_max=9, ops="+-", seed=0)}
+         "long": ArithmeticConfig(num_ops=(8, 11), operand_max=9, ops="+-", seed=0,
+                                  restate=True)}
 TASK = TASKS["short"]
-# rollout.max_tokens per task: the longest reference solution (+ EOS) with room for a few
-# extra steps (short: 37 tokens; long: 187)
+# rollout.max_tokens per task: the longest reference solution (+ EOS) with room to spare
+# (short: 37 tokens; long: 208)
 MAX_TOKENS = {"short": 64, "long": 224}
 # the start's recipe where a task's differs from CompareConfig's defaults (the long task: a
-# longer warm-up for its 20-step chains; a PRM of 1000 whole-model steps, as its solutions are
-# ~5x longer than the short task's)
+# longer warm-up for its chains; a PRM of 1000 whole-model steps, as its solutions are ~5x
+# longer than the short task's)
 TASK_DEFAULTS = {"long": {"warmup_steps": 600, "prm_steps": 1000}}
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the checkout holding the package (docs/ lives there; a wheel has none)
@@ -187,6 +190,7 @@ def run_overrides(spec: RunSpec, ccfg: CompareConfig, sft_dir: str, prm_dir: str
     ov = [f"model.path={sft_dir}", f"prm.path={prm_dir}", "prm.kind=discriminative",
           f"data.arithmetic.num_ops=[{t.num_ops[0]}, {t.num_ops[1]}]",
           f"data.arithmetic.operand_max={t.operand_max}", f"data.arithmetic.ops={t.ops}",
+          f"data.arithmetic.restate={str(t.restate).lower()}",
           f"rollout.max_tokens={MAX_TOKENS[ccfg.task]}",
           f"trainer.steps={ccfg.hack_steps if spec.hack else ccfg.rl_steps}",
           f"trainer.seed={spec.seed}", f"advantage.method={method}",
