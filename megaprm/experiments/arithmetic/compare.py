@@ -489,7 +489,9 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
                 boot = stats.hier_bootstrap3(*cnt, reps=reps)
                 row[label].update(mean=boot["mean"], lo=boot["lo"], hi=boot["hi"],
                                   per_start=[float(x) for x in stats.start_values(*cnt)],
-                                  wilson=_seed_wilson(recs, label), noise=_noise3(*cnt))
+                                  wilson=_seed_wilson(recs, label), noise=_noise3(*cnt),
+                                  design=_design(*cnt, k=1 if label.startswith("greedy")
+                                                 else ccfg.sampled_n))
         both = [r for r in recs if (r.get("start", 0), r["seed"]) in ref]
         if key != (REFERENCE, "learned") and not row["same_run_as_learned"] and both:
             row["paired"] = {"reference": REFERENCE, "seeds": [r["seed"] for r in both],
@@ -542,6 +544,18 @@ def _noise3(num, den) -> dict:
         return stats.noise3(num, den)
     except ValueError:
         return {"eval_sd": math.nan, "seed_sd": math.nan, "start_sd": math.nan}
+
+
+def _design(num, den, k: int) -> dict | None:
+    """Is the evaluation noise below the seed noise for this column, and how many held-out
+    problems (at k' samples each) would make it so (`stats.eval_design`); None where the
+    counts cannot say (no defined ratio, or too few runs for a seed spread)."""
+    try:
+        d = stats.eval_design(num, den, k=k)
+    except ValueError:
+        return None
+    return {"holds": d["holds"], "eval_sd": d["eval_sd"], "seed_sd": d["seed_sd"],
+            "problems_needed": {str(kk): n for kk, n in d["problems_needed"].items()}}
 
 
 def _finite(xs: list) -> list:
