@@ -521,8 +521,7 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
         for name, k in (("step_auroc", "prm/step_auroc"),
                         ("implicit_step_auroc", "prm/implicit_step_auroc")):
             if any(r["curves"].get(k) for r in recs):
-                row[name] = _plateau(_mean_curve([_finite(r["curves"].get(k, []))
-                                                  for r in recs]))
+                row[name] = _first_last([_finite(r["curves"].get(k, [])) for r in recs])
         judged = [r["implicit_judged"] for r in recs if r.get("implicit_judged")]
         if judged:  # the final implicit PRM of each run, judged on the judging set
             row["implicit_judged"] = {
@@ -556,6 +555,18 @@ def _design(num, den, k: int) -> dict | None:
         return None
     return {"holds": d["holds"], "eval_sd": d["eval_sd"], "seed_sd": d["seed_sd"],
             "problems_needed": {str(kk): n for kk, n in d["problems_needed"].items()}}
+
+
+def _first_last(series: list, n: int = 10) -> dict:
+    """Mean over the runs of each run's first and last `n` defined values of a per-step
+    monitor that is undefined at some steps (a step AUROC: no right or no wrong step among the
+    rows scored), and how many steps each run had it defined."""
+    runs = [xs for xs in series if xs]
+    if not runs:
+        return {"first": None, "last": None, "defined_steps": []}
+    return {"first": sum(sum(x[:n]) / len(x[:n]) for x in runs) / len(runs),
+            "last": sum(sum(x[-n:]) / len(x[-n:]) for x in runs) / len(runs),
+            "defined_steps": [len(x) for x in series]}
 
 
 def _finite(xs: list) -> list:

@@ -254,10 +254,12 @@ def markdown(report: dict, title: bool = True) -> str:
                        "chance) and its step AUROC against the exact labels"), "",
                   ("loss: mean over the runs of the steps it trained on some row (10-step "
                    "windows); AUROC: P(a correct step's summed log-ratio > a wrong step's) on "
-                   "the rows it scored, per RL step (0.5: chance)."), "",
+                   "the rows it scored, per RL step (0.5: chance), each run's first and last "
+                   "10 steps where it is defined (the rows scored hold a right and a wrong "
+                   "step), averaged over the runs."), "",
                   ("| method | loss: first 10 trained steps | last 10 | step AUROC: first 10 "
-                   "steps | last 10 | final implicit PRM on the judging set: first-error F1 | "
-                   "step AUROC |"), "|---|---|---|---|---|---|---|"]
+                   "defined steps | last 10 | final implicit PRM on the judging set: "
+                   "first-error F1 | step AUROC |"), "|---|---|---|---|---|---|---|"]
         for r in prime:
             pl, au = r["implicit_prm_loss"], r.get("implicit_step_auroc") or {}
             jd = r.get("implicit_judged") or {}
