@@ -293,8 +293,9 @@ class RLTrainer:
         to skip."""
         try:
             metrics = self.step(step)
-            metrics = {**dp_metrics({k: v for k, v in metrics.items()
-                                     if not k.startswith("actor/")}, self.groups),
+            metrics = {**step_metrics.finish_aurocs(dp_metrics(
+                           {k: v for k, v in metrics.items() if not k.startswith("actor/")},
+                           self.groups)),
                        **{k: v for k, v in metrics.items() if k.startswith("actor/")}}
         except StepSkipped as e:  # agreed on by every rank; nothing was applied
             self.actor.opt.zero_grad()

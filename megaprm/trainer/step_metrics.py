@@ -72,14 +72,20 @@ def rollout_metrics(cfg: Config, temperature: float, sb: ScoredBatch, adv: Advan
     return m
 
 
+AUROC_KEYS = ("prm/step_auroc", "prm/implicit_step_auroc")
+
+
 def step_aurocs(sb: ScoredBatch) -> dict:
     """How well the batch's process scores rank its steps against the exact labels (the
-    arithmetic task's checker): P(a correct step scores above a wrong one), ties half, per
-    rank. `prm/step_auroc`: the discriminative PRM's P(step correct); `prm/implicit_step_auroc`:
-    PRIME's implicit PRM, a step's score being the sum of its tokens' q = log pi_prm - log
-    pi_ref (beta > 0 scales every score alike, so the ranking is beta's); only rows the
-    implicit PRM scored (the accuracy filter's rows: the others have q = 0). nan when the
-    batch has no wrong step or no right one."""
+    arithmetic task's checker), as the Mann-Whitney counts `KEY_u` (pairs of a correct and a
+    wrong step where the correct one scores higher, ties half) and `KEY_pairs` (all such pairs)
+    of this rank, which the dp reduction averages alike; `finish_aurocs` turns them into the
+    AUROC `KEY` = u / pairs after it (absent where no pair was seen: a batch with no wrong step
+    or no right one). `prm/step_auroc`: the discriminative PRM's P(step correct);
+    `prm/implicit_step_auroc`: PRIME's implicit PRM, a step's score being the sum of its
+    tokens' q = log pi_prm - log pi_ref (beta > 0 scales every score alike, so the ranking is
+    beta's); only rows the implicit PRM scored (the accuracy filter's rows: the others have
+    q = 0)."""
     from megaprm.trainer.prm_training import step_auroc  # deferred: the PRM trainer is heavy
 
     seg = sb.seg
@@ -88,18 +94,34 @@ def step_aurocs(sb: ScoredBatch) -> dict:
     for i, c in enumerate(sb.checks):
         k = min(len(c.step_correct), S)
         labels[i, :k] = torch.tensor(c.step_correct[:k], dtype=torch.bool)
+
+    def counts(key, scores, good):
+        pairs = float(int(good.sum()) * int((~good).sum()))
+        return {f"{key}_u": step_auroc(scores, good) * pairs if pairs else 0.0,
+                f"{key}_pairs": pairs}
+
     out = {}
     if sb.step_scores is not None and sb.step_mask is not None \
             and sb.step_scores.shape == labels.shape:
         sel = sb.step_mask & seg.step_mask
-        out["prm/step_auroc"] = step_auroc(sb.step_scores[sel].float(), labels[sel])
+        out.update(counts(AUROC_KEYS[0], sb.step_scores[sel].float(), labels[sel]))
     if sb.q is not None:
         slot = torch.where(seg.token_to_step >= 0, seg.token_to_step, S)
         step_q = torch.zeros(B, S + 1, dtype=torch.float64).scatter_add_(
             1, slot, sb.q.double())[:, :S]
         sel = seg.step_mask & (sb.q != 0).any(1, keepdim=True)
-        out["prm/implicit_step_auroc"] = step_auroc(step_q[sel], labels[sel])
+        out.update(counts(AUROC_KEYS[1], step_q[sel], labels[sel]))
     return out
+
+
+def finish_aurocs(metrics: dict) -> dict:
+    """`metrics` (reduced over dp) with each AUROC's counts replaced by the AUROC u / pairs,
+    left out where no pair of a right and a wrong step was seen (`step_aurocs`)."""
+    for key in AUROC_KEYS:
+        u, pairs = metrics.pop(f"{key}_u", None), metrics.pop(f"{key}_pairs", None)
+        if pairs:
+            metrics[key] = u / pairs
+    return metrics
 
 
 def log_samples(run_dir: str, n: int, rank: int, tok, step: int, sb: ScoredBatch) -> None:

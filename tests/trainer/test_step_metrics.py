@@ -76,7 +76,7 @@ def test_step_aurocs_rank_the_batch_steps_against_the_exact_labels():
     scores = torch.rand(len(probs), S, generator=gen)
     sb = ScoredBatch(rollout=None, outcome=torch.zeros(len(probs)), group_ids=None, seg=seg,
                      step_scores=scores, q=q, step_mask=seg.step_mask, checks=checks)
-    got = step_metrics.step_aurocs(sb)
+    got = step_metrics.finish_aurocs(step_metrics.step_aurocs(sb))
 
     disc, imp = ([], []), ([], [])
     for i, c in enumerate(checks):
@@ -96,7 +96,21 @@ def test_step_aurocs_rank_the_batch_steps_against_the_exact_labels():
     exact = torch.zeros(len(probs), S)
     for i, c in enumerate(checks):
         exact[i, :len(c.step_correct)] = torch.tensor(c.step_correct, dtype=torch.float32)
-    perfect = step_metrics.step_aurocs(ScoredBatch(None, sb.outcome, None, seg,
-                                                   step_scores=exact, step_mask=seg.step_mask,
-                                                   checks=checks))
+    perfect = step_metrics.finish_aurocs(step_metrics.step_aurocs(ScoredBatch(
+        None, sb.outcome, None, seg, step_scores=exact, step_mask=seg.step_mask,
+        checks=checks)))
     assert perfect == {"prm/step_auroc": 1.0}
+    # no wrong step in the batch: counts of 0 pairs, and no AUROC after the reduction (never
+    # a nan, which no two runs compare equal on); two ranks' counts pool by their mean
+    right = [c for c in checks if all(c.step_correct)]
+    rows = [i for i, c in enumerate(checks) if all(c.step_correct)]
+    only_right = ScoredBatch(None, sb.outcome[rows], None, type(seg)(
+        **{k: getattr(seg, k)[rows] for k in seg.__dataclass_fields__}),
+        step_scores=scores[rows], step_mask=seg.step_mask[rows], checks=right)
+    counts = step_metrics.step_aurocs(only_right)
+    assert counts == {"prm/step_auroc_u": 0.0, "prm/step_auroc_pairs": 0.0}
+    assert step_metrics.finish_aurocs(dict(counts)) == {}
+    a, b = step_metrics.step_aurocs(sb), step_metrics.step_aurocs(only_right)
+    mean = {k: (a[k] + b.get(k, 0.0)) / 2 for k in a}  # what dp_metrics makes of two ranks
+    assert step_metrics.finish_aurocs(mean)["prm/step_auroc"] == pytest.approx(
+        got["prm/step_auroc"])
