@@ -1,18 +1,22 @@
 """`megaprm compare`: the methods side by side on the arithmetic task, where every step of every
 solution is checked exactly, so "right for the right reasons" is measured, not estimated.
 
-One warm-up policy and one PRM are trained once (cached by their settings, shared with nothing
-else), then every (method, process reward, seed) runs RL from that same start with the same
-actor settings (configs/demo.yaml; only the rewards and the estimator differ, each method's own
-knobs in `runs.METHOD_OVERRIDES`), and is evaluated on the same held-out problems, greedy and
-sampled at the rollout temperature. Process rewards: `learned` (the PRM trained here),
-`oracle` (the task's exact step labels, `prm.kind=oracle`: the best any PRM could do) and
-`implicit` (PRIME's own PRM). A reward-hacking run trains PURE on the PRM alone
-(`advantage.pure.reward_mode=PRM`, no outcome reward) and keeps its monitors.
+Per start (`--starts N`: the design's outer level, RUN_DIR/startK) a warm-up policy and a PRM are
+trained once, cached by their settings, the version of the code that builds them and torch's
+(`start.code_version`), and the PRM is judged by ProcessBench's first-error F1; then every
+(start, method, process reward, seed) runs RL from its start with the same actor settings
+(configs/demo.yaml; only the rewards and the estimator differ, each method's own knobs in
+`runs.METHOD_OVERRIDES`), and is evaluated on the same held-out problems of its task (`--task
+short | long`), greedy and sampled at the rollout temperature. Process rewards: `learned` (the
+start's PRM), `oracle` (the task's exact step labels, `prm.kind=oracle`: the best any PRM could
+do) and `implicit` (PRIME's own PRM, saved and judged at the end of its run). A reward-hacking
+run trains PURE on the PRM alone (`advantage.pure.reward_mode=PRM`, no outcome reward) and keeps
+its monitors.
 
-Output in RUN_DIR: compare.json (every run, per seed and aggregated: mean and a 95% t-interval
-over seeds), compare.md (the table), plots/*.png (bars per method, curves over RL steps, the
-reward-hacking monitors). Resumable: a finished run (its result.json, same settings) is not
+Output in RUN_DIR: compare.json (every row over starts and seeds: the three-level bootstrap's
+intervals, the noise split, the paired differences pooled and per start, the provenance),
+compare.md (the tables), plots/*.png (bars per method, paired differences, curves over RL steps,
+the reward-hacking monitors). Resumable: a finished cell (its result.json, same settings) is not
 re-run; an interrupted one restarts from step 0.
 
 The driver: the stages and the runs here, the shared design in runs.py, the warm-up and the PRM
