@@ -11,6 +11,7 @@ import torch
 from megaprm.algorithms.registry import AdvantageOutputs
 from megaprm.config import Config
 from megaprm.trainer.batch import ScoredBatch
+from megaprm.trainer.reward_phase import oracle_step_scores
 
 # on the mean |sampler - trainer| over response tokens: fp32 engines agree to ~1e-6; in bf16 the
 # max alone reaches 0.09-0.57 from rounding (H200, the demo's model: docs/rollout.md), the mean
@@ -90,10 +91,7 @@ def step_aurocs(sb: ScoredBatch) -> dict:
 
     seg = sb.seg
     B, S = seg.step_mask.shape
-    labels = torch.zeros(B, S, dtype=torch.bool)
-    for i, c in enumerate(sb.checks):
-        k = min(len(c.step_correct), S)
-        labels[i, :k] = torch.tensor(c.step_correct[:k], dtype=torch.bool)
+    labels = oracle_step_scores(sb.checks, seg.step_mask)[0].bool()  # the exact labels [B, S]
 
     def counts(key, scores, good):
         pairs = float(int(good.sum()) * int((~good).sum()))

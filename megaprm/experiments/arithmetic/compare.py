@@ -638,8 +638,6 @@ def _cpu() -> dict:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name") and not model.strip():
-                    model = line.split(":", 1)[1].strip()
                 if line.startswith("model name"):
                     model = line.split(":", 1)[1].strip()
                 if line.startswith("flags"):
