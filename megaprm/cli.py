@@ -72,7 +72,8 @@ def cmd_demo(args) -> int:
                                       "warmup_steps": args.warmup_steps,
                                       "eval_problems": args.eval_problems,
                                       "prm_steps": args.prm_steps,
-                                      "prm_examples": args.prm_examples}.items() if v}}
+                                      "prm_examples": args.prm_examples,
+                                      "prm_init": args.prm_init}.items() if v}}
     dcfg = demo.DemoConfig(run_dir=args.run_dir or ("runs/demo" if args.task == "short"
                                                     else f"runs/demo-{args.task}"),
                            method=args.method, seed=args.seed, task=args.task,
@@ -153,7 +154,7 @@ def cmd_compare(args) -> int:
         eval_problems=args.eval_problems, sampled_n=args.sampled_n,
         **{k: (getattr(args, k) if getattr(args, k) is not None
                else TASK_DEFAULTS.get(args.task, {}).get(k, getattr(CompareConfig, k)))
-           for k in ("warmup_steps", "prm_steps")},
+           for k in ("warmup_steps", "prm_steps", "prm_init")},
         prm_examples=args.prm_examples, wandb=args.wandb, extra=list(args.overrides))
     if args.write_readme:  # the markers must be there before an hour of runs
         # deferred: keeps --help fast
@@ -595,6 +596,7 @@ DEMO_METHODS = ("prof_grpo", "grpo", "drgrpo", "rloo", "papo", "pure", "prime", 
 def _parser() -> argparse.ArgumentParser:
     # imports here stay light (no torch): `megaprm --help` answers in well under a second
     # deferred: keeps --help fast
+    from megaprm.experiments.arithmetic.runs import PRM_INITS
     from megaprm.parallel.launch import add_launch_args
     from megaprm.parallel.ray_launch import add_ray_args
 
@@ -632,6 +634,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="override the PRM's whole-model steps (3000; rebuilds the start)")
     d.add_argument("--prm-examples", type=int, default=0,
                    help="override the PRM's training solutions (16000; rebuilds the start)")
+    d.add_argument("--prm-init", default=None, choices=PRM_INITS,
+                   help="the PRM's trunk: random (short's default: the shipped start) or the "
+                        "warm-up policy (long's default); another than the task's rebuilds")
     d.add_argument("--eval-problems", type=int, default=0,
                    help="override the held-out problems of the evaluations (200)")
     add_launch_args(d, cpu_default=2)
@@ -673,6 +678,10 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"default {defaults.prm_steps} (--task long: "
                     f"{TASK_DEFAULTS['long']['prm_steps']})")
     cp.add_argument("--prm-examples", type=int, default=defaults.prm_examples)
+    cp.add_argument("--prm-init", default=None, choices=PRM_INITS,
+                    help=f"the PRM's trunk: a random-init qwen2 or the start's warm-up policy "
+                    f"(default {defaults.prm_init}; --task long: "
+                    f"{TASK_DEFAULTS['long']['prm_init']})")
     cp.add_argument("--wandb", default=defaults.wandb, choices=("offline", "online", "disabled"))
     cp.add_argument("--method-seeds", default="",
                     help="fewer seeds for some rows, e.g. rloo=3,blend=3 (each <= --seeds; the "

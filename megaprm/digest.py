@@ -34,12 +34,33 @@ def _megaprm_imports(path: str) -> set:
     return out
 
 
+def _code_of(path: str) -> str:
+    """What a source file computes, without what only explains it: the dump of its syntax tree
+    with comments, layout and docstrings dropped (a docstring is a module's, class's or
+    function's first statement when it is a string constant), so an edit to prose alone keeps
+    the version. The dump's format is the running Python's, hence `python` in the version."""
+    import ast
+
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree, include_attributes=False)
+
+
 def source_digest(roots, exclude=()) -> dict:
     """The version of the code a cached result was built by: sha256 (first 16 hex) over the
-    source of `roots` (module names) and every megaprm module they import, transitively (read
-    from the files with `ast`, so function-local imports count and nothing is imported), and
-    torch's version. Returns {"code": digest, "files": n, "torch": version}. `exclude`: module
-    names (and their submodules) left out, e.g. reporting code that never changes a result."""
+    code of `roots` (module names) and every megaprm module they import, transitively (read
+    from the files with `ast`, so function-local imports count and nothing is imported; the
+    code is `_code_of`'s: comments and docstrings do not count), with torch's and Python's
+    versions. Returns {"code": digest, "files": n, "torch": version, "python": version}.
+    `exclude`: module names (and their submodules) left out, e.g. reporting code that never
+    changes a result."""
+    import platform
     import os
 
     import torch
@@ -72,7 +93,6 @@ def source_digest(roots, exclude=()) -> dict:
         todo.extend(_megaprm_imports(path))
     h = hashlib.sha256()
     for mod in sorted(seen):
-        h.update(mod.encode() + b"\0")
-        with open(seen[mod], "rb") as f:
-            h.update(f.read() + b"\0")
-    return {"code": h.hexdigest()[:16], "files": len(seen), "torch": torch.__version__}
+        h.update(mod.encode() + b"\0" + _code_of(seen[mod]).encode() + b"\0")
+    return {"code": h.hexdigest()[:16], "files": len(seen), "torch": torch.__version__,
+            "python": platform.python_version()}

@@ -57,3 +57,39 @@ def test_the_start_version_covers_the_code_that_builds_a_start():
     assert v["files"] > 20
     with_runs = source_digest(start.START_CODE)
     assert with_runs["code"] != v["code"]  # runs.py is what the exclusion leaves out
+
+
+def test_prose_keeps_the_version_and_code_changes_it(tmp_path):
+    """Comments, layout and docstrings are not what a start computes: an edit to them alone
+    keeps the version (so a doc fix does not rebuild hours of starts); any change to a
+    statement, a string that is not a docstring included, changes it."""
+    a = ('"""Module doc."""\nimport os\n\n\nclass A:\n    """Class doc."""\n    K = "k"\n\n\n'
+         'def f(x):\n    """Function doc."""\n    return x + 1  # a comment\n')
+    digest = _package(tmp_path, {"__init__.py": "", "a.py": a})
+
+    def version():
+        return digest(["megaprm.a"])
+
+    v0 = version()
+    assert v0["python"]
+    edits = {  # prose only
+        "docstrings": a.replace("Module doc.", "Other.").replace("Class doc.", "Other.")
+                       .replace("Function doc.", "Other."),
+        "no docstrings": a.replace('"""Module doc."""\n', "").replace('    """Class doc."""\n', "")
+                          .replace('    """Function doc."""\n', ""),
+        "comments and layout": a.replace("  # a comment", "").replace("x + 1", "(x+1)")
+                                + "# trailing\n\n\n"}
+    for what, text in edits.items():
+        (tmp_path / "megaprm" / "a.py").write_text(text)
+        assert version() == v0, what
+    changes = {"the arithmetic": a.replace("x + 1", "x + 2"),
+               "a string constant": a.replace('K = "k"', 'K = "j"'),
+               "a statement where the docstring was": a.replace('"""Function doc."""', "x = -x")}
+    for what, text in changes.items():
+        (tmp_path / "megaprm" / "a.py").write_text(text)
+        assert version()["code"] != v0["code"], what
+    # a function whose only statement is its docstring still has a body (and a version)
+    (tmp_path / "megaprm" / "a.py").write_text('def g():\n    """Only prose."""\n')
+    only = version()
+    (tmp_path / "megaprm" / "a.py").write_text("def g():\n    pass\n")
+    assert version() == only

@@ -155,8 +155,11 @@ def _prm_recipe(ccfg: CompareConfig, start: int) -> dict:
 def _prm_digest(ccfg: CompareConfig, start: int, code: dict) -> str:
     recipe = _prm_recipe(ccfg, start)
     # the logging interval does not change the PRM (normalised so a cache survives it)
-    return json_digest({"recipe": {**recipe, "log_every": 0}, "hidden": ccfg.prm_hidden,
-                        "layers": ccfg.prm_layers, "init_seed": start, "code": code})
+    blob = {"recipe": {**recipe, "log_every": 0}, "hidden": ccfg.prm_hidden,
+            "layers": ccfg.prm_layers, "init_seed": start, "code": code}
+    if ccfg.prm_init == "warmup":  # its trunk is start k's warm-up policy: keyed by that too
+        blob["init"] = {"warmup": warmup_digest(_warmup_config(ccfg, start), code)}
+    return json_digest(blob)
 
 
 def recorded_start(ccfg: CompareConfig, k: int, code: dict) -> dict | None:
@@ -199,10 +202,18 @@ def check_only_finished(ccfg: CompareConfig) -> None:
                          "a finished comparison)")
 
 
-def prm_stage(ccfg: CompareConfig, groups: Groups, tok, start: int,
-              code: dict) -> tuple[str, dict]:
-    """Start k's PRM: docs/prm.md's recipe from a random-init trunk (seed k), cached by its
-    settings, the code that builds it and torch's version."""
+def _trunk_of(model_dir: str, what: str) -> str:
+    """`what (qwen2 hidden H, L layers)`, read from the model's config.json."""
+    cfg = _read_json(os.path.join(model_dir, "config.json")) or {}
+    return (f"{what} ({cfg.get('model_type')} hidden {cfg.get('hidden_size')}, "
+            f"{cfg.get('num_hidden_layers')} layers)")
+
+
+def prm_stage(ccfg: CompareConfig, groups: Groups, tok, start: int, code: dict,
+              sft_dir: str) -> tuple[str, dict]:
+    """Start k's PRM: docs/prm.md's recipe (data and shuffles of seed k) from a random-init
+    trunk (seed k) or, with `prm_init` "warmup", from start k's warm-up policy in sft_dir;
+    cached by its settings, the code that builds it and torch's version."""
     prm_dir = os.path.join(ccfg.start_dir(start), "prm")
     recipe = _prm_recipe(ccfg, start)
     digest = _prm_digest(ccfg, start, code)
@@ -211,21 +222,26 @@ def prm_stage(ccfg: CompareConfig, groups: Groups, tok, start: int,
         _say(groups, f"start {start}: PRM: reusing {prm_dir} (same settings and code, held-out "
                      f"step AUROC {rec['auroc']:.3f})")
         return prm_dir, {**rec, "digest": digest}
-    init_dir = os.path.join(ccfg.start_dir(start), "prm_init")
-    if groups.rank == 0:
+    init_dir = (sft_dir if ccfg.prm_init == "warmup" else
+                os.path.join(ccfg.start_dir(start), "prm_init"))
+    if groups.rank == 0 and ccfg.prm_init == "random":
         save_tiny_model("qwen2", init_dir, seed=start, tokenizer=tok, vocab_size=len(tok),
                         hidden_size=ccfg.prm_hidden, num_layers=ccfg.prm_layers, num_heads=4,
                         num_kv_heads=2, intermediate_size=3 * ccfg.prm_hidden,
                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                         pad_token_id=tok.pad_token_id)
     _barrier(groups)
-    _say(groups, f"start {start}: PRM: training ({ccfg.prm_steps} steps x 64 solutions; "
-                 "docs/prm.md's recipe)")
+    _say(groups, f"start {start}: PRM: training ({ccfg.prm_steps} steps x 64 solutions from "
+                 + ("the warm-up policy" if ccfg.prm_init == "warmup" else "a random-init trunk")
+                 + "; docs/prm.md's recipe)")
     res = train_prm(PRMTrainConfig(model_dir=init_dir, output_dir=prm_dir, **recipe), groups)
     rec = {"auroc": res.eval.auroc, "f1": res.eval.f1, "train_s": res.train_seconds,
            "per_kind": res.eval.per_kind,
            "recipe": {k: (v if k != "arithmetic" else repr(v)) for k, v in recipe.items()},
-           "trunk": f"qwen2 hidden {ccfg.prm_hidden}, {ccfg.prm_layers} layers, random init",
+           "trunk": (f"qwen2 hidden {ccfg.prm_hidden}, {ccfg.prm_layers} layers, random init"
+                     if ccfg.prm_init == "random" else
+                     _trunk_of(sft_dir, f"start {start}'s warm-up policy")),
+           "init": ccfg.prm_init,
            "settings": _prm_digest(ccfg, start, None), "code": code}
     mark_stage_done(prm_dir, digest, groups, **rec)
     return prm_dir, {**rec, "digest": digest}
@@ -717,7 +733,7 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False) -> dic
             t = time.perf_counter()
             sft_dir, sft = warmup_stage(ccfg, groups, tok, k, code)
             t_warm = time.perf_counter() - t
-            prm_dir, prm = prm_stage(ccfg, groups, tok, k, code)
+            prm_dir, prm = prm_stage(ccfg, groups, tok, k, code, sft_dir)
             judged = prm_judge_stage(ccfg, groups, k, prm_dir, prm["digest"])
             baseline = baseline_stage(ccfg, groups, tok, sft_dir, sft["digest"],
                                       temperature, k)

@@ -37,6 +37,7 @@ from megaprm.config import RolloutConfig, load_config
 from megaprm.experiments.arithmetic import start
 from megaprm.experiments.arithmetic.runs import (
     MAX_TOKENS,
+    PRM_INITS,
     REPO_ROOT,
     RL_YAML,
     TASKS,
@@ -91,6 +92,7 @@ class DemoConfig:
     warmup_steps: int = 400  # the start's other settings: start.WarmupConfig, start.recipe
     prm_steps: int = 3000
     prm_examples: int = 16000
+    prm_init: str = "random"  # runs.PRM_INITS
     rl_steps: int = 40
     eval_problems: int = 200
     from_scratch: bool = False
@@ -105,6 +107,8 @@ class DemoConfig:
                              f"with; pick a process-reward method, e.g. --method pure")
         if self.task not in TASKS:
             raise ValueError(f"--task {self.task}: unknown task; choose from {list(TASKS)}")
+        if self.prm_init not in PRM_INITS:
+            raise ValueError(f"--prm-init {self.prm_init}: choose from {list(PRM_INITS)}")
         for k in ("warmup_steps", "prm_steps", "prm_examples", "rl_steps"):
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')}={getattr(self, k)}: must be >= 1")
@@ -175,7 +179,8 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
     say = print if groups.rank == 0 else (lambda *a, **k: None)
     times = {}
     tok = build_char_tokenizer()
-    rec = start.recipe(dcfg.warmup_steps, dcfg.prm_steps, dcfg.prm_examples, dcfg.task)
+    rec = start.recipe(dcfg.warmup_steps, dcfg.prm_steps, dcfg.prm_examples, dcfg.task,
+                       dcfg.prm_init)
     if dcfg.method == "prime":
         say(f"[demo] {PRIME_NOTE}", flush=True)
     begin = start.ensure(dcfg.run_dir, rec, groups, tok, dcfg.from_scratch, say)
@@ -196,6 +201,7 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
     ccfg = CompareConfig(rl_steps=dcfg.rl_steps, eval_problems=dcfg.eval_problems,
                                  warmup_steps=dcfg.warmup_steps, prm_steps=dcfg.prm_steps,
                                  prm_examples=dcfg.prm_examples, task=dcfg.task,
+                                 prm_init=dcfg.prm_init,
                                  # metrics.jsonl and the PNG are the record; wandb's offline
                                  # writer costs seconds a run and floods the demo's output
                                  wandb="disabled")

@@ -183,8 +183,10 @@ def prm_recipe(steps: int, examples: int, task: str = "short", seed: int = 0) ->
 
 
 def recipe(warmup_steps: int = 400, prm_steps: int = 3000, prm_examples: int = 16000,
-           task: str = "short") -> dict:
-    """Everything the warm-up policy and the PRM depend on (JSON-able)."""
+           task: str = "short", prm_init: str = "random") -> dict:
+    """Everything the warm-up policy and the PRM depend on (JSON-able). `prm_init`: the PRM's
+    trunk, random-init or the warm-up policy (`runs.PRM_INITS`; named in the recipe only when
+    not random, so the shipped start's digest is unchanged)."""
     d = WarmupConfig(warmup_steps=warmup_steps, task=task)
     c = CompareConfig(prm_steps=prm_steps, prm_examples=prm_examples, task=task)
     prm = prm_recipe(c.prm_steps, c.prm_examples, task)
@@ -192,7 +194,8 @@ def recipe(warmup_steps: int = 400, prm_steps: int = 3000, prm_examples: int = 1
     return {"warmup": {"seed": d.seed, "steps": d.warmup_steps, "batch": d.warmup_batch,
                        "lr": d.warmup_lr, "hidden": d.hidden, "layers": d.layers,
                        "task": repr(TASKS[d.task])},
-            "prm": {**prm, "hidden": c.prm_hidden, "layers": c.prm_layers, "init_seed": 0},
+            "prm": {**prm, "hidden": c.prm_hidden, "layers": c.prm_layers, "init_seed": 0,
+                    **({"init": prm_init} if prm_init != "random" else {})},
             **({"task": task} if task != "short" else {})}
 
 
@@ -231,8 +234,9 @@ def build(out_dir: str, rec: dict, groups, tok, say=print) -> dict:
     times["warmup_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    prm_init = os.path.join(out_dir, "prm_init")
-    if groups.rank == 0:
+    from_warmup = p.get("init", "random") == "warmup"
+    prm_init = sft_dir if from_warmup else os.path.join(out_dir, "prm_init")
+    if groups.rank == 0 and not from_warmup:
         save_tiny_model("qwen2", prm_init, seed=p["init_seed"], tokenizer=tok,
                         vocab_size=len(tok), hidden_size=p["hidden"], num_layers=p["layers"],
                         num_heads=4, num_kv_heads=2, intermediate_size=3 * p["hidden"],
@@ -241,7 +245,9 @@ def build(out_dir: str, rec: dict, groups, tok, say=print) -> dict:
     if dist.is_initialized():
         dist.barrier()
     say(f"[demo] PRM: {p['stage1_steps']} head-only + {p['stage2_steps']} whole-model steps of "
-        f"{p['global_batch_size']} solutions (docs/prm.md's recipe)", flush=True)
+        f"{p['global_batch_size']} solutions from "
+        f"{'the warm-up policy' if from_warmup else 'a random-init trunk'} (docs/prm.md's "
+        "recipe)", flush=True)
     res = train_prm(PRMTrainConfig(model_dir=prm_init, output_dir=prm_dir,
                                    **prm_recipe(p["stage2_steps"], p["num_train"], task)),
                     groups)

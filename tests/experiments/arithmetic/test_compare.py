@@ -481,3 +481,57 @@ def test_the_long_task_runs_to_150_tokens_with_its_own_overrides():
                                                ).HELD_OUT_SEED)
     with pytest.raises(ValueError, match="--task nosuch: unknown task"):
         runs.CompareConfig(task="nosuch")
+
+
+def _prm_from_warmup(rank, world_size, run_dir):
+    """start 0's PRM stage with prm_init "warmup" and no whole-model step (only the 20
+    head-only steps of the recipe's stage 1), on a small warm-up policy written in run_dir."""
+    from megaprm.experiments.arithmetic.start import WarmupConfig, init_policy
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+
+    g = init_distributed(tp=1, pp=1)
+    tok = build_char_tokenizer()
+    ccfg = runs.CompareConfig(run_dir=run_dir, prm_init="warmup", prm_steps=0, prm_examples=64)
+    sft = init_policy(WarmupConfig(hidden=48, layers=2), tok,
+                      os.path.join(run_dir, "start0", "sft"), g.rank)
+    prm_dir, rec = compare.prm_stage(ccfg, g, tok, 0, compare.code_version(), sft)
+    return prm_dir, {k: v for k, v in rec.items() if k != "per_kind"}
+
+
+def test_a_prm_from_the_warmup_policy_is_its_trunk_and_keyed_by_it(tmp_path):
+    """prm_init "warmup" (the long task's): start k's PRM is fine-tuned from start k's warm-up
+    policy, not a random-init hidden-64 trunk: after the head-only stage every trunk tensor is
+    the policy's, bit for bit, and no random trunk is written; its cache key holds the
+    warm-up's, which a random-init PRM's key does not."""
+    from dataclasses import replace
+
+    from safetensors import safe_open
+
+    from tests.distributed_utils import run_distributed
+
+    [(prm_dir, rec)] = run_distributed(_prm_from_warmup, 1, str(tmp_path), timeout=600)
+    assert rec["init"] == "warmup" and "hidden 48, 2 layers" in rec["trunk"], rec
+    assert not os.path.exists(tmp_path / "start0" / "prm_init")
+    with safe_open(os.path.join(prm_dir, "model.safetensors"), "pt") as prm, \
+            safe_open(str(tmp_path / "start0" / "sft" / "model.safetensors"), "pt") as sft:
+        trunk = [k for k in sft.keys() if k.startswith("model.")]
+        assert len(trunk) > 10 and set(trunk) <= set(prm.keys())
+        for k in trunk:
+            assert prm.get_tensor(k).equal(sft.get_tensor(k)), k
+        assert set(prm.keys()) - set(sft.keys())  # its own score head
+
+    code = compare.code_version()
+    warm = runs.CompareConfig(task="long")
+    assert warm.prm_init == "random"  # the dataclass's default; the CLI applies the task's
+    warm = replace(warm, prm_init=runs.TASK_DEFAULTS["long"]["prm_init"])
+    assert warm.prm_init == "warmup"
+    other_warmup = replace(warm, warmup_steps=warm.warmup_steps + 1)
+    assert compare._prm_digest(warm, 0, code) != compare._prm_digest(other_warmup, 0, code)
+    assert compare._prm_digest(warm, 0, None) != compare._prm_digest(other_warmup, 0, None)
+    rand = replace(warm, prm_init="random")
+    assert compare._prm_digest(rand, 0, code) == compare._prm_digest(
+        replace(rand, warmup_steps=rand.warmup_steps + 1), 0, code)
+    assert compare._prm_digest(rand, 0, code) != compare._prm_digest(warm, 0, code)
+    with pytest.raises(ValueError, match="--prm-init nosuch: choose from"):
+        runs.CompareConfig(prm_init="nosuch")

@@ -323,9 +323,10 @@ def test_demo_task_long_trains_its_own_start(tmp_path):
     from megaprm.experiments.arithmetic import runs, start
 
     d = demo_mod.DemoConfig(task="long", **runs.TASK_DEFAULTS["long"])
-    rec = start.recipe(d.warmup_steps, d.prm_steps, d.prm_examples, d.task)
+    rec = start.recipe(d.warmup_steps, d.prm_steps, d.prm_examples, d.task, d.prm_init)
     shipped = start.read_manifest()
     assert rec["task"] == "long" and rec["warmup"]["task"] == repr(runs.TASKS["long"])
+    assert rec["prm"]["init"] == "warmup"  # its PRM is fine-tuned from its warm-up policy
     assert json_digest(rec) != shipped["digest"]
     assert json_digest(start.recipe()) == shipped["digest"]  # the short one is still shipped
     with pytest.raises(ValueError, match="--task nosuch: unknown task"):
@@ -336,3 +337,34 @@ def test_demo_task_long_trains_its_own_start(tmp_path):
               str(tmp_path / "d")])
     one_line_error(p, "megaprm demo: error:", "--write-readme with --task long")
     assert not os.path.exists(tmp_path / "d")
+
+
+def _build_from_warmup(rank, world_size, out_dir):
+    from megaprm.experiments.arithmetic import start
+    from megaprm.parallel.init import init_distributed
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+
+    g = init_distributed(tp=1, pp=1)
+    rec = start.recipe(warmup_steps=1, prm_steps=0, prm_examples=64, prm_init="warmup")
+    return start.build(out_dir, rec, g, build_char_tokenizer(), say=lambda *a, **k: None)
+
+
+def test_a_start_whose_prm_starts_from_its_warmup_policy(tmp_path):
+    """`start.build` of a recipe with the PRM's init "warmup" (`megaprm demo --task long`'s):
+    the PRM's trunk is the warm-up policy's (bit for bit after the head-only stage, with no
+    whole-model step), not a random-init one; the recipe names it, the short default does not."""
+    from safetensors import safe_open
+
+    from megaprm.experiments.arithmetic import start
+    from tests.distributed_utils import run_distributed
+
+    assert "init" not in start.recipe()["prm"]  # the shipped start's recipe is unchanged
+    [man] = run_distributed(_build_from_warmup, 1, str(tmp_path), timeout=600)
+    assert man["recipe"]["prm"]["init"] == "warmup"
+    assert not os.path.exists(tmp_path / "prm_init")
+    with safe_open(str(tmp_path / "prm" / "model.safetensors"), "pt") as prm, \
+            safe_open(str(tmp_path / "sft" / "model.safetensors"), "pt") as sft:
+        trunk = [k for k in sft.keys() if k.startswith("model.")]
+        assert len(trunk) > 10
+        for k in trunk:
+            assert prm.get_tensor(k).equal(sft.get_tensor(k)), k
