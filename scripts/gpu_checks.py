@@ -27,13 +27,20 @@ CHECK is one of
 
 --dry: the CPU-sized form of each (tiny models, the CPU, seconds; multirank only collects its
 tests, which the CPU tier runs anyway): tests/gpu/test_session.py runs every check so.
-Every JSON has the device, torch version, commit, load average and wall seconds.
+Every JSON has the device, torch version, commit, load average and wall seconds, and the check's
+trail (`progress`: each stage reached, with its second and the device memory allocated).
+--budget S: the check stops itself after S seconds and still writes its JSON (`timed_out`,
+the trail up to where it stood, the steps and tests finished by then), so a check cut short
+says where its time went (the first H100 run, 2026-11-28, had three checks killed by the
+session's timeouts with nothing to show).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -60,6 +67,62 @@ MULTIRANK_TESTS = (
 QWEN25_1_5B = dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
                    intermediate_size=8960, vocab_size=151936)
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+# the check's trail: a file the check and its ranks append to (environment, so spawned ranks
+# find it), and the wall clock its seconds count from
+PROGRESS_ENV, T0_ENV = "GPU_CHECK_PROGRESS", "GPU_CHECK_T0"
+
+
+class CheckTimeout(Exception):
+    """The check's --budget ran out."""
+
+
+def note(msg: str, **data) -> None:
+    """One stage of the check: a line in its log (stdout) and a record in its trail, with the
+    seconds since the check began and the device memory allocated."""
+    t = time.time() - float(os.environ.get(T0_ENV, time.time()))
+    rec = {"t": round(t, 1), "stage": msg, **data}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rec["allocated_gb"] = round(torch.cuda.memory_allocated() / 1e9, 3)
+    print(f"[{t:7.1f} s] {msg}", flush=True)
+    path = os.environ.get(PROGRESS_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")
+
+
+def read_trail(path: str) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+class Budget:
+    """The seconds left of the check's --budget (None: unbounded)."""
+
+    def __init__(self, seconds: float | None):
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def left(self, default: float = 600.0) -> float:
+        if self.end is None:
+            return default
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise CheckTimeout("no time left")
+        return left
+
+
+def _traced(owner, name: str, label: str) -> None:
+    """Wrap owner.name so the trail records when it starts and ends."""
+    fn = getattr(owner, name)
+
+    def run(*a, **k):
+        note(f"{label} ...")
+        t0 = time.perf_counter()
+        out = fn(*a, **k)
+        note(f"{label} done", seconds=round(time.perf_counter() - t0, 2))
+        return out
+    setattr(owner, name, run)
 
 
 def _device_name() -> str:
@@ -202,31 +265,59 @@ def check_collectives(dry: bool) -> dict:
 
 # ------------------------------------------------------------------------------ multirank
 
-def check_multirank(dry: bool, out_dir: str) -> dict:
+def _verbose_outcomes(text: str) -> tuple:
+    """(finished tests, the one running) from pytest -v's lines `path::name OUTCOME`."""
+    done, running = [], None
+    for ln in text.splitlines():
+        m = re.match(r"^(\S+\.py::\S+)(?: (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS))?", ln)
+        if not m:
+            continue
+        if m.group(2):
+            done.append({"test": m.group(1), "outcome": m.group(2).lower()})
+            running = None
+        else:
+            running = m.group(1)
+    return done, running
+
+
+def check_multirank(dry: bool, out_dir: str, budget: Budget) -> dict:
     """pytest over MULTIRANK_TESTS with every rank on the one device; per-test outcome from
-    its junit XML."""
+    its junit XML, or, where the budget ends the run first, from pytest -v's lines so far
+    (the test it was in named)."""
     import xml.etree.ElementTree as ET
 
     from megaprm.parallel.device import SHARE_ENV
 
     xml = os.path.join(out_dir, "multirank_junit.xml")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
-           "--junitxml", xml, *MULTIRANK_TESTS]
+    log = os.path.join(out_dir, "multirank_pytest.log")
+    cmd = [sys.executable, "-m", "pytest", "-q" if dry else "-v", "-p", "no:cacheprovider",
+           "-rf", "--junitxml", xml, *MULTIRANK_TESTS]
     if dry:
         cmd.append("--collect-only")
     env = {**os.environ, SHARE_ENV: "1"}
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    res = {"command": " ".join(cmd[1:]), "returncode": p.returncode,
-           "seconds": time.perf_counter() - t0, "tail": p.stdout[-3000:]}
+    note("pytest over the multi-rank selection")
+    with open(log, "w") as f:  # its own session: a budget's end kills pytest and its ranks
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+        try:
+            returncode, cut = p.wait(timeout=budget.left()), False
+        except (subprocess.TimeoutExpired, CheckTimeout):
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            returncode, cut = None, True
+    with open(log) as f:
+        text = f.read()
+    res = {"command": " ".join(cmd[1:]), "returncode": returncode,
+           "seconds": time.perf_counter() - t0, "tail": text[-3000:]}
     if dry:
-        lines = [ln for ln in p.stdout.splitlines() if "::" in ln]
+        lines = [ln for ln in text.splitlines() if "::" in ln]
         res["collected"] = lines
         res["every_selection_collected"] = all(
             any(ln.startswith(sel.split("::")[0]) for ln in lines) for sel in MULTIRANK_TESTS)
         return res
     tests = []
-    if os.path.exists(xml):
+    if not cut and os.path.exists(xml):
         for case in ET.parse(xml).getroot().iter("testcase"):
             bad = case.find("failure") if case.find("failure") is not None else case.find("error")
             skipped = case.find("skipped")
@@ -237,9 +328,14 @@ def check_multirank(dry: bool, out_dir: str) -> dict:
                           "message": (bad.get("message", "")[:600] if bad is not None else
                                       skipped.get("message", "")[:300] if skipped is not None
                                       else None)})
+    else:
+        tests, res["running_when_cut"] = _verbose_outcomes(text)
     res["tests"] = tests
     res["passed"] = sum(t["outcome"] == "passed" for t in tests)
-    res["failed"] = sum(t["outcome"] == "failed" for t in tests)
+    res["failed"] = sum(t["outcome"] in ("failed", "error") for t in tests)
+    if cut:
+        raise CheckTimeout(f"the budget ended pytest after {res['passed']} passed and "
+                           f"{res['failed']} failed tests, in {res['running_when_cut']}", res)
     return res
 
 
@@ -311,10 +407,13 @@ class Recorder:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            note(f"  phase {name} ...")
+            t0 = time.perf_counter()
             with contextmanager(timer_call)(timer, name):
                 yield
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
+            note(f"  phase {name} done", seconds=round(time.perf_counter() - t0, 3))
             if torch.cuda.is_available():
                 rec.phase_peak[name] = max(rec.phase_peak.get(name, 0),
                                            torch.cuda.max_memory_allocated())
@@ -401,30 +500,49 @@ def _trainer(policy, prm, run_dir, dry):
     from megaprm.config import load_config
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
+    from megaprm.trainer import loop
     from megaprm.trainer.loop import RLTrainer
 
+    note("rank started")
     cfg = load_config(str(ROOT / "megaprm" / "configs" / "demo.yaml"),
                       [*_step_overrides(policy, prm, run_dir, dry),
                        f"trainer.steps={1 if dry else 2}"])
     g = init_distributed()
-    return RLTrainer(cfg, g, build_char_tokenizer()), cfg
+    note("process group up")
+    # the trail records each model's build, the engine's and the lifecycle's first sync
+    _traced(loop, "Policy", "build a Megatron policy (actor or reference)")
+    _traced(loop.reward_phase, "build_discriminative_prm", "build the PRM")
+    _traced(loop.rollout_source, "build_engine", "build the rollout engine")
+    _traced(loop.rollout_source, "make_source", "colocate: offload switches, first sync")
+    tr = RLTrainer(cfg, g, build_char_tokenizer())
+    note("trainer built")
+    return tr, cfg
 
 
 def _offload_rank(policy, prm, run_dir, dry) -> dict:
     tr, _ = _trainer(policy, prm, run_dir, dry)
-    tr.step_or_skip(0)  # the optimizer's state exists after one update
-    return {"models": [_offload_accounting(o) for o in tr.lifecycle.offloads]}
+    note("step 0 (the optimizer's state exists after one update) ...")
+    tr.step_or_skip(0)
+    note("step 0 done")
+    models = []
+    for o in tr.lifecycle.offloads:
+        models.append(_offload_accounting(o))
+        note(f"offload -> reload of {o.name} measured", result=models[-1])
+    return {"models": models}
 
 
-def check_offload(dry: bool) -> dict:
+def check_offload(dry: bool, budget: Budget) -> dict:
     from megaprm.parallel import launch
 
     shape = TINY if dry else dict(QWEN25_1_5B, num_layers=8)  # 0.6 B: seconds per copy
     dtype = torch.float32 if dry else torch.bfloat16
     with tempfile.TemporaryDirectory(prefix="gpu-offload-") as d:
+        note("write the policy and the PRM (HF format)")
         policy = _save_model(os.path.join(d, "policy"), shape, None, dtype)
         prm = _save_model(os.path.join(d, "prm"), shape, "token_cls", dtype)
-        res = launch.spawn(_offload_rank, 1, policy, prm, os.path.join(d, "run"), dry)[0]
+        note("models written; start the rank")
+        res = launch.spawn(_offload_rank, 1, policy, prm, os.path.join(d, "run"), dry,
+                           timeout_s=budget.left())[0]
     res["shape"] = shape
     return res
 
@@ -442,12 +560,15 @@ def _step_rank(policy, prm, run_dir, dry) -> dict:
         rec.phase_peak.clear()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        note(f"step {s} ...")
         m = tr.step_or_skip(s)
         steps.append({"metrics": {k: v for k, v in m.items() if isinstance(v, (int, float))},
                       "phase_peak_gb": {k: v / 1e9 for k, v in rec.phase_peak.items()},
                       "lifecycle": list(rec.events),
                       "step_peak_gb": (torch.cuda.max_memory_allocated() / 1e9
                                        if torch.cuda.is_available() else None)})
+        # the whole record in the trail: a check cut short keeps the steps it finished
+        note(f"step {s} done", step=steps[-1], prompt_tokens_max=rec.prompt_tokens_max)
     return {"steps": steps, "prompt_tokens_max": rec.prompt_tokens_max}
 
 
@@ -456,18 +577,19 @@ PLAN_PHASES = {"rollout": ("rollout",), "log-probs": ("old_logprobs", "process_r
                "update": ("update",), "weight sync": ("weight_sync",)}
 
 
-def _plan(overrides: list, gpu: str, prompt_tokens: int, mean_response: float) -> dict:
+def _plan(overrides: list, gpu: str, prompt_tokens: int, mean_response: float,
+          budget: Budget) -> dict:
     cmd = [sys.executable, "-m", "megaprm.cli", "plan", str(ROOT / "megaprm" / "configs" /
                                                             "demo.yaml"), *overrides,
            "--gpus", "1", "--gpu", gpu, "--json", "--prompt-tokens", str(prompt_tokens),
            "--mean-response", str(mean_response)]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget.left())
     if p.returncode:
         return {"error": p.stderr.strip()[-1000:], "command": " ".join(cmd[3:])}
     return {"command": "megaprm " + " ".join(cmd[3:]), **json.loads(p.stdout)}
 
 
-def check_step(dry: bool) -> dict:
+def check_step(dry: bool, budget: Budget) -> dict:
     from megaprm.parallel import launch
     from megaprm.planner.hardware import DEFAULT_EFFICIENCY
 
@@ -477,16 +599,20 @@ def check_step(dry: bool) -> dict:
     gpu = "h200" if "H200" in name else "h100"
     with tempfile.TemporaryDirectory(prefix="gpu-step-") as d:
         t0 = time.perf_counter()
+        note("write the policy and the PRM (HF format)")
         policy = _save_model(os.path.join(d, "policy"), shape, None, dtype)
         prm = _save_model(os.path.join(d, "prm"), shape, "token_cls", dtype)
         build_s = time.perf_counter() - t0
+        note("models written; start the rank", seconds=round(build_s, 2))
         run_dir = os.path.join(d, "run")
-        res = launch.spawn(_step_rank, 1, policy, prm, run_dir, dry)[0]
+        res = launch.spawn(_step_rank, 1, policy, prm, run_dir, dry,
+                           timeout_s=budget.left())[0]
         m = res["steps"][-1]["metrics"]
         prompt = res["prompt_tokens_max"]
+        note("megaprm plan of the same config")
         plan = _plan([o for o in _step_overrides(policy, prm, run_dir, dry)
                       if not o.startswith("trainer.run_dir")], gpu, prompt,
-                     max(1.0, m["response/length_mean"]))
+                     max(1.0, m["response/length_mean"]), budget)
     res.update(shape=shape, models_written_s=build_s, gpu_for_plan=gpu, plan=plan)
     measured = res["steps"][-1]
     compare = {}
@@ -568,6 +694,8 @@ def main(argv=None) -> int:
     ap.add_argument("check", choices=CHECKS)
     ap.add_argument("--dry", action="store_true", help="the CPU-sized form (CI)")
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/gpu"))
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds: the check stops itself then and writes what it has")
     args = ap.parse_args(argv)
     if not args.dry and not torch.cuda.is_available():
         print(f"gpu_checks {args.check}: no CUDA on this machine; run it with --dry for the "
@@ -575,16 +703,27 @@ def main(argv=None) -> int:
         return 2
     os.makedirs(args.out, exist_ok=True)
     res = _header(args.check, args.dry)
+    trail = os.path.join(args.out, f"{args.check}.trail.jsonl")
+    if os.path.exists(trail):
+        os.remove(trail)
+    os.environ.update({PROGRESS_ENV: trail, T0_ENV: repr(time.time())})
+    budget = Budget(args.budget)
+    if args.budget is not None:  # the parent's own stages: a backstop past the ranks' timeout
+
+        def out_of_time(*_):
+            raise CheckTimeout(f"over its budget of {args.budget:.0f} s")
+        signal.signal(signal.SIGALRM, out_of_time)
+        signal.alarm(int(args.budget) + 15)
     t0 = time.perf_counter()
     try:
         if args.check == "collectives":
             res.update(check_collectives(args.dry))
         elif args.check == "multirank":
-            res.update(check_multirank(args.dry, args.out))
+            res.update(check_multirank(args.dry, args.out, budget))
         elif args.check == "offload":
-            res.update(check_offload(args.dry))
+            res.update(check_offload(args.dry, budget))
         elif args.check == "step":
-            res.update(check_step(args.dry))
+            res.update(check_step(args.dry, budget))
         else:
             res.update(check_compile(args.dry, args.out))
         res["ok"] = True
@@ -592,14 +731,38 @@ def main(argv=None) -> int:
         import traceback
 
         res.update(ok=False, error=_first_line(e), traceback=traceback.format_exc()[-4000:])
+        res["timed_out"] = isinstance(e, (CheckTimeout, subprocess.TimeoutExpired)) or (
+            "timed out after" in str(e))
+        if isinstance(e, CheckTimeout) and len(e.args) > 1:
+            res.update(e.args[1])  # what the check had when the budget ended it
+    finally:
+        signal.alarm(0)
     res["seconds"] = time.perf_counter() - t0
     res["load_after"] = os.getloadavg()
+    res.update(_trail_summary(read_trail(trail), res["ok"]))
     path = os.path.join(args.out, f"{args.check}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1, default=str)
     print(f"{args.check}: {'ok' if res['ok'] else 'FAILED: ' + res['error']} "
           f"({res['seconds']:.0f} s) -> {path}")
     return 0 if res["ok"] else 1
+
+
+def _trail_summary(trail: list, ok: bool) -> dict:
+    """The stages reached (without the records they carry) and, for a check that failed, the
+    records finished before it did: the step check's steps, the offload check's models."""
+    out = {"progress": [{k: v for k, v in r.items() if k not in ("step", "result")}
+                        for r in trail]}
+    if not ok:
+        steps = [r["step"] for r in trail if "step" in r]
+        models = [r["result"] for r in trail if "result" in r]
+        if steps:
+            out["steps_finished"] = steps
+        if models:
+            out["models_measured"] = models
+        if trail:
+            out["last_stage"] = trail[-1]["stage"]
+    return out
 
 
 if __name__ == "__main__":

@@ -39,16 +39,21 @@ def plot_actor(d: dict, ax) -> None:
     shapes = d.get("shapes") or [{"shape": "", "rows": [
         {"variant": "sdpa_chunked", "tokens_per_s": d["megaprm_tokens_per_s"]},
         {"variant": "transformers", "tokens_per_s": d["transformers_tokens_per_s"]}]}]
-    w = 0.38
+    # a run with torch.compile rows (`--compile-rows-only`) gets a third bar per shape
+    bars = [("sdpa_chunked", "tab:blue", "megaprm actor"),
+            ("sdpa_chunked_compile", "tab:orange", "megaprm actor, torch.compile"),
+            ("transformers", "tab:gray", "transformers")]
+    bars = [b for b in bars if any(r["variant"] == b[0] for sh in shapes for r in sh["rows"])]
+    w = 0.76 / len(bars)
     for i, sh in enumerate(shapes):
         rows = {r["variant"]: r for r in sh["rows"]}
-        for dx, variant, color in ((-w / 2, "sdpa_chunked", "tab:blue"),
-                                   (w / 2, "transformers", "tab:gray")):
-            r = rows[variant]
+        for k, (variant, color, label) in enumerate(bars):
+            r = rows.get(variant)
+            if not r or not r.get("tokens_per_s"):
+                continue
+            dx = (k - (len(bars) - 1) / 2) * w
             v = r["tokens_per_s"]
-            ax.bar(i + dx, v, w, color=color,
-                   label=("megaprm actor" if variant == "sdpa_chunked" else variant) if i == 0
-                   else None)
+            ax.bar(i + dx, v, w, color=color, label=label if i == 0 else None)
             mfu = f"\nMFU {r['mfu']:.2f}" if r.get("mfu") else ""
             ax.text(i + dx, v, f"{v:,.0f}{mfu}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(shapes)), [sh["shape"] for sh in shapes])

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -20,14 +21,23 @@ from scripts.gpu_checks import CHECKS, PLAN_PHASES, decide_compile  # noqa: E402
 @pytest.fixture(scope="module")
 def dry(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-dry")
-    env = {**os.environ, "DRY": "1", "OUT": str(out), "PYTHON": sys.executable}
+    files = out.parent / (out.name + "-files")  # the session's default: beside $OUT
+    env = {**os.environ, "DRY": "1", "OUT": str(out), "PYTHON": sys.executable,
+           "CHECKS": " ".join(CHECKS)}
+    env.pop("RESULTS", None)
     p = subprocess.run(["bash", "scripts/gpu_session.sh"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    # what a device call brings back (at most 8 files): the archive and the summary alone
+    assert sorted(os.listdir(out)) == ["gpu_session.tgz", "summary.txt"]
+    with tarfile.open(out / "gpu_session.tgz") as tar:
+        packed = {os.path.basename(n) for n in tar.getnames()}
+    assert {f"{c}.json" for c in CHECKS} | {"machine.txt", "summary.txt"} <= packed, packed
+    assert len((out / "summary.txt").read_text().splitlines()) == len(CHECKS)
     res = {}
     for c in CHECKS:
-        path = out / f"{c}.json"
-        assert path.exists(), f"{c}: no JSON; log: {(out / f'{c}.log').read_text()[-2000:]}"
+        path = files / f"{c}.json"
+        assert path.exists(), f"{c}: no JSON; log: {(files / f'{c}.log').read_text()[-2000:]}"
         res[c] = json.loads(path.read_text())
     return res
 
@@ -37,6 +47,14 @@ def test_every_check_ran_its_dry_form(dry):
     for c, r in dry.items():
         assert r["ok"] and r["dry"] and r["check"] == c, (c, r.get("error"), r.get("traceback"))
         assert r["device"] and r["commit"] and r["seconds"] > 0
+    # the trail of a check that builds a trainer: each model, the engine, each phase, in order
+    stages = [s["stage"] for s in dry["step"]["progress"]]
+    order = ["models written; start the rank", "rank started", "build the rollout engine done",
+             "trainer built", "step 0 ...", "  phase rollout done", "  phase update done",
+             "step 0 done", "megaprm plan of the same config"]
+    assert [stages.index(s) for s in order] == sorted(stages.index(s) for s in order), stages
+    times = [s["t"] for s in dry["step"]["progress"]]
+    assert times == sorted(times)
 
 
 @pytest.mark.slow
@@ -109,3 +127,41 @@ def test_a_gpu_check_on_a_machine_without_cuda_is_one_line_exit_2(tmp_path):
                         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "--dry" in p.stderr and os.listdir(tmp_path) == []
+
+
+def test_a_check_out_of_budget_still_writes_its_json_with_where_it_stood(tmp_path):
+    """The first H100 run lost three checks to the session's timeouts with nothing to show:
+    a check now stops itself at --budget and its JSON has its trail up to there."""
+    p = subprocess.run([sys.executable, "scripts/gpu_checks.py", "step", "--dry", "--budget",
+                        "6", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    r = json.loads((tmp_path / "step.json").read_text())
+    assert not r["ok"] and r["timed_out"], r.get("error")
+    stages = [s["stage"] for s in r["progress"]]
+    assert stages[0] == "write the policy and the PRM (HF format)"
+    assert r["last_stage"] == stages[-1] and "plan" not in r
+    assert r["seconds"] < 6 + 30  # the rank's own timeout, not the 10-minute default
+
+
+def test_multirank_cut_by_its_budget_names_the_tests_done_and_the_one_running(tmp_path,
+                                                                             monkeypatch):
+    """pytest -v's lines so far give each finished test's outcome and the test the budget
+    interrupted; pytest and everything it started are killed."""
+    import scripts.gpu_checks as gc
+
+    suite = tmp_path / "test_cut.py"
+    suite.write_text("import time\n\ndef test_a():\n    pass\n\n"
+                     "def test_b():\n    assert 1 == 2\n\n"
+                     "def test_c():\n    time.sleep(600)\n\n"
+                     "def test_d():\n    pass\n")
+    monkeypatch.setattr(gc, "MULTIRANK_TESTS", (str(suite),))
+    with pytest.raises(gc.CheckTimeout) as e:
+        gc.check_multirank(False, str(tmp_path), gc.Budget(25))
+    res = e.value.args[1]
+    outcomes = {t["test"].split("::")[1]: t["outcome"] for t in res["tests"]}
+    assert outcomes == {"test_a": "passed", "test_b": "failed"}, res["tail"]
+    assert res["running_when_cut"].endswith("::test_c") and res["returncode"] is None
+    assert (res["passed"], res["failed"]) == (1, 1)
+    left = subprocess.run(["pgrep", "-f", str(suite)], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
