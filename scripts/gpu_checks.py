@@ -53,15 +53,17 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 CHECKS = ("collectives", "multirank", "offload", "step", "compile")
+# the quick ones first: a budget that ends the run early has the most outcomes (test_layouts
+# builds a world-size-1 reference and two layouts of two methods: the longest by far)
 MULTIRANK_TESTS = (
-    "tests/trainer/test_layouts.py",
-    "tests/trainer/test_loop.py::test_update_metrics_equal_a_single_batch_reference[2ranks-3mb]",
+    "tests/parallel/test_shared_device.py::test_two_ranks_sharing_the_device_stand_in",
+    "tests/rollout/test_remote_weights.py",
     "tests/parallel/test_optimizer_state.py::"
     "test_distributed_optimizer_resume_is_bit_exact_and_head_only_builds",
-    "tests/parallel/test_offload.py",
-    "tests/rollout/test_remote_weights.py",
     "tests/checkpoint_tools/test_convert.py::test_roundtrip_bitwise",
-    "tests/parallel/test_shared_device.py::test_two_ranks_sharing_the_device_stand_in",
+    "tests/trainer/test_loop.py::test_update_metrics_equal_a_single_batch_reference[2ranks-3mb]",
+    "tests/parallel/test_offload.py",
+    "tests/trainer/test_layouts.py",
 )
 # Qwen2.5-1.5B's config.json (hidden, layers, heads, kv heads, ffn; tied embeddings)
 QWEN25_1_5B = dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
