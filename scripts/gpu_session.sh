@@ -25,6 +25,7 @@
 # scripts/results/gpu_h200/ and gpu_h100/.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RES=${RESULTS:-${OUT%/}-files}; mkdir -p "$RES"  # outside $OUT: only the archive comes back
+: > "$RES/summary.txt"  # this session's lines only
 PY=${PYTHON:-python3}
 CHECKS=${CHECKS:-"step offload collectives multirank"}
 DRYFLAG=""; T=""
@@ -50,6 +51,7 @@ pack() {
 # that failed, one saying how it ended
 run_check() {
   local name=$1 t=$2
+  rm -f "$RES/$name.json"  # a JSON left by an earlier session must not stand for this one
   timeout -k 10 "$t" $PY scripts/gpu_checks.py "$name" $DRYFLAG --out "$RES" \
     --budget $((t - 30)) > "$RES/$name.log" 2>&1
   local rc=$?
