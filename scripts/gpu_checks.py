@@ -369,6 +369,18 @@ def _save_model(out: str, shape: dict, head: str | None, dtype: torch.dtype) -> 
     return out
 
 
+def _save_models(d: str, shape: dict, dtype: torch.dtype) -> tuple:
+    """The policy and the PRM of `shape` under `d`, each stage in the trail: (policy, prm,
+    seconds taken)."""
+    t0 = time.perf_counter()
+    note("write the policy and the PRM (HF format)")
+    policy = _save_model(os.path.join(d, "policy"), shape, None, dtype)
+    prm = _save_model(os.path.join(d, "prm"), shape, "token_cls", dtype)
+    seconds = time.perf_counter() - t0
+    note("models written; start the rank", seconds=round(seconds, 2))
+    return policy, prm, seconds
+
+
 def _step_overrides(policy: str, prm: str, run_dir: str, dry: bool) -> list:
     """A PURE step with its KL reference and a discriminative PRM, every model offloaded while
     the engine generates; short responses."""
@@ -539,10 +551,7 @@ def check_offload(dry: bool, budget: Budget) -> dict:
     shape = TINY if dry else dict(QWEN25_1_5B, num_layers=8)  # 0.6 B: seconds per copy
     dtype = torch.float32 if dry else torch.bfloat16
     with tempfile.TemporaryDirectory(prefix="gpu-offload-") as d:
-        note("write the policy and the PRM (HF format)")
-        policy = _save_model(os.path.join(d, "policy"), shape, None, dtype)
-        prm = _save_model(os.path.join(d, "prm"), shape, "token_cls", dtype)
-        note("models written; start the rank")
+        policy, prm, _ = _save_models(d, shape, dtype)
         res = launch.spawn(_offload_rank, 1, policy, prm, os.path.join(d, "run"), dry,
                            timeout_s=budget.left())[0]
     res["shape"] = shape
@@ -600,12 +609,7 @@ def check_step(dry: bool, budget: Budget) -> dict:
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     gpu = "h200" if "H200" in name else "h100"
     with tempfile.TemporaryDirectory(prefix="gpu-step-") as d:
-        t0 = time.perf_counter()
-        note("write the policy and the PRM (HF format)")
-        policy = _save_model(os.path.join(d, "policy"), shape, None, dtype)
-        prm = _save_model(os.path.join(d, "prm"), shape, "token_cls", dtype)
-        build_s = time.perf_counter() - t0
-        note("models written; start the rank", seconds=round(build_s, 2))
+        policy, prm, build_s = _save_models(d, shape, dtype)
         run_dir = os.path.join(d, "run")
         res = launch.spawn(_step_rank, 1, policy, prm, run_dir, dry,
                            timeout_s=budget.left())[0]
