@@ -736,9 +736,11 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - the session goes on; the JSON names the failure
         import traceback
 
+        from megaprm.parallel.launch import RankTimeout
+
         res.update(ok=False, error=_first_line(e), traceback=traceback.format_exc()[-4000:])
-        res["timed_out"] = isinstance(e, (CheckTimeout, subprocess.TimeoutExpired)) or (
-            "timed out after" in str(e))
+        res["timed_out"] = isinstance(e, (CheckTimeout, subprocess.TimeoutExpired,
+                                          RankTimeout))
         if isinstance(e, CheckTimeout) and len(e.args) > 1:
             res.update(e.args[1])  # what the check had when the budget ended it
     finally:

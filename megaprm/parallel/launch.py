@@ -54,6 +54,11 @@ class RankFailed(RuntimeError):
     pass
 
 
+class RankTimeout(RankFailed):
+    """`spawn`'s ranks did not all report within its `timeout_s` (none failed first): they were
+    stopped. A caller that budgets its own time tells this from a rank's error by type."""
+
+
 class LaunchError(ValueError):
     """A launch request that cannot work (too many local ranks for the GPUs, bad node rank)."""
 
@@ -488,7 +493,8 @@ def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 600.0,
                     errors[dead[0][0]] = (f"rank {dead[0][0]} exited with code {dead[0][1]} "
                                           "without reporting a result or a traceback")
                 elif time.monotonic() > deadline:
-                    errors[-1] = f"timed out after {timeout_s}s waiting for ranks"
+                    errors[-1] = (f"timed out after {timeout_s}s waiting for ranks "
+                                  f"{sorted(set(range(world_size)) - set(results))}")
                 continue
             if ok:
                 results[rank] = torch.load(io.BytesIO(value), weights_only=False)
@@ -505,6 +511,8 @@ def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 600.0,
                 p.join()
     if errors:
         rank, tb = sorted(errors.items())[0]
+        if rank == -1:
+            raise RankTimeout(f"{world_size} rank(s): {tb}")
         raise RankFailed(f"rank {rank} of {world_size} failed:\n{tb}")
     return [results[r] for r in range(world_size)]
 

@@ -88,6 +88,27 @@ def test_a_rank_that_raises_or_dies_is_reported():
         launch.spawn(_exit, 2)
 
 
+def _rank1_sleeps(pid_dir):
+    if os.environ["RANK"] == "1":
+        _sleep(pid_dir)
+    return "done"
+
+
+def test_ranks_out_of_time_are_named_stopped_and_raised_as_a_timeout(tmp_path):
+    """Rank 0 reports, rank 1 never does: `spawn` raises RankTimeout (a RankFailed, so a caller
+    that handles rank failures still catches it) naming the rank still out, and stops it."""
+    # (rank 0 too, on a box so loaded that its start takes the whole timeout)
+    with pytest.raises(launch.RankTimeout, match=r"2 rank\(s\): timed out after 8s waiting "
+                                                 r"for ranks \[(0, )?1\]") as e:
+        launch.spawn(_rank1_sleeps, 2, str(tmp_path), timeout_s=8)
+    assert isinstance(e.value, launch.RankFailed)
+    assert os.listdir(tmp_path) in (["1"], [])  # [] only when rank 1 never got to start
+    assert not any(_alive(int((tmp_path / n).read_text())) for n in os.listdir(tmp_path))
+    with pytest.raises(launch.RankFailed) as e:  # a rank's own error is not a timeout
+        launch.spawn(_raise, 2)
+    assert not isinstance(e.value, launch.RankTimeout)
+
+
 def test_ranks_die_with_a_killed_caller(tmp_path):
     caller = subprocess.Popen(
         [sys.executable, "-c", "import sys; from megaprm.parallel import launch; "
