@@ -342,6 +342,28 @@ def _relative_override(o: str) -> str:
         and v not in ("null", "") else o
 
 
+def _make_room(d: str, rec: dict | None, groups: Groups) -> None:
+    """Clear a cell's directory `d` for a new run, losing nothing finished: an interrupted run
+    (no result.json: `rec` None) is removed, as it restarts from step 0; a finished run of
+    other settings (`rec`: its result, with another digest: other overrides, evaluation or
+    start) is moved to RL_DIR/superseded/NAME.DIGEST8 and said so, so a comparison run with
+    other flags into a finished one's run directory cannot delete hours of its cells."""
+    if groups.rank == 0 and os.path.isdir(d):
+        if rec is None:
+            shutil.rmtree(d)
+        else:
+            rl, name = os.path.split(d)
+            base = os.path.join(rl, "superseded", f"{name}.{str(rec.get('digest'))[:8]}")
+            dest, i = base, 1
+            while os.path.exists(dest):  # those settings superseded before: keep both
+                dest, i = f"{base}.{i}", i + 1
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            os.replace(d, dest)
+            _say(groups, f"{d} held a finished run of other settings (another digest): moved "
+                         f"to {dest}, not deleted")
+    _barrier(groups)
+
+
 def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: str, prm_dir: str,
             base_digest: str, only_finished: bool = False,
             rl_code: dict | None = None) -> dict | None:
@@ -365,9 +387,7 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
         return rec
     if only_finished:
         return None
-    if groups.rank == 0 and os.path.isdir(d):  # interrupted or other settings: start over
-        shutil.rmtree(d)
-    _barrier(groups)
+    _make_room(d, rec, groups)
     cfg = load_config(RL_YAML, [f"trainer.run_dir={d}", *overrides])
     t = time.perf_counter()
     trainer = RLTrainer(cfg, groups, tok)

@@ -535,3 +535,37 @@ def test_a_prm_from_the_warmup_policy_is_its_trunk_and_keyed_by_it(tmp_path):
     assert compare._prm_digest(rand, 0, code) != compare._prm_digest(warm, 0, code)
     with pytest.raises(ValueError, match="--prm-init nosuch: choose from"):
         runs.CompareConfig(prm_init="nosuch")
+
+
+def test_a_cell_of_other_settings_is_moved_aside_not_deleted(tmp_path, capsys):
+    """A comparison run with other flags into a finished one's run directory used to delete
+    each finished cell it re-ran (its digest differs). An interrupted cell (no result.json) is
+    still removed, as it restarts from step 0; a finished one of other settings is moved to
+    rl/superseded/NAME.DIGEST8 whole, and a second one of the same settings beside it."""
+    rl = tmp_path / "start0" / "rl"
+    cell = rl / "prime-implicit-s0"
+
+    def finished(digest, marker):
+        os.makedirs(cell)
+        (cell / "result.json").write_text(json.dumps({"digest": digest}))
+        (cell / "metrics.jsonl").write_text(marker)
+        return compare._read_json(str(cell / "result.json"))
+
+    compare._make_room(str(cell), None, _Rank0())  # nothing there: nothing to do
+    assert not rl.exists()
+    os.makedirs(cell)
+    (cell / "metrics.jsonl").write_text("interrupted")
+    compare._make_room(str(cell), None, _Rank0())
+    assert not cell.exists() and not (rl / "superseded").exists()
+    compare._make_room(str(cell), finished("0123456789abcdef", "first"), _Rank0())
+    assert not cell.exists()
+    assert (rl / "superseded" / "prime-implicit-s0.01234567" / "metrics.jsonl").read_text() \
+        == "first"
+    assert "moved to" in capsys.readouterr().out
+    compare._make_room(str(cell), finished("0123456789abcdef", "second"), _Rank0())
+    assert (rl / "superseded" / "prime-implicit-s0.01234567.1" / "metrics.jsonl").read_text() \
+        == "second"
+    assert (rl / "superseded" / "prime-implicit-s0.01234567" / "metrics.jsonl").read_text() \
+        == "first"
+    # the superseded runs are not cells of the run directory
+    assert sorted(os.listdir(rl)) == ["superseded"]
