@@ -1,0 +1,119 @@
+"""PRIME on the long task, one knob at a time: which of its parts costs the accuracy.
+
+    .venv/bin/python scripts/prime_ablations.py [--main docs/compare/long/compare.json]
+        [--ablations docs/compare/long/prime_ablations] [--write docs/compare.md]
+
+Each ablation is a `megaprm compare` run of PRIME alone (2 seeds) on start 0 of the long task,
+with one override on top of the released settings, in a run directory of its own into which
+start 0's warm-up and PRM were copied (so its seed s samples the same step-0 responses as the
+main run's GRPO and PRIME of seed s); its compare.json is committed as ABLATIONS/NAME.json.
+The table pairs each ablation's seed s with the main run's GRPO and PRIME of start 0, seed s,
+and prints it as markdown; `--write` replaces the `<!-- megaprm:prime-ablations -->` block of
+a doc with it. With two seeds there is no interval: each seed's difference is shown.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- megaprm:prime-ablations begin -->", "<!-- megaprm:prime-ablations end -->"
+# the ablations in the table's order: file name -> what it changes from the released settings
+ABLATIONS = {
+    "lr_1e-5": "implicit PRM lr 1e-5 (10x lower)",
+    "no_filter": "no accuracy filter",
+    "no_process_reward": "process reward off (advantage.prime.process_coef=0)",
+}
+COLUMNS = ("greedy accuracy", "greedy correct with a wrong step")
+
+
+def _cells(row: dict, col: str, start: int = 0) -> dict:
+    """{seed: value} of a report row's column on one start."""
+    return {s: v for s, k, v in zip(row["seeds"], row["starts"], row[col]["per_seed"])
+            if k == start}
+
+
+def _row(report: dict, method: str, prm: str) -> dict:
+    for r in report["rows"]:
+        if r["method"] == method and r["prm"] == prm:
+            return r
+    raise ValueError(f"no {method}/{prm} row in the report")
+
+
+def table(main: dict, ablations: dict) -> str:
+    """The markdown table: the released PRIME row (start 0) and each ablation, per seed of the
+    ablations, with the paired difference from GRPO of the same start and seed."""
+    grpo = _row(main, "grpo", "learned")
+    rows = [("released (beta 0.05, PRM lr 2x the actor's, accuracy filter, refill)",
+             _row(main, "prime", "implicit"), "its 5 seeds")]
+    rows += [(ABLATIONS.get(name, name), _row(rep, "prime", "implicit"), "")
+             for name, rep in ablations.items()]
+    seeds = sorted(set.intersection(*[set(_cells(r, COLUMNS[0])) for _, r, _ in rows[1:]])) \
+        if ablations else sorted(_cells(rows[0][1], COLUMNS[0]))
+    head = (["PRIME variant", "seeds"] + [f"{c} (seed {', '.join(map(str, seeds))})" for c in COLUMNS]
+            + [f"Δ {c} vs GRPO" for c in COLUMNS]
+            + ["implicit PRM loss: first 10 / last 10 trained steps",
+               "step AUROC during RL: first 10 / last 10", "final implicit PRM: step AUROC / F1"])
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, r, scope in rows:
+        vals, diffs = [], []
+        for c in COLUMNS:
+            mine, ref = _cells(r, c), _cells(grpo, c)
+            vals.append(" / ".join(f"{mine[s]:.3f}" for s in seeds))
+            diffs.append(" / ".join(f"{mine[s] - ref[s]:+.3f}" for s in seeds))
+        loss, auroc, judged = (r.get("implicit_prm_loss") or {}, r.get("implicit_step_auroc")
+                               or {}, r.get("implicit_judged") or {})
+
+        def pair(d, a, b):
+            return " / ".join("-" if d.get(k) is None else f"{d[k]:.3f}" for k in (a, b))
+        note = f" ({scope})" if scope else ""
+        out.append(f"| {label} | {', '.join(map(str, seeds))} | {vals[0]} | {vals[1]} | "
+                   f"{diffs[0]} | {diffs[1]} | {pair(loss, 'first', 'last')}{note} | "
+                   f"{pair(auroc, 'first', 'last')}{note} | "
+                   f"{pair(judged, 'step_auroc', 'f1')}{note} |")
+    grpo_vals = [" / ".join(f"{_cells(grpo, c)[s]:.3f}" for s in seeds) for c in COLUMNS]
+    out.append(f"| (GRPO, the reference) | {', '.join(map(str, seeds))} | {grpo_vals[0]} | "
+               f"{grpo_vals[1]} | - | - | - | - | - |")
+    return "\n".join(out) + "\n"
+
+
+def load(main_path: Path, ablation_dir: Path) -> tuple[dict, dict]:
+    main = json.loads(main_path.read_text(encoding="utf-8"))
+    names = [n for n in ABLATIONS if (ablation_dir / f"{n}.json").is_file()]
+    names += sorted(p.stem for p in ablation_dir.glob("*.json") if p.stem not in ABLATIONS)
+    return main, {n: json.loads((ablation_dir / f"{n}.json").read_text(encoding="utf-8"))
+                  for n in names}
+
+
+def write_block(doc: Path, text: str) -> None:
+    body = doc.read_text(encoding="utf-8")
+    if BEGIN not in body or END not in body:
+        raise ValueError(f"{doc} has no {BEGIN} ... {END} block to write the table into")
+    head, rest = body.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    doc.write_text(f"{head}{BEGIN}\n{text}{END}{tail}", encoding="utf-8")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--main", type=Path, default=ROOT / "docs/compare/long/compare.json")
+    ap.add_argument("--ablations", type=Path, default=ROOT / "docs/compare/long/prime_ablations")
+    ap.add_argument("--write", type=Path, default=None,
+                    help="a doc whose prime-ablations block gets the table")
+    args = ap.parse_args(argv)
+    try:
+        text = table(*load(args.main, args.ablations))
+        if args.write is not None:
+            write_block(args.write, text)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"prime_ablations: {e}", file=sys.stderr)
+        return 2
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
