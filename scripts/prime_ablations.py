@@ -42,6 +42,10 @@ def _row(report: dict, method: str, prm: str) -> dict:
     raise ValueError(f"no {method}/{prm} row in the report")
 
 
+def _pair(d: dict, a: str, b: str) -> str:
+    return " / ".join("-" if d.get(k) is None else f"{d[k]:.3f}" for k in (a, b))
+
+
 def table(main: dict, ablations: dict) -> str:
     """The markdown table: the released PRIME row (start 0) and each ablation, per seed of the
     ablations, with the paired difference from GRPO of the same start and seed."""
@@ -52,7 +56,8 @@ def table(main: dict, ablations: dict) -> str:
              for name, rep in ablations.items()]
     seeds = sorted(set.intersection(*[set(_cells(r, COLUMNS[0])) for _, r, _ in rows[1:]])) \
         if ablations else sorted(_cells(rows[0][1], COLUMNS[0]))
-    head = (["PRIME variant", "seeds"] + [f"{c} (seed {', '.join(map(str, seeds))})" for c in COLUMNS]
+    which = ", ".join(map(str, seeds))
+    head = (["PRIME variant", "seeds"] + [f"{c} (seed {which})" for c in COLUMNS]
             + [f"Δ {c} vs GRPO" for c in COLUMNS]
             + ["implicit PRM loss: first 10 / last 10 trained steps",
                "step AUROC during RL: first 10 / last 10", "final implicit PRM: step AUROC / F1"])
@@ -65,16 +70,13 @@ def table(main: dict, ablations: dict) -> str:
             diffs.append(" / ".join(f"{mine[s] - ref[s]:+.3f}" for s in seeds))
         loss, auroc, judged = (r.get("implicit_prm_loss") or {}, r.get("implicit_step_auroc")
                                or {}, r.get("implicit_judged") or {})
-
-        def pair(d, a, b):
-            return " / ".join("-" if d.get(k) is None else f"{d[k]:.3f}" for k in (a, b))
         note = f" ({scope})" if scope else ""
-        out.append(f"| {label} | {', '.join(map(str, seeds))} | {vals[0]} | {vals[1]} | "
-                   f"{diffs[0]} | {diffs[1]} | {pair(loss, 'first', 'last')}{note} | "
-                   f"{pair(auroc, 'first', 'last')}{note} | "
-                   f"{pair(judged, 'step_auroc', 'f1')}{note} |")
+        out.append(f"| {label} | {which} | {vals[0]} | {vals[1]} | "
+                   f"{diffs[0]} | {diffs[1]} | {_pair(loss, 'first', 'last')}{note} | "
+                   f"{_pair(auroc, 'first', 'last')}{note} | "
+                   f"{_pair(judged, 'step_auroc', 'f1')}{note} |")
     grpo_vals = [" / ".join(f"{_cells(grpo, c)[s]:.3f}" for s in seeds) for c in COLUMNS]
-    out.append(f"| (GRPO, the reference) | {', '.join(map(str, seeds))} | {grpo_vals[0]} | "
+    out.append(f"| (GRPO, the reference) | {which} | {grpo_vals[0]} | "
                f"{grpo_vals[1]} | - | - | - | - | - |")
     return "\n".join(out) + "\n"
 
