@@ -50,8 +50,11 @@ def table(main: dict, ablations: dict) -> str:
     """The markdown table: the released PRIME row (start 0) and each ablation, per seed of the
     ablations, with the paired difference from GRPO of the same start and seed."""
     grpo = _row(main, "grpo", "learned")
+    released = _row(main, "prime", "implicit")
+    # its loss and AUROC columns are the report's, over every run of the row (all starts)
+    scope = f"all its {len(released['seeds'])} runs, {len(set(released['starts']))} start(s)"
     rows = [("released (beta 0.05, PRM lr 2x the actor's, accuracy filter, refill)",
-             _row(main, "prime", "implicit"), "its 5 seeds")]
+             released, scope)]
     rows += [(ABLATIONS.get(name, name), _row(rep, "prime", "implicit"), "")
              for name, rep in ablations.items()]
     seeds = sorted(set.intersection(*[set(_cells(r, COLUMNS[0])) for _, r, _ in rows[1:]])) \

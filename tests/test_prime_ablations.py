@@ -41,7 +41,7 @@ def test_each_seed_is_paired_with_grpo_of_the_same_start_and_seed(tmp_path):
     # seeds 0, 1 (the ablation's); differences per seed against start 0's GRPO
     assert "| 0.100 / 0.150 | 0.900 / 0.800 | -0.100 / -0.150 | +0.400 / +0.200 |" in released
     assert "| 0.250 / 0.050 | 0.400 / 1.000 | +0.050 / -0.250 | -0.100 / +0.400 |" in ablated
-    assert "0.700 / 0.900 (its 5 seeds)" in released and "| 0.480 / 0.000 |" in ablated
+    assert "0.700 / 0.900 (all its 3 runs, 1 start(s))" in released and "| 0.480 / 0.000 |" in ablated
     assert "| 0.200 / 0.300 | 0.500 / 0.600 |" in grpo
 
 
