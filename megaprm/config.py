@@ -511,6 +511,17 @@ def _coerce(hint, v, path):
     return v
 
 
+def coerce_fields(cls, data: dict, path: str = "") -> dict:
+    """`data` with each value for a scalar field of dataclass `cls` checked and widened as
+    `load_config` does (YAML 1.1 reads "8e-3" as a string: it becomes 8e-3; a list for a tuple
+    field becomes a tuple); keys `cls` lacks and nested dataclass fields are left as they are,
+    for the caller's own checks."""
+    hints = typing.get_type_hints(cls)
+    return {k: (_coerce(hints[k], v, f"{path}.{k}".lstrip("."))
+                if k in hints and not dataclasses.is_dataclass(hints[k]) else v)
+            for k, v in data.items()}
+
+
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 

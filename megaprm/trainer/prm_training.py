@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megaprm.config import read_yaml_with_overrides
+from megaprm.config import coerce_fields, read_yaml_with_overrides
 from megaprm.models import mapping
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.models.logprobs import vocab_parallel_logprobs
@@ -647,6 +647,5 @@ def load_prm_config(path: str, overrides: Sequence[str] = ()) -> Tuple[PRMTrainC
     if unknown:
         raise ValueError(f"{path}: unknown PRM config key(s) {unknown}; valid keys: "
                          f"{sorted(fields)} and parallel.tp / parallel.pp")
-    if "betas" in raw:
-        raw["betas"] = tuple(raw["betas"])
+    raw = coerce_fields(PRMTrainConfig, raw)  # e.g. stage2_lr=8e-3, a string to YAML 1.1
     return PRMTrainConfig(**raw), int(par.get("tp", 1)), int(par.get("pp", 1))

@@ -286,3 +286,17 @@ def test_prm_recipes_load(tmp_path, name):
     cfg, tp, pp = pt.load_prm_config(recipe, over)
     assert cfg.model_dir == d and tp >= 1 and pp >= 1
     assert cfg.stage1_steps > 0 and cfg.stage2_steps > 0  # the two-stage recipe
+
+
+def test_prm_config_overrides_are_typed(tmp_path):
+    """`train-prm stage2_lr=8e-3`: YAML 1.1 reads "8e-3" as a string; the loader makes it the
+    float the field is typed as (as `megaprm train`'s config does), and a value that is no
+    number is refused naming the key."""
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "prm", "tiny.yaml")
+    d = _tiny_lm(tmp_path / "lm", hidden_size=32, num_layers=2, intermediate_size=64)
+    cfg, _, _ = pt.load_prm_config(recipe, [f"model_dir={d}", "stage2_lr=8e-3",
+                                            "stage1_lr=1e-4", "betas=[0.9, 0.99]"])
+    assert isinstance(cfg.stage2_lr, float) and cfg.stage2_lr == 8e-3
+    assert cfg.stage1_lr == 1e-4 and cfg.betas == (0.9, 0.99)
+    with pytest.raises(ValueError, match="stage2_lr='fast' must be a number"):
+        pt.load_prm_config(recipe, [f"model_dir={d}", "stage2_lr=fast"])
