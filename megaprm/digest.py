@@ -52,21 +52,14 @@ def _code_of(path: str) -> str:
     return ast.dump(tree, include_attributes=False)
 
 
-def source_digest(roots, exclude=()) -> dict:
-    """The version of the code a cached result was built by: sha256 (first 16 hex) over the
-    code of `roots` (module names) and every megaprm module they import, transitively (read
-    from the files with `ast`, so function-local imports count and nothing is imported; the
-    code is `_code_of`'s: comments and docstrings do not count), with torch's and Python's
-    versions. Returns {"code": digest, "files": n, "torch": version, "python": version}.
-    `exclude`: module names (and their submodules) left out, e.g. reporting code that never
-    changes a result."""
-    import platform
+def source_closure(roots, exclude=()) -> dict:
+    """{module name: file} of `roots` (module names) and every megaprm module they import,
+    transitively, with their parent packages (read from the files with `ast`, so
+    function-local imports count and nothing is imported). `exclude`: module names (and their
+    submodules) left out, with what only they import."""
     import os
 
-    import torch
-
-    pkg_dir = os.path.dirname(os.path.abspath(__file__))
-    root_dir = os.path.dirname(pkg_dir)
+    root_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def file_of(mod: str):
         rel = os.path.join(*mod.split("."))
@@ -79,7 +72,7 @@ def source_digest(roots, exclude=()) -> dict:
     def excluded(mod: str) -> bool:
         return any(mod == e or mod.startswith(e + ".") for e in exclude)
 
-    seen, todo = {}, [m for m in roots]
+    seen, todo = {}, list(roots)
     while todo:
         mod = todo.pop()
         if mod in seen or excluded(mod):
@@ -91,6 +84,20 @@ def source_digest(roots, exclude=()) -> dict:
         parts = mod.split(".")
         todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))  # parent packages
         todo.extend(_megaprm_imports(path))
+    return seen
+
+
+def source_digest(roots, exclude=()) -> dict:
+    """The version of the code a cached result was built by: sha256 (first 16 hex) over the
+    code of `source_closure(roots, exclude)` (the code is `_code_of`'s: comments and
+    docstrings do not count), with torch's and Python's versions. Returns {"code": digest,
+    "files": n, "torch": version, "python": version}. `exclude`: e.g. reporting code that never
+    changes a result."""
+    import platform
+
+    import torch
+
+    seen = source_closure(roots, exclude)
     h = hashlib.sha256()
     for mod in sorted(seen):
         h.update(mod.encode() + b"\0" + _code_of(seen[mod]).encode() + b"\0")

@@ -3,10 +3,11 @@ comparison's start cache key holds it), over a module and what it imports, trans
 import importlib.util
 import shutil
 
+import pytest
 import torch
 
 import megaprm.digest
-from megaprm.digest import source_digest
+from megaprm.digest import source_closure, source_digest
 
 
 def _package(root, files):
@@ -57,6 +58,37 @@ def test_the_start_version_covers_the_code_that_builds_a_start():
     assert v["files"] > 20
     with_runs = source_digest(start.START_CODE)
     assert with_runs["code"] != v["code"]  # runs.py is what the exclusion leaves out
+
+
+def test_no_start_weights_are_shaped_outside_the_start_key(tmp_path):
+    """Every model a start trains from is written by start.py (`tiny_qwen2`, inside the key):
+    compare.py, outside it, writes no model, so a shape edited there cannot reuse a stale
+    start. A random PRM trunk (the short task's) has the policy's head counts and MLP ratio;
+    the long task's trunk is the warm-up policy itself, and nothing is written for it."""
+    import ast
+    import json
+
+    from megaprm.experiments.arithmetic import compare, start
+    from megaprm.tasks.tokenizer import build_char_tokenizer
+
+    tree = ast.parse(open(compare.__file__, encoding="utf-8").read())
+    called = {n.func.id for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "save_tiny_model" not in called and "megaprm.models.tiny" not in imported
+    assert "megaprm.models.tiny" in source_closure(start.START_CODE, start.START_CODE_EXCLUDE)
+
+    tok = build_char_tokenizer()
+    trunk = start.prm_trunk("random", str(tmp_path / "trunk"), str(tmp_path / "sft"), tok,
+                            seed=3, hidden=64, layers=2, rank=0)
+    cfg = json.loads((tmp_path / "trunk" / "config.json").read_text())
+    assert trunk == str(tmp_path / "trunk")
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+            cfg["num_key_value_heads"], cfg["intermediate_size"]) == (64, 2, 4, 2, 192)
+    assert start.prm_trunk("warmup", str(tmp_path / "t2"), "SFT", tok, 3, 64, 2, 0) == "SFT"
+    assert not (tmp_path / "t2").exists()
+    with pytest.raises(ValueError, match="valid inits"):
+        start.prm_trunk("pretrained", str(tmp_path / "t3"), "SFT", tok, 3, 64, 2, 0)
 
 
 def test_prose_keeps_the_version_and_code_changes_it(tmp_path):

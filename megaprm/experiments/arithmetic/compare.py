@@ -67,10 +67,10 @@ from megaprm.experiments.arithmetic.start import (
     init_policy,
     mark_stage_done,
     prm_recipe,
+    prm_trunk,
     warmup,
     warmup_digest,
 )
-from megaprm.models.tiny import save_tiny_model
 from megaprm.parallel.device import rank_device
 from megaprm.parallel.groups import Groups
 from megaprm.rollout.factory import build_engine
@@ -222,15 +222,8 @@ def prm_stage(ccfg: CompareConfig, groups: Groups, tok, start: int, code: dict,
         _say(groups, f"start {start}: PRM: reusing {prm_dir} (same settings and code, held-out "
                      f"step AUROC {rec['auroc']:.3f})")
         return prm_dir, {**rec, "digest": digest}
-    init_dir = (sft_dir if ccfg.prm_init == "warmup" else
-                os.path.join(ccfg.start_dir(start), "prm_init"))
-    if groups.rank == 0 and ccfg.prm_init == "random":
-        save_tiny_model("qwen2", init_dir, seed=start, tokenizer=tok, vocab_size=len(tok),
-                        hidden_size=ccfg.prm_hidden, num_layers=ccfg.prm_layers, num_heads=4,
-                        num_kv_heads=2, intermediate_size=3 * ccfg.prm_hidden,
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                        pad_token_id=tok.pad_token_id)
-    _barrier(groups)
+    init_dir = prm_trunk(ccfg.prm_init, os.path.join(ccfg.start_dir(start), "prm_init"),
+                         sft_dir, tok, start, ccfg.prm_hidden, ccfg.prm_layers, groups.rank)
     _say(groups, f"start {start}: PRM: training ({ccfg.prm_steps} steps x 64 solutions from "
                  + ("the warm-up policy" if ccfg.prm_init == "warmup" else "a random-init trunk")
                  + "; docs/prm.md's recipe)")

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from megaprm.digest import json_digest, source_digest
-from megaprm.experiments.arithmetic.runs import TASKS, CompareConfig
+from megaprm.experiments.arithmetic.runs import PRM_INITS, TASKS, CompareConfig
 from megaprm.models.actor import build_stage
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.models.mapping import load_hf_weights
@@ -67,17 +67,38 @@ class WarmupConfig:
     task: str = "short"   # a key of runs.TASKS
 
 
+def tiny_qwen2(out_dir: str, tokenizer, seed: int, hidden: int, layers: int) -> None:
+    """A random-init tiny Qwen2 over the char tokenizer, written to out_dir: every start's policy
+    before its warm-up, and the short task's PRM trunk (4 heads, 2 of them key/value, an MLP
+    3x the hidden size; the caller's rank 0 writes it). The one place these shapes are set, so
+    the start's code version (`code_version`) changes with them."""
+    save_tiny_model("qwen2", out_dir, seed=seed, tokenizer=tokenizer, vocab_size=len(tokenizer),
+                    hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2,
+                    intermediate_size=3 * hidden, bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
 def init_policy(wcfg: WarmupConfig, tokenizer, out_dir: str, rank: int) -> str:
     """The random-init tiny Qwen2 policy the warm-up starts from (rank 0 writes it)."""
     if rank == 0:
-        save_tiny_model("qwen2", out_dir, seed=wcfg.seed, tokenizer=tokenizer,
-                        vocab_size=len(tokenizer), hidden_size=wcfg.hidden,
-                        num_layers=wcfg.layers, num_heads=4, num_kv_heads=2,
-                        intermediate_size=3 * wcfg.hidden, bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        tiny_qwen2(out_dir, tokenizer, wcfg.seed, wcfg.hidden, wcfg.layers)
     if dist.is_initialized():
         dist.barrier()
     return out_dir
+
+
+def prm_trunk(init: str, out_dir: str, sft_dir: str, tokenizer, seed: int, hidden: int,
+              layers: int, rank: int) -> str:
+    """The model a start's PRM is trained from (`runs.PRM_INITS`): the warm-up policy in sft_dir
+    ("warmup"), or a random-init trunk of `hidden` x `layers` drawn with `seed` and written to
+    out_dir ("random"). Every rank returns its directory once it exists."""
+    if init not in PRM_INITS:
+        raise ValueError(f"PRM init {init!r}: valid inits are {list(PRM_INITS)}")
+    if init == "random" and rank == 0:
+        tiny_qwen2(out_dir, tokenizer, seed, hidden, layers)
+    if dist.is_initialized():
+        dist.barrier()
+    return sft_dir if init == "warmup" else out_dir
 
 
 def sft_batch(tokenizer, problems):
@@ -235,15 +256,8 @@ def build(out_dir: str, rec: dict, groups, tok, say=print) -> dict:
 
     t = time.perf_counter()
     from_warmup = p.get("init", "random") == "warmup"
-    prm_init = sft_dir if from_warmup else os.path.join(out_dir, "prm_init")
-    if groups.rank == 0 and not from_warmup:
-        save_tiny_model("qwen2", prm_init, seed=p["init_seed"], tokenizer=tok,
-                        vocab_size=len(tok), hidden_size=p["hidden"], num_layers=p["layers"],
-                        num_heads=4, num_kv_heads=2, intermediate_size=3 * p["hidden"],
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                        pad_token_id=tok.pad_token_id)
-    if dist.is_initialized():
-        dist.barrier()
+    prm_init = prm_trunk(p.get("init", "random"), os.path.join(out_dir, "prm_init"), sft_dir, tok,
+                         p["init_seed"], p["hidden"], p["layers"], groups.rank)
     say(f"[demo] PRM: {p['stage1_steps']} head-only + {p['stage2_steps']} whole-model steps of "
         f"{p['global_batch_size']} solutions from "
         f"{'the warm-up policy' if from_warmup else 'a random-init trunk'} (docs/prm.md's "
