@@ -393,11 +393,7 @@ def print_summary(s: dict) -> None:
         print(line)
     rc = st.get("rebuild_check")
     if rc is not None:
-        print("start rebuilt from scratch: " + ("every tensor identical to the shipped one"
-                                                if rc["identical_to_shipped"] else
-                                                "tensors differ from the shipped ones (as they "
-                                                "do on another CPU kernel path than the one "
-                                                "that built them: docs/testing.md)"))
+        print("start rebuilt from scratch: " + start.rebuild_sentence(rc))
     print("time: " + _times_line(s))
     for m in (base, meth):
         ph = s["runs"][m]["rl_phase_times_s"]

@@ -267,6 +267,7 @@ def build(out_dir: str, rec: dict, groups, tok, say=print) -> dict:
                     groups)
     times["prm_s"] = time.perf_counter() - t
     man = {"recipe": rec, "digest": json_digest(rec), "origin": "built",
+           "code": code_version(),  # which code built it: a rebuild's check names a change
            "sft_final_loss": sft_loss,
            "prm_eval": {"auroc": res.eval.auroc, "f1": res.eval.f1,
                         "per_kind": res.eval.per_kind},
@@ -347,13 +348,34 @@ def ensure(run_dir: str, rec: dict, groups, tok, from_scratch: bool, say=print) 
     res.update(source=source, manifest=man, seconds=time.perf_counter() - t)
     if shipped is not None and shipped.get("digest") == digest:
         diff = compare_tensors(man.get("tensors", {}), shipped.get("tensors", {}))
-        res["rebuild_check"] = {"identical_to_shipped": not any(diff.values()),
-                                "differing_tensors": diff}
-        say("[demo] start trained from scratch: every tensor is "
-            + ("identical to the shipped start's" if not any(diff.values()) else
-               f"NOT identical to the shipped one ({sum(map(len, diff.values()))} tensors "
-               "differ: another machine or torch build rounds differently)"), flush=True)
+        check = {"identical_to_shipped": not any(diff.values()), "differing_tensors": diff,
+                 "same_code": _same_code(shipped, man)}
+        res["rebuild_check"] = check
+        say("[demo] start trained from scratch: " + rebuild_sentence(check), flush=True)
     return res
+
+
+def _same_code(shipped: dict, built: dict) -> bool | None:
+    """Whether the shipped start and a rebuild were built by the same start code (versions from
+    their manifests; None when the shipped one predates recording it)."""
+    a, b = shipped.get("code"), built.get("code")
+    return None if a is None or b is None else a.get("code") == b.get("code")
+
+
+def rebuild_sentence(check: dict) -> str:
+    """What a `--from-scratch` rebuild's check says, naming why tensors differ where the
+    manifests tell: a change to the code that builds a start, or the machine's rounding."""
+    if check["identical_to_shipped"]:
+        return "every tensor is identical to the shipped start's"
+    n = sum(map(len, check["differing_tensors"].values()))
+    why = {True: "the same start code built both, so this machine or torch build rounds "
+                 "differently (docs/testing.md)",
+           False: "the code that builds a start has changed since the shipped one was built; "
+                  "rebuild and ship it with scripts/build_demo_start.py",
+           None: "the shipped start records no code version, so a code change since it was "
+                 "built (docs/testing.md) and this machine's rounding are both possible"}
+    return (f"NOT identical to the shipped one ({n} tensors differ): "
+            f"{why[check.get('same_code')]}")
 
 
 def ship(start_dir: str, dest: str | None = None) -> dict:

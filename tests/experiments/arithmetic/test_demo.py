@@ -130,11 +130,23 @@ def test_from_scratch_rebuild_is_checked_against_the_shipped_start(tmp_path):
     (res,) = launch.spawn(_rebuild_rank, 1, str(tmp_path))
     assert res["shipped_source"] == "shipped"
     assert res["rebuilt"]["source"] == "built"
-    assert res["rebuilt"]["check"] == {"identical_to_shipped": True,
+    assert res["rebuilt"]["check"] == {"identical_to_shipped": True, "same_code": True,
                                        "differing_tensors": {"sft": [], "prm": []}}
     assert res["tampered"]["source"] == "cached"  # the rebuilt start is reused, not retrained
     assert res["tampered"]["check"]["identical_to_shipped"] is False
     assert res["tampered"]["check"]["differing_tensors"]["sft"] == [res["tampered_name"]]
+    # the sentence names the cause the manifests tell: the same start code built both here;
+    # a shipped start of other code, or of none recorded, is said so
+    from megaprm.experiments.arithmetic.start import rebuild_sentence
+
+    check = res["tampered"]["check"]
+    assert check["same_code"] is True and "rounds differently" in rebuild_sentence(check)
+    assert "1 tensors differ" in rebuild_sentence(check)
+    assert res["other_code"]["same_code"] is False
+    assert "build_demo_start.py" in rebuild_sentence(res["other_code"])
+    assert res["no_code"]["same_code"] is None
+    assert "records no code version" in rebuild_sentence(res["no_code"])
+    assert rebuild_sentence(res["rebuilt"]["check"]).startswith("every tensor is identical")
 
 
 def _rebuild_rank(tmp):
@@ -163,10 +175,18 @@ def _rebuild_rank(tmp):
     with open(os.path.join(start.SHIPPED_DIR, start.MANIFEST), "w") as f:
         json.dump(man, f)
     tampered = start.ensure(os.path.join(tmp, "run"), rec, groups, tok, True, quiet)
+    checks = {}
+    for case, code in (("other_code", {**man["code"], "code": "0" * 16}), ("no_code", None)):
+        m = {k: v for k, v in man.items() if k != "code"}
+        with open(os.path.join(start.SHIPPED_DIR, start.MANIFEST), "w") as f:
+            json.dump({**m, **({"code": code} if code else {})}, f)
+        checks[case] = start.ensure(os.path.join(tmp, "run"), rec, groups, tok, True,
+                                    quiet)["rebuild_check"]
     destroy()
     return {"shipped_source": used["source"], "tampered_name": name,
             "rebuilt": {"source": rebuilt["source"], "check": rebuilt["rebuild_check"]},
-            "tampered": {"source": tampered["source"], "check": tampered["rebuild_check"]}}
+            "tampered": {"source": tampered["source"], "check": tampered["rebuild_check"]},
+            **checks}
 
 
 # ----------------------------------------------------------------------- the shipped start
