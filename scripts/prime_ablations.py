@@ -25,6 +25,7 @@ ABLATIONS = {
     "lr_1e-5": "implicit PRM lr 1e-5 (10x lower)",
     "no_filter": "no accuracy filter",
     "no_process_reward": "process reward off (advantage.prime.process_coef=0)",
+    "no_batch_norm": "process returns unscaled (advantage.prime.norm=none)",
 }
 COLUMNS = ("greedy accuracy", "greedy correct with a wrong step")
 
