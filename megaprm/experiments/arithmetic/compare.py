@@ -562,9 +562,10 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
                 **{k: float(np.nanmean([j[k] for j in judged]))
                    for k in ("f1", "acc_erroneous", "acc_correct", "step_auroc")}}
         if base_method(key[0]) == "prime":  # the implicit PRM's loss: ln 2 = not learning
-            # steps where no row passed the accuracy filter train nothing (loss 0): left out
-            row["implicit_prm_loss"] = _plateau(_mean_curve([_trained(r["curves"])
-                                                             for r in recs]))
+            # steps where no row passed the accuracy filter train nothing (loss 0): left out;
+            # each run's own first and last 10 trained steps, so a run that trained on few
+            # steps (its filter kept no group) does not cut the others' curves short
+            row["implicit_prm_loss"] = _first_last([_trained(r["curves"]) for r in recs])
         rows.append(row)
     return rows
 

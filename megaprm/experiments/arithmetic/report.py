@@ -52,6 +52,29 @@ def lookup(rec: dict, path: tuple):
     return rec
 
 
+def warmup_row(report: dict) -> tuple[str, dict]:
+    """The 'before RL' row: (what its label adds, baseline). The rows are means over starts, so
+    with several starts it is the mean of their warm-ups' evaluations (path by path, as
+    `lookup` reads them); with one start (or a report without per-start baselines), start
+    0's, and the label adds nothing."""
+    bases = [st["baseline"] for st in report.get("starts") or [] if st.get("baseline")]
+    if len(bases) < 2:
+        return "", report["baseline"]
+    mean = {}
+    for _, (ev, key) in COLUMNS:
+        vals = [lookup(b, (ev, key)) for b in bases]
+        if ev in ("greedy", "sampled") and all(v is not None for v in vals):
+            mean.setdefault(ev, {})[key] = sum(vals) / len(vals)
+    return f"; mean of {len(bases)} starts", mean
+
+
+def _seeds_cell(r: dict) -> str:
+    """A row's cell count, with its starts where it has more than one: in a run cut short the
+    rows may cover different starts, and their means are over the starts they have."""
+    n_starts = len(set(r.get("starts") or [0]))
+    return f"{len(r['seeds'])}" + (f" ({n_starts} starts)" if n_starts > 1 else "")
+
+
 # ------------------------------------------------------------------------------ the table
 
 def _fmt(cell: dict) -> str:
@@ -116,7 +139,7 @@ def markdown(report: dict, title: bool = True) -> str:
     """The report as markdown, a pure function of compare.json (docs and README are generated
     from the committed JSON with it)."""
     cols = [c for c, _ in COLUMNS]
-    b, c = report["baseline"], report["compute_s"]
+    (b_label, b), c = warmup_row(report), report["compute_s"]
     seeds_note = ", ".join(f"{r['method']} {len(r['seeds'])}" for r in report["rows"]
                            if r["prm"] != "oracle")
     lines = []
@@ -150,7 +173,7 @@ def markdown(report: dict, title: bool = True) -> str:
               "",
               "| method | process reward | " + " | ".join(cols) + " |",
               "|---|---|" + "---|" * len(cols),
-              "| (warm-up, before RL) | - | " + " | ".join(
+              f"| (warm-up, before RL{b_label}) | - | " + " | ".join(
                   _fmt({"mean": lookup(b, p)}) for _, p in COLUMNS) + " |"]
     for r in report["rows"]:
         lines.append(f"| {row_label(r)} | {_prm_label(r)} | "
@@ -252,8 +275,8 @@ def markdown(report: dict, title: bool = True) -> str:
     if prime:
         lines += ["", ("### PRIME's implicit PRM: its loss on each fresh batch (ln 2 = 0.693: "
                        "chance) and its step AUROC against the exact labels"), "",
-                  ("loss: mean over the runs of the steps it trained on some row (10-step "
-                   "windows); AUROC: P(a correct step's summed log-ratio > a wrong step's) on "
+                  ("loss: each run's first and last 10 steps where it trained on some row, "
+                   "averaged over the runs; AUROC: P(a correct step's summed log-ratio > a wrong step's) on "
                    "the rows it scored, per RL step (0.5: chance), each run's first and last "
                    "10 steps where it is defined (the rows scored hold a right and a wrong "
                    "step), averaged over the runs."), "",
@@ -284,14 +307,15 @@ def markdown(report: dict, title: bool = True) -> str:
 
 def readme_table(report: dict) -> str:
     """README's comparison block: greedy accuracy and wrong-step share, absolute and paired."""
-    b = report["baseline"]["greedy"]
+    b_label, b = warmup_row(report)
+    b = b["greedy"]
     how = ("mean [95% bootstrap]" if any("lo" in r["greedy accuracy"] for r in report["rows"])
            else "mean ± 95% t-interval")
     lines = [(f"| after {report['rl_steps']} RL steps, {report['eval_problems']} held-out problems "
              f"(greedy; {how}) | seeds | accuracy | Δ accuracy vs GRPO (paired) | "
              "correct answers resting on a wrong step | Δ vs GRPO (paired) |"),
              "| --- | --- | --- | --- | --- | --- |",
-             (f"| warm-up (before RL) | - | {b['accuracy']:.3f} | - | "
+             (f"| warm-up (before RL{b_label}) | - | {b['accuracy']:.3f} | - | "
              f"{b['correct_with_wrong_step']:.3f} | - |")]
     if report.get("missing"):
         lines.append(f"| (partial run: {len(report['missing'])} of {len(report['planned'])} "
@@ -300,7 +324,7 @@ def readme_table(report: dict) -> str:
         if r["same_run_as_learned"]:
             continue
         p = r.get("paired") or {}
-        lines.append(f"| {row_label(r)}, {r['prm']} | {len(r['seeds'])} | "
+        lines.append(f"| {row_label(r)}, {r['prm']} | {_seeds_cell(r)} | "
                      f"{_fmt(r['greedy accuracy'])} | {_fmt_diff(p.get('greedy accuracy'))} | "
                      f"{_fmt(r['greedy correct with a wrong step'])} | "
                      f"{_fmt_diff(p.get('greedy correct with a wrong step'))} |")

@@ -317,6 +317,37 @@ def test_aggregate_rows_paired_differences_and_sentences(tmp_path):
     assert all(os.path.getsize(p) > 10_000 for p in written)
 
 
+def test_the_implicit_prm_loss_is_each_runs_first_and_last_trained_steps():
+    """PRIME's implicit-PRM loss in the report: each run's first and last 10 steps on which it
+    trained some row (a step whose accuracy filter kept no group trains nothing and is left
+    out), averaged over the runs; a run that trained on only 12 steps counts with those, and
+    does not cut the other runs short (as a mean curve over the shortest run would)."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    ccfg = runs.CompareConfig(methods=("grpo", "prime"), seeds=2, oracle=(), bootstrap_reps=50)
+    losses = {0: [0.70] * 10 + [0.80] * 40 + [0.95] * 10,       # trained on all 60 steps
+              1: [0.60] * 12}                                   # trained on 12 of 60
+    results = []
+    for r in runs.plan(ccfg):
+        curves = {"reward/outcome_mean": [0.2] * 60}
+        if r.method == "prime":
+            trained = losses[r.seed]
+            rows = [8] * len(trained) + [0] * (60 - len(trained))
+            curves.update({"prm/loss": trained + [0.0] * (60 - len(trained)),
+                           "prm/trained_rows": rows})
+        results.append({**r.__dict__, "name": r.name,
+                        "greedy": _fake_eval(rng, 0.5, 0.3, problems=100),
+                        "sampled": _fake_eval(rng, 0.4, 0.3, problems=100, n=2),
+                        "train_end": {}, "curves": curves})
+    rows = {(r["method"], r["prm"]): r for r in compare.aggregate(results, ccfg)}
+    pl = rows[("prime", "implicit")]["implicit_prm_loss"]
+    assert pl["first"] == pytest.approx((0.70 + 0.60) / 2)
+    assert pl["last"] == pytest.approx((0.95 + 0.60) / 2)
+    assert pl["defined_steps"] == [60, 12]
+    assert "implicit_prm_loss" not in rows[("grpo", "learned")]
+
+
 def test_method_seeds_checked():
     with pytest.raises(ValueError, match="between 1 and --seeds"):
         runs.CompareConfig(methods=("grpo",), seeds=2, method_seeds={"grpo": 3}, oracle=())

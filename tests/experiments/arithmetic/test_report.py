@@ -38,3 +38,27 @@ def test_doc_block_is_generated_from_the_committed_json(path):
     rep = _report(path)
     want = report.markdown(rep, title=False).strip("\n")
     assert read_block(str(ROOT / "docs" / "compare.md"), report.block_name(rep)) == want
+
+
+def test_the_before_rl_row_is_the_mean_of_the_starts_as_the_rows_are():
+    """The rows are means over starts, so the warm-up row is too (each evaluation path averaged
+    over the starts' own baselines), and a row's cell count names its starts; with one start
+    both read as before (start 0's warm-up, the bare count)."""
+    def base(acc, wrong):
+        return {"greedy": {"accuracy": acc, "correct_with_wrong_step": wrong,
+                           "all_steps_correct": acc / 2},
+                "sampled": {"accuracy": acc / 4, "correct_with_wrong_step": wrong}}
+
+    rep = {"baseline": base(0.2, 0.5),
+           "starts": [{"start": 0, "baseline": base(0.2, 0.5)},
+                      {"start": 1, "baseline": base(0.1, 0.7)},
+                      {"start": 2, "baseline": base(0.9, 0.0)}]}
+    label, b = report.warmup_row(rep)
+    assert label == "; mean of 3 starts"
+    assert b["greedy"]["accuracy"] == pytest.approx(0.4)
+    assert b["greedy"]["correct_with_wrong_step"] == pytest.approx(0.4)
+    assert b["sampled"]["accuracy"] == pytest.approx(0.1)
+    one = {"baseline": base(0.2, 0.5), "starts": [{"start": 0, "baseline": base(0.2, 0.5)}]}
+    assert report.warmup_row(one) == ("", one["baseline"])
+    assert report._seeds_cell({"seeds": [0, 1, 0], "starts": [0, 0, 1]}) == "3 (2 starts)"
+    assert report._seeds_cell({"seeds": [0, 1], "starts": [0, 0]}) == "2"
