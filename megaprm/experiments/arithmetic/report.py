@@ -273,10 +273,14 @@ def markdown(report: dict, title: bool = True) -> str:
     prime = [r for r in report["rows"] if (r.get("implicit_prm_loss") or {}).get("last")
              is not None and not r["same_run_as_learned"]]
     if prime:
+        # reports before 2026-11-28 hold the mean curve's windows (no "defined_steps")
+        per_run = all("defined_steps" in r["implicit_prm_loss"] for r in prime)
+        loss_how = ("each run's first and last 10 steps where it trained on some row, averaged "
+                    "over the runs" if per_run else
+                    "mean over the runs of the steps it trained on some row (10-step windows)")
         lines += ["", ("### PRIME's implicit PRM: its loss on each fresh batch (ln 2 = 0.693: "
                        "chance) and its step AUROC against the exact labels"), "",
-                  ("loss: each run's first and last 10 steps where it trained on some row, "
-                   "averaged over the runs; AUROC: P(a correct step's summed log-ratio > a wrong step's) on "
+                  (f"loss: {loss_how}; AUROC: P(a correct step's summed log-ratio > a wrong step's) on "
                    "the rows it scored, per RL step (0.5: chance), each run's first and last "
                    "10 steps where it is defined (the rows scored hold a right and a wrong "
                    "step), averaged over the runs."), "",
