@@ -280,8 +280,8 @@ def markdown(report: dict, title: bool = True) -> str:
                     "mean over the runs of the steps it trained on some row (10-step windows)")
         lines += ["", ("### PRIME's implicit PRM: its loss on each fresh batch (ln 2 = 0.693: "
                        "chance) and its step AUROC against the exact labels"), "",
-                  (f"loss: {loss_how}; AUROC: P(a correct step's summed log-ratio > a wrong step's) on "
-                   "the rows it scored, per RL step (0.5: chance), each run's first and last "
+                  (f"loss: {loss_how}; AUROC: P(a correct step's summed log-ratio > a wrong "
+                   "step's) on the rows it scored, per RL step (0.5: chance), each run's first and last "
                    "10 steps where it is defined (the rows scored hold a right and a wrong "
                    "step), averaged over the runs."), "",
                   ("| method | loss: first 10 trained steps | last 10 | step AUROC: first 10 "
