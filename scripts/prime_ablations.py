@@ -18,8 +18,11 @@ import json
 import sys
 from pathlib import Path
 
+from megaprm.experiments.readme import markers, replace_block
+
 ROOT = Path(__file__).resolve().parents[1]
-BEGIN, END = "<!-- megaprm:prime-ablations begin -->", "<!-- megaprm:prime-ablations end -->"
+BLOCK = "prime-ablations"  # docs/compare.md's generated block
+BEGIN, END = markers(BLOCK)
 # the ablations in the table's order: file name -> what it changes from the released settings
 ABLATIONS = {
     "lr_1e-5": "implicit PRM lr 1e-5 (10x lower)",
@@ -93,15 +96,6 @@ def load(main_path: Path, ablation_dir: Path) -> tuple[dict, dict]:
                   for n in names}
 
 
-def write_block(doc: Path, text: str) -> None:
-    body = doc.read_text(encoding="utf-8")
-    if BEGIN not in body or END not in body:
-        raise ValueError(f"{doc} has no {BEGIN} ... {END} block to write the table into")
-    head, rest = body.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    doc.write_text(f"{head}{BEGIN}\n{text}{END}{tail}", encoding="utf-8")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,7 +107,7 @@ def main(argv=None) -> int:
     try:
         text = table(*load(args.main, args.ablations))
         if args.write is not None:
-            write_block(args.write, text)
+            replace_block(str(args.write), BLOCK, text)
     except (OSError, ValueError, KeyError) as e:
         print(f"prime_ablations: {e}", file=sys.stderr)
         return 2
