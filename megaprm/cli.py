@@ -174,17 +174,33 @@ def cmd_compare(args) -> int:
         check_output(ccfg.run_dir, "--run-dir", {}, holds_runs=True)
         cfg = load_config(RL_YAML, ccfg.extra)  # the overrides every run gets are valid
         check_batch(cfg, world)
-        if args.only_finished:
-            # deferred: keeps --help fast
-            from megaprm.experiments.arithmetic.compare import check_only_finished
-
-            check_only_finished(ccfg)
         # one comparison per run directory, as one run per trainer run directory: a second
         # compare there would train into the same warm-up, PRM and cells
         # deferred: keeps --help fast
         from megaprm.trainer.run_lock import RunLock
 
-        return RunLock(ccfg.run_dir).acquire()
+        existed = os.path.isdir(ccfg.run_dir)
+        lock = RunLock(ccfg.run_dir).acquire()
+        try:
+            if args.state_dir:  # before the ranks: they find the restored run directory
+                # deferred: keeps --help fast
+                from megaprm.experiments.arithmetic import run_state
+
+                copied, kept = run_state.restore(args.state_dir, ccfg.run_dir)
+                print(f"[compare] --state-dir {args.state_dir}: restored {copied} unit(s) (a "
+                      f"start's stage, a cell, a file) into {ccfg.run_dir}, kept {kept} "
+                      "already there", flush=True)
+            if args.only_finished:
+                # deferred: keeps --help fast
+                from megaprm.experiments.arithmetic.compare import check_only_finished
+
+                check_only_finished(ccfg)
+        except BaseException:
+            lock.release()
+            if not existed and not os.listdir(ccfg.run_dir):
+                os.rmdir(ccfg.run_dir)  # refused: nothing left behind
+            raise
+        return lock
 
     def body():
         # deferred: keeps --help fast
@@ -192,7 +208,8 @@ def cmd_compare(args) -> int:
         from megaprm.parallel.init import destroy, init_distributed
 
         groups = init_distributed(tp=1, pp=1, seed=0)
-        report = compare.run(ccfg, groups, only_finished=args.only_finished)
+        report = compare.run(ccfg, groups, only_finished=args.only_finished,
+                             state_dir=args.state_dir or None)
         if groups.rank == 0:
             print("\n" + tables.markdown(report))
             if args.write_readme:
@@ -688,6 +705,10 @@ def _parser() -> argparse.ArgumentParser:
                          "runs are seed-major, so a run cut short keeps complete seeds)")
     cp.add_argument("--only-finished", action="store_true",
                     help="run nothing new: report the cells already finished in --run-dir")
+    cp.add_argument("--state-dir", default="",
+                    help="keep what a resumed run reads back (built starts, finished cells; "
+                         "sha256 manifest) in this directory too, and restore it into --run-dir "
+                         "first: for a run directory that does not outlive the machine")
     cp.add_argument("--from-json", default="",
                     help="no runs: print (or with --write-readme, write) the tables of an "
                          "existing compare.json")

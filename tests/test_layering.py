@@ -263,7 +263,7 @@ def test_lower_layers_do_not_import_upper_ones():
 
 # the experiments package, in the order its modules may import each other (each only those
 # listed before it); outside it, only the CLI imports it
-EXPERIMENTS = ("runs", "stats", "start", "demo", "report", "compare")
+EXPERIMENTS = ("runs", "run_state", "stats", "start", "demo", "report", "compare")
 
 
 def test_the_experiments_import_in_one_direction_and_only_the_cli_imports_them():

@@ -35,7 +35,7 @@ from dataclasses import asdict
 
 from megaprm.config import RolloutConfig, load_config
 from megaprm.digest import json_digest, source_digest
-from megaprm.experiments.arithmetic import stats
+from megaprm.experiments.arithmetic import run_state, stats
 from megaprm.experiments.arithmetic.report import (
     COLUMNS,
     CURVE_KEYS,
@@ -709,9 +709,12 @@ def _no_counts(v):
     return {k: x for k, x in v.items() if k != "per_problem"} if isinstance(v, dict) else v
 
 
-def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False) -> dict:
+def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False,
+        state_dir: str | None = None) -> dict:
     """The whole comparison (resumable: finished cells are read back from disk).
-    `only_finished`: run nothing new, report the cells already finished (a run cut short)."""
+    `only_finished`: run nothing new, report the cells already finished (a run cut short).
+    `state_dir`: after each start is built and each cell finishes, rank 0 saves what a resumed
+    run reads back there too (`run_state.save`; the launcher restored it before the ranks)."""
 
     t0 = time.perf_counter()
     if only_finished:  # the launcher checked it too; a direct caller must not train either
@@ -757,12 +760,19 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False) -> dic
                          "t_warm": t_warm, "t_prm": time.perf_counter() - t - t_warm}
         return starts[k]
 
+    def keep_state() -> None:
+        if state_dir and groups.rank == 0 and not only_finished:
+            n = run_state.save(ccfg.run_dir, state_dir)
+            if n:
+                print(f"[compare] state: {n} file(s) saved to {state_dir}", flush=True)
+
     runs = plan(ccfg)
     results, missing = [], []
     for i, spec in enumerate(runs):
         t = time.perf_counter()
         key = f"start{spec.start}/{spec.name}"
         st = stages(spec.start)
+        keep_state()  # a start just built is kept before its first cell's minutes
         _say(groups, f"({i + 1}/{len(runs)}) {key} ...")
         rec = (None if st is None else
                run_one(spec, ccfg, groups, tok, st["sft_dir"], st["prm_dir"], st["base_digest"],
@@ -773,6 +783,7 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False) -> dic
             continue
         rec.setdefault("start", spec.start)  # results written before starts were a level
         results.append(rec)
+        keep_state()
         _say(groups, f"({i + 1}/{len(runs)}) {key}: greedy accuracy "
                      f"{rec['greedy']['accuracy']:.3f}, correct with a wrong step "
                      f"{rec['greedy']['correct_with_wrong_step']:.3f} "

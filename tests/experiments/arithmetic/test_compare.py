@@ -106,9 +106,13 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
                       second / "metrics.jsonl", second / "result.json", tmp_path / "killed.log")
     mtime = os.path.getmtime(first)
     assert not os.path.exists(rd / "compare.json")  # killed before the end
-    # resumed: the finished cell is read back, not re-run; the rest runs
-    p = run([*MEGAPRM, "compare", "--run-dir", str(rd), *TINY], timeout=1200)
+    # resumed: the finished cell is read back, not re-run; the rest runs, and what a resumed run
+    # reads back is kept in a state directory too (--state-dir; restored at the end below)
+    state = tmp_path / "state"
+    p = run([*MEGAPRM, "compare", "--run-dir", str(rd), *TINY, "--state-dir", str(state)],
+            timeout=1200)
     assert p.returncode == 0, p.stderr[-4000:]
+    assert "restored 0 unit(s)" in p.stdout and "file(s) saved to" in p.stdout, p.stdout
     assert "warm-up: reusing" in p.stdout and "PRM: reusing" in p.stdout, p.stdout
     assert "grpo-learned-s0: reusing the finished run" in p.stdout, p.stdout
     assert "prof_grpo-learned-s0: reusing" not in p.stdout
@@ -207,13 +211,18 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     assert report.markdown(rep, title=False).strip() in from_json[1]
     (tmp_path / "README.md").write_text("x\n<!-- megaprm:compare begin -->\n<!-- megaprm:compare "
                                         "end -->\ny\n")
-    p = run([*MEGAPRM, "compare", "--run-dir", str(rd), *TINY, "--only-finished", *docs],
-            timeout=1200)
+    # ... and from the state alone, on a "fresh machine" whose run directory is gone: the
+    # start's two stages, its baseline and PRM judgement and the four cells are restored
+    fresh = tmp_path / "fresh"
+    p = run([*MEGAPRM, "compare", "--run-dir", str(fresh), *TINY, "--only-finished", *docs,
+             "--state-dir", str(state)], timeout=1200)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "restored 8 unit(s)" in p.stdout, p.stdout
     assert p.stdout.count("reusing the finished run") == 4, p.stdout  # nothing re-run
     assert os.path.getmtime(first) == mtime
-    again = _load(rd / "compare.json")
+    again = _load(fresh / "compare.json")
     assert again["rows"] == rep["rows"]  # read back from disk: the same rows, same intervals
+    assert not os.path.exists(fresh / "start0" / "init")  # not needed, not kept
 
 
 def test_mean_ci_matches_statistics_module():
