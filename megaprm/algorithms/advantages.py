@@ -806,18 +806,21 @@ def _pure_step_rewards(outcome: torch.Tensor, step_scores: torch.Tensor, smask: 
         prev_c = torch.cat([torch.zeros_like(at_end[:, :1]), at_end.cummax(1).values[:, :-1]], dim=1)
         l_k = ((at_end - prev_c - 1).clamp(min=0)) * smask                 # L_k, closing token excluded
     o = outcome.to(torch.float64)
-    s = _group_sums_per_sample(index, torch.ones_like(o), big_o, y_len,
-                               big_o / k_i.clamp(min=1), o)
+    o_per_k = big_o / k_i.clamp(min=1)
+    s = _group_sums_per_sample(index, torch.ones_like(o), big_o, y_len, o_per_k, o,
+                               big_o.abs(), o_per_k.abs())
     n = s[0]
     loo = n >= 2
     zero = torch.zeros_like(o)
     if reward_mode in ("PRM", "PRMVR"):
         if baseline == "token":
             denom = s[2] - y_len
-            b_i = torch.where(loo & (denom > 0), (s[1] - big_o) / denom.clamp(min=1), zero)
+            b_i = torch.where(loo & (denom > 0),
+                              _others_sum(s[1], big_o, s[5], n) / denom.clamp(min=1), zero)
             rew_step.sub_(l_k.mul_(b_i[:, None]))
         elif baseline == "step":
-            b_i = torch.where(loo, (s[3] - big_o / k_i.clamp(min=1)) / (n - 1).clamp(min=1), zero)
+            b_i = torch.where(loo, _others_sum(s[3], o_per_k, s[6], n) / (n - 1).clamp(min=1),
+                              zero)
             rew_step.sub_(b_i[:, None] * sm)
         step_reward = rew_step.mul_(sm)
     else:
@@ -827,6 +830,19 @@ def _pure_step_rewards(outcome: torch.Tensor, step_scores: torch.Tensor, smask: 
         # RLOO(solved - 1)
         vr = vr_coef * torch.where(loo, (n * o - s[4]) / (n - 1).clamp(min=1), zero)
     return step_reward, vr, seg_len
+
+
+def _others_sum(total: torch.Tensor, own: torch.Tensor, abs_total: torch.Tensor,
+                n: torch.Tensor) -> torch.Tensor:
+    """The leave-one-out sum `total - own` (`total` the group's float64 sum of n terms,
+    `abs_total` the group's sum of their magnitudes), 0 where it is within the rounding error
+    of its computation (4 n eps Σ|x|): where the others cancel exactly (scores on a coarse
+    grid, oracle labels), the subtraction leaves a residue of ~1e-17 that the loop over the
+    others does not, and with `exclude_zeros` a token whose return should be 0 would be counted
+    and whitened to a non-zero advantage."""
+    d = total - own
+    tol = abs_total * n * (4 * torch.finfo(torch.float64).eps)
+    return d.masked_fill_(d.abs() <= tol, 0.0)
 
 
 def _steps_tile_rows(ends: torch.Tensor, sm: torch.Tensor, n_tok: torch.Tensor) -> bool:
