@@ -58,6 +58,19 @@ def test_the_start_version_covers_the_code_that_builds_a_start():
     assert v["files"] > 20
     with_runs = source_digest(start.START_CODE)
     assert with_runs["code"] != v["code"]  # runs.py is what the exclusion leaves out
+    # the RL estimators, losses and filters are outside it: a fix to one re-runs RL cells, not
+    # starts. Of the start's code only the config's AdvantageConfig registry imports them, and
+    # no module that trains a start does
+    from megaprm.digest import _megaprm_imports
+
+    rl_only = {"megaprm.algorithms.advantages", "megaprm.algorithms.losses",
+               "megaprm.algorithms.filters"}
+    closure = source_closure(start.START_CODE, start.START_CODE_EXCLUDE)
+    assert not rl_only & set(closure)
+    importers = {m for m, path in closure.items()
+                 if any(i == r or i.startswith(r + ".") for i in _megaprm_imports(path)
+                        for r in rl_only)}
+    assert importers == {"megaprm.algorithms.registry"}, importers
 
 
 def test_no_start_weights_are_shaped_outside_the_start_key(tmp_path):

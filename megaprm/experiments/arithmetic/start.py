@@ -153,8 +153,12 @@ def warmup(wcfg: WarmupConfig, groups: Groups, tokenizer, init_dir: str, out_dir
 START_CODE = ("megaprm.experiments.arithmetic.start", "megaprm.tasks.tokenizer")
 # runs.py: the design's defaults and knobs; what of it builds a start (the task) is in the
 # digests by value, so changing a default there does not rebuild the starts
-# (and rewards.prm_eval: the PRM's metrics, which score a start and never change its weights)
-START_CODE_EXCLUDE = ("megaprm.experiments.arithmetic.runs", "megaprm.rewards.prm_eval")
+# (and rewards.prm_eval: the PRM's metrics, which score a start and never change its weights;
+# the RL estimators, losses and filters, which config.py's AdvantageConfig import reaches but no
+# warm-up or PRM step runs: a fix to an estimator re-runs the RL cells, not the starts)
+START_CODE_EXCLUDE = ("megaprm.experiments.arithmetic.runs", "megaprm.rewards.prm_eval",
+                      "megaprm.algorithms.advantages", "megaprm.algorithms.losses",
+                      "megaprm.algorithms.filters")
 
 
 def code_version() -> dict:
