@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.kernel_paths import LEARNING_TESTS, available_paths, native_path, path_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,6 +33,10 @@ def test_learning_tests_are_the_marked_ones():
     assert got == sorted(LEARNING_TESTS), got
 
 
+# its subprocess has 1800 s (the learning tests, run again under another kernel path); the
+# suite's 900 s per test cut it on a slow box (2026-11-29: a CPU ~3x slower than the day
+# before's, beside a comparison at load ~40)
+@pytest.mark.timeout(1800)
 def test_learning_tests_pass_under_a_second_kernel_path():
     path = second_path()
     assert path != native_path() or len(available_paths()) == 1
