@@ -67,6 +67,23 @@ def cmd_demo(args) -> int:
     from megaprm.experiments.arithmetic import demo
     from megaprm.experiments.arithmetic.runs import TASK_DEFAULTS
 
+    if args.from_json:  # no runs: the finished demo paired again with the committed comparison
+        # deferred: keeps --help fast
+        from megaprm.experiments.readme import read_block
+
+        if not os.path.isfile(args.from_json):
+            raise FileNotFoundError(f"--from-json {args.from_json}: no such file; give a "
+                                    "demo.json a `megaprm demo` run wrote (docs/demo/demo.json)")
+        if args.write_readme:
+            read_block("README.md", "demo")  # the markers are there before anything is written
+        summary = demo.respread(args.from_json)
+        for line in demo.spread_sentences(summary["spread"]):
+            print(line)
+        if args.write_readme:
+            demo.write_readme(args.from_json)
+            print(f"wrote {args.from_json} (its spread) and README.md's demo block")
+        return 0
+
     overrides = {**TASK_DEFAULTS.get(args.task, {}),  # the task's start recipe, then flags
                  **{k: v for k, v in {"rl_steps": args.rl_steps,
                                       "warmup_steps": args.warmup_steps,
@@ -644,6 +661,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--write-readme", action="store_true",
                    help="copy demo.json and the PNG to docs/demo/ and regenerate README.md's "
                         "demo block from them (run from the repo root)")
+    d.add_argument("--from-json", default="",
+                   help="no runs: pair a finished demo.json's difference again with the "
+                        "committed comparison's spread (written back into it) and print it; "
+                        "with --write-readme, regenerate README.md's demo block from it")
     d.add_argument("--rl-steps", type=int, default=0, help="override the RL steps (40)")
     d.add_argument("--warmup-steps", type=int, default=0,
                    help="override the warm-up's steps (400; not the shipped start: rebuilds)")

@@ -288,20 +288,25 @@ def _row(rep: dict, method: str) -> dict | None:
 
 
 def _per_seed(row: dict, column: str) -> dict:
+    """{(start, seed): value} of one row's column; a one-start report's rows list no `starts`
+    (start 0). Keyed by both: seed s of start 0 and seed s of start 1 are different runs."""
     cell = row.get(column)
     vals = cell.get("per_seed") if isinstance(cell, dict) else None
     seeds = row.get("seeds") or list(range(len(vals or [])))
-    if not isinstance(vals, list) or len(vals) != len(seeds):
+    starts = row.get("starts") or [0] * len(seeds)
+    if not isinstance(vals, list) or not len(vals) == len(seeds) == len(starts):
         return {}
-    return {s: float(v) for s, v in zip(seeds, vals) if isinstance(v, (int, float))}
+    return {(k, s): float(v) for k, s, v in zip(starts, seeds, vals)
+            if isinstance(v, (int, float))}
 
 
 def spread(summary: dict, rep: dict | None) -> dict:
     """Per metric: the demo's difference (method - baseline, after RL) and the full comparison's
-    per-seed differences of the same two methods (paired by seed). A single seed's difference
-    is `within` the spread when it is no larger than 2 standard deviations of those per-seed
-    differences (what seed-to-seed noise alone gives one seed in ~95% of draws, normal
-    approximation); the comparison's mean difference comes with its 95% t-interval."""
+    paired differences of the same two methods (paired by start and seed). A single seed's
+    difference is `within` the spread when it is no larger than 2 standard deviations of those
+    paired differences (what seed-to-seed noise, and with several starts the starts' too, gives
+    one run in ~95% of draws, normal approximation); the comparison's mean difference comes with
+    its 95% t-interval over the paired runs."""
     base, meth = summary["config"]["baseline"], summary["config"]["method"]
     out = {"baseline": base, "method": meth, "metrics": {}}
     rb, rm = (_row(rep, base), _row(rep, meth)) if rep else (None, None)
@@ -315,13 +320,14 @@ def spread(summary: dict, rep: dict | None) -> dict:
         m = {"label": label, "demo_diff": d}
         if rb is not None and rm is not None:
             a, b = _per_seed(rm, column), _per_seed(rb, column)
-            diffs = [a[s] - b[s] for s in sorted(set(a) & set(b), key=str)]
+            pairs = sorted(set(a) & set(b))
+            diffs = [a[k] - b[k] for k in pairs]
             if len(diffs) >= 2:
                 mean = sum(diffs) / len(diffs)
                 sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (len(diffs) - 1))
                 m.update(compare_diffs=diffs, compare_mean=mean, compare_sd=sd,
                          compare_ci95=t975(len(diffs) - 1) * sd / math.sqrt(len(diffs)),
-                         within=abs(d) <= 2 * sd)
+                         compare_starts=len({k for k, _ in pairs}), within=abs(d) <= 2 * sd)
         out["metrics"][key] = m
     return out
 
@@ -332,15 +338,25 @@ def spread_sentences(sp: dict) -> list:
     if sp.get("note"):
         return [(f"One seed only, and {sp['note']}: no spread to judge this run's differences "
                 "against.")]
-    lines = [(f"One seed's difference {meth} - {base} against the seed-to-seed spread the full "
-             "comparison measured (2 standard deviations of its per-seed differences):")]
+    starts = max((m.get("compare_starts", 1) for m in sp["metrics"].values() if "within" in m),
+                 default=1)
+    if starts > 1:  # the spread of runs across starts and seeds: what one new run can land on
+        lines = [(f"One seed's difference {meth} - {base} against the spread the full comparison "
+                  f"measured over its {starts} starts and their seeds (2 standard deviations of "
+                  "its paired runs' differences):")]
+    else:
+        lines = [(f"One seed's difference {meth} - {base} against the seed-to-seed spread the "
+                  "full comparison measured (2 standard deviations of its per-seed differences):")]
     for m in sp["metrics"].values():
         if "within" not in m:
             continue
         verdict = ("within the spread: this seed alone cannot tell the two methods apart"
                    if m["within"] else "larger than the spread")
+        n = len(m["compare_diffs"])
+        over = (f"{n} paired runs ({m['compare_starts']} starts)"
+                if m.get("compare_starts", 1) > 1 else f"{n} seeds")
         lines.append(f"- {m['label']}: {m['demo_diff']:+.3f} (spread ±{2 * m['compare_sd']:.3f})"
-                     f", {verdict}; over {len(m['compare_diffs'])} seeds the comparison measured "
+                     f", {verdict}; over {over} the comparison measured "
                      f"{m['compare_mean']:+.3f} ± {m['compare_ci95']:.3f} (95%).")
     return lines
 
@@ -454,6 +470,24 @@ def readme_block(s: dict, png: str = "docs/demo/demo_curves.png") -> str:
     lines += spread_sentences(s["spread"])
     lines += ["", "Time: " + _times_line(s) + ".", "", f"![demo curves]({png})"]
     return "\n".join(lines)
+
+
+def respread(summary_path: str, compare_json: str = COMPARE_JSON) -> dict:
+    """A finished demo's demo.json with its `spread` paired again against the committed
+    comparison (after the comparison is rerun, the demo's runs stay what they were); written
+    back in place (temporary file, then rename) and returned."""
+    with open(summary_path, encoding="utf-8") as f:
+        s = json.load(f)
+    for key in ("config", "runs", "before_rl", "start"):
+        if key not in s:
+            raise ValueError(f"{summary_path}: not a demo.json (no {key!r}); give the demo.json "
+                             "a `megaprm demo` run wrote")
+    s["spread"] = spread(s, _read_compare(compare_json))
+    tmp = summary_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(s, f, indent=1, default=float)
+    os.replace(tmp, summary_path)
+    return s
 
 
 def write_readme(summary_path: str, readme: str = "README.md", docs_dir: str = DOCS_DIR) -> None:

@@ -329,6 +329,53 @@ def test_spread_pairs_the_comparisons_seeds_and_says_within_or_not(capsys):
     assert demo._read_compare("/nonexistent/compare.json") is None
 
 
+def test_spread_pairs_by_start_and_seed_when_the_comparison_has_starts():
+    """Seed s of start 0 and seed s of start 1 are different runs: each pairs with GRPO's run of
+    the same start and seed (keyed by seed alone, start 1 would overwrite start 0)."""
+    from megaprm.experiments.arithmetic import demo
+
+    def row(method, acc):
+        return {**_row(method, [0, 1, 0, 1], acc, acc, acc), "starts": [0, 0, 1, 1]}
+
+    rep = {"rows": [row("grpo", [0.5, 0.4, 0.9, 0.8]), row("pure", [0.6, 0.45, 0.85, 0.9])]}
+    sp = demo.spread(_summary((0.5, 0.5, 0.1), (0.55, 0.5, 0.1)), rep)
+    m = sp["metrics"]["accuracy"]
+    # (start, seed) order: (0,0) (0,1) (1,0) (1,1)
+    assert m["compare_diffs"] == pytest.approx([0.1, 0.05, -0.05, 0.1])
+    assert m["compare_starts"] == 2
+    text = "\n".join(demo.spread_sentences(sp))
+    assert "over its 2 starts" in text and "over 4 paired runs (2 starts)" in text
+    # a one-start report (no `starts`) reads as before
+    one = demo.spread(_summary((0.5, 0.5, 0.1), (0.55, 0.5, 0.1)),
+                      {"rows": [_row("grpo", [0, 1], [0.5, 0.4], [0.5, 0.4], [0.1, 0.1]),
+                                _row("pure", [0, 1], [0.6, 0.45], [0.6, 0.45], [0.1, 0.1])]})
+    assert "over 2 seeds" in "\n".join(demo.spread_sentences(one))
+
+
+def test_from_json_pairs_a_finished_demo_with_the_comparison_again(tmp_path):
+    """`demo --from-json` runs nothing: it re-pairs a demo.json's differences with a comparison
+    (the committed one after a rerun) and writes only the `spread` back; bad input is one line."""
+    from megaprm.experiments.arithmetic import demo
+
+    s = {"config": {"baseline": "grpo", "method": "pure"}, "before_rl": {}, "start": {},
+         "runs": _summary((0.5, 0.5, 0.2), (0.6, 0.5, 0.1))["runs"], "spread": {"stale": 1}}
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps(s))
+    rep = {"rows": [_row("grpo", [0, 1, 2], [0.5, 0.4, 0.5], [0.4] * 3, [0.2, 0.2, 0.3]),
+                    _row("pure", [0, 1, 2], [0.5, 0.5, 0.6], [0.4] * 3, [0.1, 0.2, 0.1])]}
+    (tmp_path / "compare.json").write_text(json.dumps(rep))
+    out = demo.respread(str(path), str(tmp_path / "compare.json"))
+    back = _load(path)
+    assert back == json.loads(json.dumps(out))
+    assert {k: v for k, v in back.items() if k != "spread"} == \
+        {k: v for k, v in s.items() if k != "spread"}
+    assert back["spread"]["metrics"]["accuracy"]["compare_diffs"] == pytest.approx([0, 0.1, 0.1])
+    assert not (tmp_path / "demo.json.tmp").exists()
+    p = _run([*MEGAPRM, "demo", "--from-json", str(tmp_path / "nope.json")], timeout=120)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "--from-json" in p.stderr and "no such file" in p.stderr
+
+
 def test_demo_refuses_grpo_as_the_method_in_one_line():
     p = _run([*MEGAPRM, "demo", "--method", "grpo"], timeout=120)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
