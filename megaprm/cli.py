@@ -646,8 +646,8 @@ def _parser() -> argparse.ArgumentParser:
                        "before/after, a PNG of both runs' curves and whether the difference is "
                        "within the seed-to-seed spread of the full comparison (docs/compare.md).")
     d.add_argument("--method", default="pure", choices=DEMO_METHODS,
-                   help="the process-reward method set against GRPO (default pure, the "
-                        "strongest in the full comparison); prime trains its own implicit PRM "
+                   help="the process-reward method set against GRPO (default pure: the "
+                        "comparison's largest cut in wrong steps); prime trains its own implicit PRM "
                         "from outcome labels and does not learn at the demo's scale")
     d.add_argument("--run-dir", default="",
                    help="default runs/demo (--task short), runs/demo-TASK otherwise")
