@@ -644,11 +644,12 @@ def _parser() -> argparse.ArgumentParser:
                        "process-reward method (PURE by default), evaluate both on the same "
                        "held-out problems with the exact step checker and print one table "
                        "before/after, a PNG of both runs' curves and whether the difference is "
-                       "within the seed-to-seed spread of the full comparison (docs/compare.md).")
+                       "within the spread of the full comparison's paired runs (docs/compare.md).")
     d.add_argument("--method", default="pure", choices=DEMO_METHODS,
                    help="the process-reward method set against GRPO (default pure: the "
-                        "comparison's largest cut in wrong steps); prime trains its own implicit PRM "
-                        "from outcome labels and does not learn at the demo's scale")
+                        "comparison's largest cut in wrong steps); prime trains its own "
+                        "implicit PRM from outcome labels and does not learn at the demo's "
+                        "scale")
     d.add_argument("--run-dir", default="",
                    help="default runs/demo (--task short), runs/demo-TASK otherwise")
     d.add_argument("--task", default="short", choices=("short", "long"),

@@ -7,7 +7,8 @@ minutes; one seed of the full comparison (`megaprm compare`, docs/compare.md).
    and says whether every tensor equals the shipped one;
 2. the warm-up policy is evaluated greedily on the comparison's held-out problems;
 3. RL with GRPO and with the process-reward method (PURE by default: the full comparison's
-   largest cut in wrong steps), the same runs `megaprm compare` makes for seed 0 (`runs.run_overrides`);
+   largest cut in wrong steps), the same runs `megaprm compare` makes for seed 0
+   (`runs.run_overrides`);
 4. both final policies are evaluated on the same problems, every step checked exactly; one table
    (accuracy, fully correct, correct with a wrong step; before and after), the PRM's AUROC, a
    PNG of both runs' curves, and whether the difference is larger than the spread of the full
