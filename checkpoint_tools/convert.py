@@ -180,6 +180,36 @@ def _export_streaming(ckpt_dir: str, spec: ModelSpec, dtype: torch.dtype, tmp: s
             "streamed": True}
 
 
+def export_hf_in_process(ckpt_dir: str, out_dir: str, *, model: str = "actor",
+                         max_shard_size: str = "5GB", force: bool = False) -> dict:
+    """export-hf file to file in this process, unverified, for a caller that is itself one rank
+    of its own job (a comparison re-evaluating a finished run's final policy): no ranks
+    started, no process group used, no megatron-core import (`streaming`). The output is
+    sealed and renamed into place as `export_hf`'s is. Raises ConversionError where the
+    checkpoint cannot be streamed (it needs `export_hf`'s real load)."""
+    given = ckpt_dir
+    ckpt_dir = layout.resolve_checkpoint(ckpt_dir, model)
+    out_dir = os.path.abspath(out_dir)
+    meta = layout.CheckpointMeta.read(ckpt_dir)
+    manifest.check(ckpt_dir, ConversionError)
+    spec = load_spec(os.path.join(ckpt_dir, layout.HF_SUBDIR))
+    layout.check_target(out_dir, force, inputs=(given, ckpt_dir))
+    tmp = layout.make_tmp(out_dir)
+    try:
+        r = _export_streaming(ckpt_dir, spec, DTYPES[meta.dtype], tmp,
+                              layout.parse_size(max_shard_size))
+        if not r["streamed"]:
+            raise ConversionError(f"{ckpt_dir}: cannot be exported file to file ({r['why']}); "
+                                  "use `megaprm convert export-hf`")
+        _write_hf_config(ckpt_dir, tmp, meta.dtype)
+        manifest.write(tmp, format=layout.HF_EXPORT_FORMAT, version=1)
+        layout.commit(tmp, out_dir, force)
+    finally:
+        discard(tmp)  # after the rename the path no longer exists
+    return {"ckpt": ckpt_dir, "out": out_dir, "dtype": meta.dtype, "files": r["files"],
+            "bytes": r["bytes"]}
+
+
 def _verify_rank(ckpt_dir: str, tp: int, pp: int, ep: int = 1) -> dict:
     g = init_ranks(tp, pp, ep)
     meta = layout.CheckpointMeta.read(ckpt_dir)

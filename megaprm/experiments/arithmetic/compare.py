@@ -24,6 +24,7 @@ in start.py, the statistics in stats.py, the table and plots in report.py.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -33,6 +34,8 @@ import shutil
 import time
 from dataclasses import asdict
 
+from checkpoint_tools.convert import export_hf_in_process
+from checkpoint_tools.layout import ConversionError
 from megaprm.config import RolloutConfig, load_config
 from megaprm.digest import json_digest, source_digest
 from megaprm.experiments.arithmetic import run_state, stats
@@ -73,6 +76,7 @@ from megaprm.experiments.arithmetic.start import (
 )
 from megaprm.parallel.device import rank_device
 from megaprm.parallel.groups import Groups
+from megaprm.parallel.host import agree
 from megaprm.rollout.factory import build_engine
 from megaprm.tasks.tokenizer import build_char_tokenizer
 from megaprm.rewards.prm_eval import judge
@@ -357,6 +361,96 @@ def _make_room(d: str, rec: dict | None, groups: Groups) -> None:
     _barrier(groups)
 
 
+def _cell_digest(base_digest: str, trained: list, problems: int, sampled_n: int) -> str:
+    """A cell's cache key: its start, its RL overrides (less the start's paths) and the size
+    of its evaluation. EVAL_FORMAT: a result without per-problem counts is re-run, not mixed in.
+    base_digest holds the start's code version and torch's; the RL code's version is recorded
+    in the result (`rl_code`) and reported per cell, not a key (docs/compare.md, "Resumable")."""
+    return json_digest([base_digest, trained, problems, sampled_n, EVAL_FORMAT])
+
+
+def _eval_size(rec: dict) -> tuple:
+    """(held-out problems, samples per problem) a finished cell was evaluated with."""
+    g, s = rec.get("greedy") or {}, rec.get("sampled") or {}
+    if not g.get("problems") or not s.get("problems"):
+        return (None, None)
+    return g["problems"], s["samples"] // s["problems"]
+
+
+def _final_checkpoint(d: str, overrides: list) -> str | None:
+    """The actor of a finished cell's last RL step (RUN/checkpoints/step_N/actor), or None
+    where it is gone (a run directory restored from a state directory keeps no checkpoint)."""
+    steps = next(int(o.split("=", 1)[1]) for o in overrides if o.startswith("trainer.steps="))
+    path = os.path.join(d, "checkpoints", f"step_{steps - 1:06d}", "actor")
+    return path if os.path.isfile(os.path.join(path, "megaprm_checkpoint.json")) else None
+
+
+def reevaluate(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, d: str, rec: dict,
+               trained_digest: str, digest: str, overrides: list) -> dict | None:
+    """A finished cell trained with this run's settings but evaluated at another size
+    (another --eval-problems or --sampled-n): its final policy is exported from its last
+    checkpoint and evaluated again; RL is not re-run. None (the caller re-runs the cell) where
+    the result is of other RL settings (`trained_digest`: the key it had with its own
+    evaluation size) or the checkpoint is gone.
+
+    The held-out problems are one seeded stream, so the first ones are the earlier
+    evaluation's: greedy decoding must give each of them the same per-problem outcome, or the
+    checkpoint is not the policy that was evaluated and the cell is re-run. The earlier result
+    is kept beside the new one (RUN/result.DIGEST8.json)."""
+    ckpt = _final_checkpoint(d, overrides)
+    if rec.get("digest") != trained_digest or ckpt is None:
+        return None
+    was = _eval_size(rec)
+    _say(groups, f"start {spec.start}: {spec.name}: trained with these settings, evaluated on "
+                 f"{was[0]} problems x {was[1]} samples; re-evaluating its final policy "
+                 f"({repo_relative(ckpt)}) on {ccfg.eval_problems} x {ccfg.sampled_n}")
+    t = time.perf_counter()
+    # beside the runs, not in one (an export never writes into a training run's directory)
+    policy = os.path.join(ccfg.start_dir(spec.start), "reevaluated", spec.name)
+    fault = None
+    if groups.rank == 0:
+        try:
+            if os.path.isdir(policy):
+                shutil.rmtree(policy)  # a re-evaluation cut short: exported again
+            os.makedirs(os.path.dirname(policy), exist_ok=True)
+            export_hf_in_process(ckpt, policy)
+        except (ConversionError, OSError) as e:
+            fault = str(e)
+    fault = agree(fault, groups)  # every rank falls back together
+    if fault is not None:
+        _say(groups, f"start {spec.start}: {spec.name}: its final checkpoint could not be "
+                     f"exported ({fault}); re-running the cell")
+        return None
+    temperature = load_config(RL_YAML, overrides).rollout.temperature
+    engine = build_engine(RolloutConfig(engine="hf"), policy, tok, world_size=groups.world_size,
+                          tp_size=1, seed=0, device=rank_device())
+    ev = evaluate_policy(engine, tok, groups, ccfg, temperature)
+    del engine
+    old, new = rec["greedy"]["per_problem"], ev["greedy"]["per_problem"]
+    n = min(len(old["correct"]), len(new["correct"]))
+    same = all(old[k][:n] == new[k][:n] for k in old if k in new)
+    if not same:
+        _say(groups, f"start {spec.start}: {spec.name}: its final checkpoint's greedy outcomes "
+                     f"differ from its own evaluation on the first {n} problems: not the "
+                     "evaluated policy; re-running the cell")
+        _barrier(groups)
+        return None
+    if groups.rank == 0:
+        shutil.copyfile(os.path.join(d, "result.json"),
+                        os.path.join(d, f"result.{str(rec['digest'])[:8]}.json"))
+        shutil.rmtree(policy)
+        with contextlib.suppress(OSError):  # the last one's: the folder goes too
+            os.rmdir(os.path.dirname(policy))
+    new_rec = {**rec, **ev, "digest": digest, "eval_s": time.perf_counter() - t,
+               "reevaluated": {"checkpoint": repo_relative(ckpt), "problems_before": was[0],
+                               "sampled_n_before": was[1], "greedy_prefix_agrees": n}}
+    _write_json(os.path.join(d, "result.json"), new_rec, groups)
+    _say(groups, f"start {spec.start}: {spec.name}: re-evaluated in "
+                 f"{time.perf_counter() - t:.0f} s (greedy outcomes of its first {n} problems "
+                 "as before)")
+    return {**new_rec, "_reevaluated_now": True}
+
+
 def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: str, prm_dir: str,
             base_digest: str, only_finished: bool = False,
             rl_code: dict | None = None) -> dict | None:
@@ -366,15 +460,18 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
 
     d = os.path.join(ccfg.start_dir(spec.start), "rl", spec.name)
     overrides = run_overrides(spec, ccfg, sft_dir, prm_dir)
-    # EVAL_FORMAT: a result without per-problem counts is re-run, not mixed in. base_digest
-    # holds the start's code version and torch's; the RL code's version is recorded in the
-    # result (`rl_code`) and reported per cell, not a key (docs/compare.md, "Resumable")
-    digest = json_digest([base_digest, [o for o in overrides if not o.startswith(
-        ("model.path=", "prm.path="))], ccfg.eval_problems, ccfg.sampled_n, EVAL_FORMAT])
+    trained = [o for o in overrides if not o.startswith(("model.path=", "prm.path="))]
+    digest = _cell_digest(base_digest, trained, ccfg.eval_problems, ccfg.sampled_n)
     res_path = os.path.join(d, "result.json")
     rec = _read_json(res_path)
+    if rec is not None and rec.get("digest") != digest and not only_finished:
+        rec = reevaluate(spec, ccfg, groups, tok, d, rec, _cell_digest(base_digest, trained,
+                                                                         *_eval_size(rec)),
+                         digest, overrides) or rec
     if rec is not None and rec.get("digest") == digest:
-        _say(groups, f"start {spec.start}: {spec.name}: reusing the finished run in {d}")
+        if not rec.get("_reevaluated_now"):
+            _say(groups, f"start {spec.start}: {spec.name}: reusing the finished run in {d}")
+        rec.pop("_reevaluated_now", None)
         rec["curves"] = _curves(d)
         rec["train_end"] = {k: _tail_mean(v) for k, v in rec["curves"].items()}
         return rec
@@ -589,6 +686,33 @@ def _design(num, den, k: int) -> dict | None:
         return None
     return {"holds": d["holds"], "eval_sd": d["eval_sd"], "seed_sd": d["seed_sd"],
             "problems_needed": {str(kk): n for kk, n in d["problems_needed"].items()}}
+
+
+def evaluation_sizes(rows: list, results: list) -> dict | None:
+    """The evaluation size to choose next (`stats.cheapest_evaluation`): the fewest decoded
+    sequences that put the evaluation SD below the seed SD in the most columns, for an
+    evaluation costing at most what the cell's RL costs (the cap: the cells' median RL
+    seconds over their median seconds per evaluated sequence). None without a noise split."""
+    import numpy as np
+
+    greedy, sampled = [], []
+    for r in rows:
+        if r["same_run_as_learned"]:
+            continue
+        for label in EVAL_RATIOS:
+            design = r.get(label, {}).get("design")
+            if design is not None and label != "greedy fully correct":
+                (greedy if label.startswith("greedy") else sampled).append(
+                    design["problems_needed"])
+    cells = [c for c in results if not c.get("hack") and c.get("eval_s")]
+    if not greedy or not cells:
+        return None
+    seq_s = float(np.median([c["eval_s"] / (c["greedy"]["samples"] + c["sampled"]["samples"])
+                             for c in cells]))
+    rl_s = float(np.median([c["rl_s"] for c in cells]))
+    cap = int(rl_s / seq_s)
+    return {"max_sequences": cap, "rl_s": rl_s, "seconds_per_sequence": seq_s,
+            "sizes": stats.cheapest_evaluation(greedy, sampled, max_sequences=cap)}
 
 
 def _first_last(series: list, n: int = 10) -> dict:
@@ -820,7 +944,8 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False,
               "baseline": per_start[0]["baseline"],
               "planned": [f"start{s.start}/{s.name}" for s in runs], "missing": missing,
               "eval_format": EVAL_FORMAT, "intervals": INTERVALS,
-              "rows": aggregate(results, ccfg),
+              "rows": (rows := aggregate(results, ccfg)),
+              "evaluation_sizes": evaluation_sizes(rows, results),
               "hack": ({k: _no_counts(hack[k])
                         for k in ("seed", "greedy", "sampled", "train_end", "curves")}
                        if hack else None),

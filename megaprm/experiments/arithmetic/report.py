@@ -244,6 +244,7 @@ def markdown(report: dict, title: bool = True) -> str:
         def sd(x):
             return "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
 
+        n_below = n_cells = 0
         for r in noisy:
             cells = []
             for col in ("greedy accuracy", "greedy correct with a wrong step",
@@ -253,7 +254,20 @@ def markdown(report: dict, title: bool = True) -> str:
                          and nz["eval_sd"] < nz["seed_sd"])
                 cells.append(f"{sd(nz['eval_sd'])} / {sd(nz.get('seed_sd'))} / "
                              f"{sd(nz.get('start_sd'))}" + (" ✓" if below else ""))
+                n_below, n_cells = n_below + below, n_cells + 1
             lines.append(f"| {row_label(r)} | {r['prm']} | " + " | ".join(cells) + " |")
+        sizes = report.get("evaluation_sizes")
+        if sizes and sizes["sizes"]:
+            b = sizes["sizes"][0]
+            lines += ["", (
+                f"Evaluation below seed noise in {n_below} of {n_cells} cells at "
+                f"{report['eval_problems']} problems x {report['sampled_n']} samples. The "
+                "smallest evaluation that would put it below in the most columns for at most "
+                f"a cell's RL cost ({sizes['max_sequences']} decoded sequences: "
+                f"{sizes['rl_s']:.0f} s of RL at {1000 * sizes['seconds_per_sequence']:.1f} ms "
+                f"a sequence; `stats.cheapest_evaluation`): {b['problems']} problems x "
+                f"{b['k']} samples ({b['met']} of {b['met'] + b['left_out']} columns; the "
+                f"other {b['left_out']}: seed SD 0, or a need beyond that cost).")]
     flat = [r for r in report["rows"] if r.get("plateau", {}).get("last") is not None
             and not r["same_run_as_learned"]]
     if flat:

@@ -480,3 +480,32 @@ def eval_design(num, den, ref_num=None, ref_den=None, *, k: int = 1,
         need[kk] = int(math.floor(var1 / target ** 2)) + 1 if ok else None
     return {"holds": bool(nz["eval_sd"] < target), "eval_sd": nz["eval_sd"],
             "seed_sd": target, "start_sd": nz["start_sd"], **comp, "problems_needed": need}
+
+
+
+def cheapest_evaluation(greedy: list, sampled: list, *, max_sequences: int | None = None,
+                        margin: float = 1.1, ks: tuple = (1, 2, 4, 8, 16)) -> list:
+    """The evaluation sizes (problems N, samples k per problem) that put the evaluation noise
+    below the seed noise in as many columns as a budget allows, cheapest first.
+
+    `greedy`, `sampled`: the `problems_needed` maps ({k: N or None}, `eval_design`) of every
+    greedy and every sampled column. The greedy evaluation decodes one sequence a problem (a
+    greedy column's need is its need at k = 1), the sampled one k, both on the same N problems,
+    so a size costs N (1 + k) decoded sequences. Per k, a column is met when
+    margin * need * (1 + k) <= `max_sequences` (None: no cap); a column whose need is None (its
+    seed SD is 0 or not estimable: no size suffices, or k not identified) or over the cap is
+    `left_out`. N_k = ceil(margin * the largest need met). Sorted by (left out, sequences):
+    the first entry meets the most columns at the least cost. `margin`: headroom for the needs
+    being estimates."""
+    def need(m, k):
+        return (m or {}).get(k, (m or {}).get(str(k)))
+
+    out = []
+    for k in ks:
+        needs = [need(m, 1) for m in greedy] + [need(m, k) for m in sampled]
+        met = [x for x in needs if x is not None
+               and (max_sequences is None or margin * x * (1 + k) <= max_sequences)]
+        n = math.ceil(round(margin * max([*met, 2]), 6))  # 1.1 * 200 is 220, not 221
+        out.append({"k": k, "problems": n, "sequences": n * (1 + k), "met": len(met),
+                    "left_out": len(needs) - len(met)})
+    return sorted(out, key=lambda d: (d["left_out"], d["sequences"], d["k"]))

@@ -1,11 +1,13 @@
 """`megaprm compare` on a tiny budget, as users run it: 2 ranks, 2 methods,
 1 seed, learned and oracle process rewards, the reward-hacking run; killed after its first cell
-and resumed; its evaluation against an independent greedy decode by transformers and the exact
-checker; the paired design (same seed, same step-0 samples across methods); the docs generated
-from the report; the table's statistics against the statistics module; bad input -> one line,
-exit 2. the statistics: test_stats.py; the tables: test_report.py."""
+and resumed, then re-evaluated at a larger size from its final checkpoints; its evaluation
+against an independent greedy decode by transformers and the exact checker; the paired design
+(same seed, same step-0 samples across methods); the docs generated from the report; the
+table's statistics against the statistics module; bad input -> one line, exit 2. the
+statistics: test_stats.py; the tables: test_report.py."""
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -223,6 +225,38 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     again = _load(fresh / "compare.json")
     assert again["rows"] == rep["rows"]  # read back from disk: the same rows, same intervals
     assert not os.path.exists(fresh / "start0" / "init")  # not needed, not kept
+
+    # a larger evaluation of the same runs: each finished cell's final policy is exported from
+    # its last checkpoint and evaluated again; nothing is trained again
+    bigger = [*TINY]
+    bigger[bigger.index("--eval-problems") + 1] = "48"
+    p = run([*MEGAPRM, "compare", "--run-dir", str(rd), *bigger], timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("re-evaluating its final policy") == 4, p.stdout
+    assert "reusing the finished run" not in p.stdout and "moved to" not in p.stdout
+    problems = runs.held_out_problems(48)
+    for name, old in res.items():
+        cell = st / "rl" / name
+        new = _load(cell / "result.json")
+        assert new["reevaluated"]["problems_before"] == 32
+        assert new["greedy"]["problems"] == new["sampled"]["problems"] == 48
+        assert new["rl_s"] == old["rl_s"] and new["curves"] == old["curves"]  # not re-trained
+        assert [m["step"] for m in _lines(cell / "metrics.jsonl")] == [0, 1]
+        assert _load(cell / f"result.{old['digest'][:8]}.json") == old  # the earlier one kept
+        # on the first 32 problems it is the run's own evaluation, problem by problem
+        for k, v in old["greedy"]["per_problem"].items():
+            assert new["greedy"]["per_problem"][k][:32] == v, (name, k)
+    # the policy evaluated is the one the run ended with: transformers' own greedy decode of
+    # its last checkpoint, exported by the conversion tool with its logit check (one cell: an
+    # export with its check starts ranks, ~1-2 min each on a loaded 2-core box)
+    out = tmp_path / "grpo-learned-s0-hf"
+    c = run([*MEGAPRM, "convert", "export-hf", "--ckpt", str(st / "rl" / "grpo-learned-s0"),
+             "--out", str(out)], timeout=600)
+    assert c.returncode == 0, c.stderr[-3000:]
+    assert _load(st / "rl" / "grpo-learned-s0" / "result.json")["greedy"]["per_problem"] == \
+        _greedy_reference(str(out), problems)["per_problem"]
+    assert not os.path.exists(st / "reevaluated")  # the exported policies are not kept
+    assert _load(rd / "compare.json")["eval_problems"] == 48
 
 
 def test_mean_ci_matches_statistics_module():
@@ -609,3 +643,35 @@ def test_a_cell_of_other_settings_is_moved_aside_not_deleted(tmp_path, capsys):
         == "first"
     # the superseded runs are not cells of the run directory
     assert sorted(os.listdir(rl)) == ["superseded"]
+
+
+def test_only_a_cell_of_these_rl_settings_with_its_last_checkpoint_is_re_evaluated(tmp_path):
+    """A finished cell evaluated at another size is re-evaluated from the checkpoint of its
+    last RL step, and only then: a cell of other RL settings, or one whose last checkpoint is
+    gone (a run directory restored from a state directory), is re-run instead (`reevaluate`
+    says None before touching anything). The end-to-end re-evaluation:
+    test_compare_tiny_end_to_end_killed_and_resumed."""
+    cell = tmp_path / "start0" / "rl" / "grpo-learned-s0"
+    ov = ["trainer.seed=0", "trainer.steps=3"]
+
+    def checkpoint(step):
+        actor = cell / "checkpoints" / f"step_{step:06d}" / "actor"
+        os.makedirs(actor)
+        (actor / "megaprm_checkpoint.json").write_text("{}")
+        return actor
+
+    assert compare._final_checkpoint(str(cell), ov) is None
+    checkpoint(1)
+    assert compare._final_checkpoint(str(cell), ov) is None  # not the run's last step
+    last = checkpoint(2)
+    assert compare._final_checkpoint(str(cell), ov) == str(last)
+    rec = {"digest": "d0", "greedy": {"problems": 32, "samples": 32},
+           "sampled": {"problems": 32, "samples": 64}}
+    assert compare._eval_size(rec) == (32, 2)
+    assert compare._eval_size({"digest": "d0"}) == (None, None)  # no evaluation: re-run
+    # the key it had at its own evaluation size is not this run's: other RL settings
+    assert compare.reevaluate(None, None, _Rank0(), None, str(cell), rec, "other", "d1", ov) \
+        is None
+    shutil.rmtree(cell / "checkpoints")
+    assert compare.reevaluate(None, None, _Rank0(), None, str(cell), rec, "d0", "d1", ov) is None
+    assert os.listdir(cell) == []  # nothing written, nothing moved

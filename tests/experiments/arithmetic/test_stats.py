@@ -437,3 +437,23 @@ def test_eval_design_says_when_evaluation_noise_is_below_seed_noise():
     assert ref["holds"] == (ref["eval_sd"] < ref["seed_sd"]) and ref["between_var"] > 0
     with pytest.raises(ValueError, match="num <= den <= k"):
         stats.eval_components(nums, [x * 0 for x in dens], 1)
+
+
+def test_cheapest_evaluation_by_hand():
+    """Two greedy and two sampled columns, one of each whose seeds do not differ (no size
+    meets it). A size (N, k) decodes N greedy + N k sampled sequences; per k it must cover the
+    largest need met, greedy needs at k = 1."""
+    greedy = [{"1": 100}, {"1": None}]
+    sampled = [{"1": 300, "2": 200, "4": 150}, {"1": None, "2": None, "4": None}]
+    got = stats.cheapest_evaluation(greedy, sampled, margin=1.0, ks=(1, 2, 4))
+    # k=1: N=300, 600 sequences; k=2: N=200, 600; k=4: N=150, 750; ties go to the smaller k
+    assert [(d["k"], d["problems"], d["sequences"], d["met"], d["left_out"]) for d in got] == [
+        (1, 300, 600, 2, 2), (2, 200, 600, 2, 2), (4, 150, 750, 2, 2)]
+    # at most 500 sequences: the sampled column fits no k (600, 600, 750), the greedy one all
+    # (200, 300, 500), so the cheapest covers the greedy need alone
+    got = stats.cheapest_evaluation(greedy, sampled, margin=1.0, ks=(1, 2, 4),
+                                    max_sequences=500)
+    assert [(d["k"], d["problems"], d["sequences"], d["left_out"]) for d in got] == [
+        (1, 100, 200, 3), (2, 100, 300, 3), (4, 100, 500, 3)]
+    # the margin scales every need (and rounds up)
+    assert stats.cheapest_evaluation(greedy, sampled, margin=1.1, ks=(2,))[0]["problems"] == 220
