@@ -78,6 +78,20 @@ def no_space_in(e: BaseException) -> bool:
     return False
 
 
+def out_of_space(path: str, floor: int = 1 << 20) -> bool:
+    """Whether the filesystem holding `path` (or its nearest existing parent) has under
+    `floor` bytes free: a write that failed there failed for space whatever its text says
+    (torch's zip writer, its file cut short on a full tmpfs, reports "unexpected pos N vs M"
+    instead of ENOSPC)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free < floor
+    except OSError:
+        return False
+
+
 @dataclass
 class CheckpointMeta:
     format: str

@@ -198,8 +198,9 @@ def save_checkpoint(model, ckpt_model_dir: str, *, fsync: bool = False,
                                     validate_access_integrity=False)
         except BaseException as e:  # torch's CheckpointException is a BaseException
             # its writers' ENOSPC arrives as text on the coordinator (rank 0), the others get
-            # one with no failures: one line each (the lowest rank's is reported), not 40
-            if layout.no_space_in(e):
+            # one with no failures: one line each (the lowest rank's is reported), not 40; a
+            # write cut short on a full disk may not say ENOSPC at all (`out_of_space`)
+            if layout.no_space_in(e) or layout.out_of_space(ckpt_model_dir):
                 raise ConversionError(layout.os_error_line(OSError(
                     errno.ENOSPC, os.strerror(errno.ENOSPC), ckpt_model_dir))) from None
             if type(e).__name__ == "CheckpointException" and not getattr(e, "failures", 1):
