@@ -482,7 +482,6 @@ def eval_design(num, den, ref_num=None, ref_den=None, *, k: int = 1,
             "seed_sd": target, "start_sd": nz["start_sd"], **comp, "problems_needed": need}
 
 
-
 def cheapest_evaluation(greedy: list, sampled: list, *, max_sequences: int | None = None,
                         margin: float = 1.1, ks: tuple = (1, 2, 4, 8, 16)) -> list:
     """The evaluation sizes (problems N, samples k per problem) that put the evaluation noise
