@@ -303,6 +303,15 @@ def evaluate_policy(engine, tok, groups: Groups, ccfg: CompareConfig, temperatur
     return {"greedy": greedy, "sampled": sampled}
 
 
+def evaluate_dir(policy_dir: str, tok, groups: Groups, ccfg: CompareConfig,
+                 temperature: float) -> dict:
+    """`evaluate_policy` of an HF checkpoint on disk, in an HF engine of its own (freed on
+    return): the warm-up policy's baseline and a re-evaluated cell's final policy."""
+    engine = build_engine(RolloutConfig(engine="hf"), policy_dir, tok,
+                          world_size=groups.world_size, tp_size=1, seed=0, device=rank_device())
+    return evaluate_policy(engine, tok, groups, ccfg, temperature)
+
+
 def baseline_stage(ccfg: CompareConfig, groups: Groups, tok, sft_dir: str, sft_digest: str,
                    temperature: float, start: int) -> dict:
     """Start k's warm-up policy's evaluation: its 'before RL' row."""
@@ -311,10 +320,7 @@ def baseline_stage(ccfg: CompareConfig, groups: Groups, tok, sft_dir: str, sft_d
     rec = _read_json(path)
     if rec is not None and rec.get("digest") == digest:
         return rec
-    engine = build_engine(RolloutConfig(engine="hf"), sft_dir, tok, world_size=groups.world_size,
-                          tp_size=1, seed=0, device=rank_device())
-    rec = {"digest": digest, **evaluate_policy(engine, tok, groups, ccfg, temperature)}
-    del engine
+    rec = {"digest": digest, **evaluate_dir(sft_dir, tok, groups, ccfg, temperature)}
     _write_json(path, rec, groups)
     return rec
 
@@ -421,11 +427,9 @@ def reevaluate(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, d: str, 
         _say(groups, f"start {spec.start}: {spec.name}: its final checkpoint could not be "
                      f"exported ({fault}); re-running the cell")
         return None
+    # the cell's own rollout temperature, as its own evaluation sampled at
     temperature = load_config(RL_YAML, overrides).rollout.temperature
-    engine = build_engine(RolloutConfig(engine="hf"), policy, tok, world_size=groups.world_size,
-                          tp_size=1, seed=0, device=rank_device())
-    ev = evaluate_policy(engine, tok, groups, ccfg, temperature)
-    del engine
+    ev = evaluate_dir(policy, tok, groups, ccfg, temperature)
     old, new = rec["greedy"]["per_problem"], ev["greedy"]["per_problem"]
     n = min(len(old["correct"]), len(new["correct"]))
     same = all(old[k][:n] == new[k][:n] for k in old if k in new)
@@ -448,7 +452,7 @@ def reevaluate(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, d: str, 
     _say(groups, f"start {spec.start}: {spec.name}: re-evaluated in "
                  f"{time.perf_counter() - t:.0f} s (greedy outcomes of its first {n} problems "
                  "as before)")
-    return {**new_rec, "_reevaluated_now": True}
+    return new_rec
 
 
 def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: str, prm_dir: str,
@@ -464,17 +468,17 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
     digest = _cell_digest(base_digest, trained, ccfg.eval_problems, ccfg.sampled_n)
     res_path = os.path.join(d, "result.json")
     rec = _read_json(res_path)
-    if rec is not None and rec.get("digest") != digest and not only_finished:
-        rec = reevaluate(spec, ccfg, groups, tok, d, rec, _cell_digest(base_digest, trained,
-                                                                         *_eval_size(rec)),
-                         digest, overrides) or rec
+    done = None  # a finished result of these settings: read back, or just re-evaluated
     if rec is not None and rec.get("digest") == digest:
-        if not rec.get("_reevaluated_now"):
-            _say(groups, f"start {spec.start}: {spec.name}: reusing the finished run in {d}")
-        rec.pop("_reevaluated_now", None)
-        rec["curves"] = _curves(d)
-        rec["train_end"] = {k: _tail_mean(v) for k, v in rec["curves"].items()}
-        return rec
+        _say(groups, f"start {spec.start}: {spec.name}: reusing the finished run in {d}")
+        done = rec
+    elif rec is not None and not only_finished:
+        done = reevaluate(spec, ccfg, groups, tok, d, rec,
+                          _cell_digest(base_digest, trained, *_eval_size(rec)), digest, overrides)
+    if done is not None:
+        done["curves"] = _curves(d)
+        done["train_end"] = {k: _tail_mean(v) for k, v in done["curves"].items()}
+        return done
     if only_finished:
         return None
     _make_room(d, rec, groups)
