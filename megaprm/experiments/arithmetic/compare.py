@@ -591,7 +591,8 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
     evaluation, seed and start SD of one run's value). `paired`: per column of PAIRED, the
     row's difference from GRPO's run of the same start and seed, per cell, with the paired
     three-level bootstrap's 95% interval over the cells both rows have; `separated` when it
-    excludes 0; `by_start`: the same per start (two levels: its seeds, then problems)."""
+    excludes 0; `by_start`: the same per start (two levels: its seeds, then problems);
+    `noise`: the evaluation, seed and start SD of one run's difference."""
 
     import numpy as np
 
@@ -647,7 +648,8 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
                     "per_seed": [lookup(r, path) - lookup(ref[(r.get("start", 0), r["seed"])],
                                                           path) for r in both],
                     "mean": boot["mean"], "lo": boot["lo"], "hi": boot["hi"],
-                    "separated": _separated(boot), "by_start": by_start}
+                    "separated": _separated(boot), "by_start": by_start,
+                    "noise": _noise3(*mine, *theirs)}
         curve = _mean_curve([r["curves"].get("reward/outcome_mean", []) for r in recs])
         row["plateau"] = _plateau(curve)
         row["plateau_wrong_step"] = _plateau(_mean_curve(
@@ -671,11 +673,11 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
     return rows
 
 
-def _noise3(num, den) -> dict:
-    """`stats.noise3`, or every component nan where no run has the ratio defined (a
-    wrong-step share of runs without a correct answer)."""
+def _noise3(num, den, ref_num=None, ref_den=None) -> dict:
+    """`stats.noise3` (of the paired difference with `ref_*`), or every component nan where no
+    run has the ratio defined (a wrong-step share of runs without a correct answer)."""
     try:
-        return stats.noise3(num, den)
+        return stats.noise3(num, den, ref_num, ref_den)
     except ValueError:
         return {"eval_sd": math.nan, "seed_sd": math.nan, "start_sd": math.nan}
 

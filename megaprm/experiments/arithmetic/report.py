@@ -93,6 +93,21 @@ def _fmt_diff(cell: dict | None) -> str:
     return f"{star}{cell['mean']:+.3f}{star} [{cell['lo']:+.3f}, {cell['hi']:+.3f}]"
 
 
+def _noise_cell(nz: dict | None) -> tuple[str, bool]:
+    """'evaluation / seed / start' SDs of one column (`stats.noise3`), ✓ where the evaluation
+    SD is below the seed SD; and whether it is."""
+    if not nz:
+        return "-", False
+
+    def sd(x):
+        return "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
+
+    below = (nz.get("seed_sd") is not None and math.isfinite(nz["seed_sd"])
+             and nz["eval_sd"] < nz["seed_sd"])
+    return (f"{sd(nz['eval_sd'])} / {sd(nz.get('seed_sd'))} / {sd(nz.get('start_sd'))}"
+            + (" ✓" if below else "")), below
+
+
 def _min(seconds) -> str:
     return "-" if seconds is None else f"{seconds / 60:.1f} min"
 
@@ -241,21 +256,14 @@ def markdown(report: dict, title: bool = True) -> str:
                    "start |"),
                   "|---|---|---|---|---|---|"]
 
-        def sd(x):
-            return "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
-
         n_below = n_cells = 0
         for r in noisy:
-            cells = []
-            for col in ("greedy accuracy", "greedy correct with a wrong step",
-                        "sampled accuracy", "sampled correct with a wrong step"):
-                nz = r[col]["noise"]
-                below = (nz.get("seed_sd") is not None and math.isfinite(nz["seed_sd"])
-                         and nz["eval_sd"] < nz["seed_sd"])
-                cells.append(f"{sd(nz['eval_sd'])} / {sd(nz.get('seed_sd'))} / "
-                             f"{sd(nz.get('start_sd'))}" + (" ✓" if below else ""))
-                n_below, n_cells = n_below + below, n_cells + 1
-            lines.append(f"| {row_label(r)} | {r['prm']} | " + " | ".join(cells) + " |")
+            cells = [_noise_cell(r[col]["noise"]) for col in (
+                "greedy accuracy", "greedy correct with a wrong step", "sampled accuracy",
+                "sampled correct with a wrong step")]
+            n_below, n_cells = n_below + sum(b for _, b in cells), n_cells + len(cells)
+            lines.append(f"| {row_label(r)} | {r['prm']} | "
+                         + " | ".join(c for c, _ in cells) + " |")
         sizes = report.get("evaluation_sizes")
         if sizes and sizes["sizes"]:
             b = sizes["sizes"][0]
@@ -268,6 +276,25 @@ def markdown(report: dict, title: bool = True) -> str:
                 f"a sequence; `stats.cheapest_evaluation`): {b['problems']} problems x "
                 f"{b['k']} samples ({b['met']} of {b['met'] + b['left_out']} columns; the "
                 f"other {b['left_out']}: seed SD 0, or a need beyond that cost).")]
+    paired_noise = [r for r in paired if any((r["paired"].get(c) or {}).get("noise")
+                                             for c in PAIRED)]
+    if paired_noise:  # reports before 2026-11-29 have none
+        lines += ["", "### The same split for the paired differences from GRPO", "",
+                  ("The noise of one run's difference from GRPO's run of the same start and "
+                   "seed, the quantity the paired table rests on (`stats.noise3` of the "
+                   "differences): both runs are evaluated on the same problems, so what a "
+                   "problem's difficulty does to both cancels. ✓: evaluation below seed "
+                   "noise."), "",
+                  "| method | process reward | " + " | ".join(
+                      f"Δ {c}: evaluation / seed / start" for c in PAIRED) + " |",
+                  "|---|---|" + "---|" * len(PAIRED)]
+        n_below = n_cells = 0
+        for r in paired_noise:
+            cells = [_noise_cell((r["paired"].get(c) or {}).get("noise")) for c in PAIRED]
+            n_below, n_cells = n_below + sum(b for _, b in cells), n_cells + len(cells)
+            lines.append(f"| {row_label(r)} | {r['prm']} | "
+                         + " | ".join(c for c, _ in cells) + " |")
+        lines += ["", f"Evaluation below seed noise in {n_below} of {n_cells} paired cells."]
     flat = [r for r in report["rows"] if r.get("plateau", {}).get("last") is not None
             and not r["same_run_as_learned"]]
     if flat:

@@ -516,6 +516,19 @@ def test_aggregate_over_starts_and_the_report_of_each_start(tmp_path):
     per = d["by_start"]
     assert per["0"]["separated"] and per["1"]["separated"] and per["0"]["hi"] < 0
     assert not per["2"]["separated"]  # the weak start disagrees: no effect there
+    # the difference's evaluation SD, by a loop: each run's ratio moves by sum_p z_p under a
+    # resampling of the problems (z_p = (num_p - R den_p) / sum(den)); the two runs of a pair
+    # share the problems, so the difference moves by sum_p (z_p - z_ref,p)
+    def z(rec):
+        pp = rec["greedy"]["per_problem"]
+        num, den = pp["wrong_step"], pp["correct"]
+        ratio = sum(num) / sum(den)
+        return [(a - ratio * b) / sum(den) for a, b in zip(num, den)]
+
+    var = [sum((a - b) ** 2 for a, b in zip(z(by[("pure", k, s)]), z(by[("grpo", k, s)])))
+           for k in range(3) for s in (0, 1)]
+    assert d["noise"]["eval_sd"] == pytest.approx((sum(var) / len(var)) ** 0.5)
+    assert d["noise"]["start_sd"] > 0.05  # PURE's effect differs between the starts
     md = report.markdown({"rows": list(rows.values()), "baseline": {"greedy":
                           results[0]["greedy"]}, "rl_steps": 60, "eval_problems": 400,
                           "seeds": 2, "sampled_n": 2, "prm": {"auroc": 0.9},
@@ -529,6 +542,14 @@ def test_aggregate_over_starts_and_the_report_of_each_start(tmp_path):
     assert "Task **long**" in md and "### The starts" in md
     assert "| 2 | 0.300 | - | 0.900 | 0.800 | 4 |" in md
     assert "The paired differences start by start" in md and "| pure | learned | 2 | 2 |" in md
+    nz = d["noise"]
+    cell = (f"{nz['eval_sd']:.3f} / {nz['seed_sd']:.3f} / {nz['start_sd']:.3f}"
+            + (" ✓" if nz["eval_sd"] < nz["seed_sd"] else ""))
+    table = md.split("### The same split for the paired differences from GRPO")[1]
+    assert f"| pure | learned | {cell} |" in table
+    below = sum(pure["paired"][c]["noise"]["eval_sd"] < pure["paired"][c]["noise"]["seed_sd"]
+                for c in report.PAIRED)
+    assert f"Evaluation below seed noise in {below} of 4 paired cells." in table
     assert report.block_name({"task": "long"}) == "compare-long"
     assert report.block_name({"task": "ArithmeticConfig(num_ops=(2, 4))"}) == "compare"
 
