@@ -274,8 +274,9 @@ def markdown(report: dict, title: bool = True) -> str:
                 f"a cell's RL cost ({sizes['max_sequences']} decoded sequences: "
                 f"{sizes['rl_s']:.0f} s of RL at {1000 * sizes['seconds_per_sequence']:.1f} ms "
                 f"a sequence; `stats.cheapest_evaluation`): {b['problems']} problems x "
-                f"{b['k']} samples ({b['met']} of {b['met'] + b['left_out']} columns; the "
-                f"other {b['left_out']}: seed SD 0, or a need beyond that cost).")]
+                f"{b['k']} samples ({b['met']} of {b['met'] + b['left_out']} columns"
+                + (f"; the other {b['left_out']}: seed SD 0, or a need beyond that cost)."
+                   if b["left_out"] else ")."))]
     paired_noise = [r for r in paired if any((r["paired"].get(c) or {}).get("noise")
                                              for c in PAIRED)]
     if paired_noise:  # reports before 2026-11-29 have none

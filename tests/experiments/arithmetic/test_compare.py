@@ -529,16 +529,23 @@ def test_aggregate_over_starts_and_the_report_of_each_start(tmp_path):
            for k in range(3) for s in (0, 1)]
     assert d["noise"]["eval_sd"] == pytest.approx((sum(var) / len(var)) ** 0.5)
     assert d["noise"]["start_sd"] > 0.05  # PURE's effect differs between the starts
-    md = report.markdown({"rows": list(rows.values()), "baseline": {"greedy":
-                          results[0]["greedy"]}, "rl_steps": 60, "eval_problems": 400,
-                          "seeds": 2, "sampled_n": 2, "prm": {"auroc": 0.9},
-                          "compute_s": {"warmup": 1, "prm_train": 1, "runs": 1},
-                          "device": "CPU", "load": [1.0], "total_s": 1, "hack": None,
-                          "task": "long", "task_config": "ArithmeticConfig(...)",
-                          "max_tokens": 224, "response_tokens": {"first5": 150, "last5": 152},
-                          "starts": [{"start": k, "baseline": {"greedy": {"accuracy": acc[k]}},
-                                      "prm": {"auroc": 0.9}, "prm_judged": {"f1": 0.8},
-                                      "cells": 4} for k in range(3)]})
+    rep = {"rows": list(rows.values()), "baseline": {"greedy": results[0]["greedy"]},
+           "rl_steps": 60, "eval_problems": 400, "seeds": 2, "sampled_n": 2,
+           "prm": {"auroc": 0.9}, "compute_s": {"warmup": 1, "prm_train": 1, "runs": 1},
+           "device": "CPU", "load": [1.0], "total_s": 1, "hack": None, "task": "long",
+           "task_config": "ArithmeticConfig(...)", "max_tokens": 224,
+           "response_tokens": {"first5": 150, "last5": 152},
+           "starts": [{"start": k, "baseline": {"greedy": {"accuracy": acc[k]}},
+                       "prm": {"auroc": 0.9}, "prm_judged": {"f1": 0.8}, "cells": 4}
+                      for k in range(3)]}
+    md = report.markdown(rep)
+    # the next evaluation size: the columns it leaves out are named only where there are some
+    size = {"k": 2, "problems": 300, "sequences": 900, "met": 8, "left_out": 0}
+    sizes = {"max_sequences": 1000, "rl_s": 10.0, "seconds_per_sequence": 0.01, "sizes": [size]}
+    assert "300 problems x 2 samples (8 of 8 columns)." in report.markdown(
+        {**rep, "evaluation_sizes": sizes})
+    assert "(6 of 8 columns; the other 2: seed SD 0" in report.markdown(
+        {**rep, "evaluation_sizes": {**sizes, "sizes": [{**size, "met": 6, "left_out": 2}]}})
     assert "Task **long**" in md and "### The starts" in md
     assert "| 2 | 0.300 | - | 0.900 | 0.800 | 4 |" in md
     assert "The paired differences start by start" in md and "| pure | learned | 2 | 2 |" in md
