@@ -108,6 +108,18 @@ def _noise_cell(nz: dict | None) -> tuple[str, bool]:
             + (" ✓" if below else "")), below
 
 
+def _noise_rows(rows: list, noises) -> tuple[list, int, int]:
+    """A noise table's lines, one per row (`noises(row)`: its noise dicts, one per column), and
+    how many of the cells have evaluation below seed noise, of how many."""
+    lines, n_below, n_cells = [], 0, 0
+    for r in rows:
+        cells = [_noise_cell(nz) for nz in noises(r)]
+        n_below, n_cells = n_below + sum(b for _, b in cells), n_cells + len(cells)
+        lines.append(f"| {row_label(r)} | {r['prm']} | " + " | ".join(c for c, _ in cells)
+                     + " |")
+    return lines, n_below, n_cells
+
+
 def _min(seconds) -> str:
     return "-" if seconds is None else f"{seconds / 60:.1f} min"
 
@@ -256,14 +268,10 @@ def markdown(report: dict, title: bool = True) -> str:
                    "start |"),
                   "|---|---|---|---|---|---|"]
 
-        n_below = n_cells = 0
-        for r in noisy:
-            cells = [_noise_cell(r[col]["noise"]) for col in (
-                "greedy accuracy", "greedy correct with a wrong step", "sampled accuracy",
-                "sampled correct with a wrong step")]
-            n_below, n_cells = n_below + sum(b for _, b in cells), n_cells + len(cells)
-            lines.append(f"| {row_label(r)} | {r['prm']} | "
-                         + " | ".join(c for c, _ in cells) + " |")
+        table, n_below, n_cells = _noise_rows(noisy, lambda r: [r[col]["noise"] for col in (
+            "greedy accuracy", "greedy correct with a wrong step", "sampled accuracy",
+            "sampled correct with a wrong step")])
+        lines += table
         sizes = report.get("evaluation_sizes")
         if sizes and sizes["sizes"]:
             b = sizes["sizes"][0]
@@ -289,12 +297,9 @@ def markdown(report: dict, title: bool = True) -> str:
                   "| method | process reward | " + " | ".join(
                       f"Δ {c}: evaluation / seed / start" for c in PAIRED) + " |",
                   "|---|---|" + "---|" * len(PAIRED)]
-        n_below = n_cells = 0
-        for r in paired_noise:
-            cells = [_noise_cell((r["paired"].get(c) or {}).get("noise")) for c in PAIRED]
-            n_below, n_cells = n_below + sum(b for _, b in cells), n_cells + len(cells)
-            lines.append(f"| {row_label(r)} | {r['prm']} | "
-                         + " | ".join(c for c, _ in cells) + " |")
+        table, n_below, n_cells = _noise_rows(paired_noise, lambda r: [
+            (r["paired"].get(c) or {}).get("noise") for c in PAIRED])
+        lines += table
         lines += ["", f"Evaluation below seed noise in {n_below} of {n_cells} paired cells."]
     flat = [r for r in report["rows"] if r.get("plateau", {}).get("last") is not None
             and not r["same_run_as_learned"]]
