@@ -162,6 +162,9 @@ def cmd_compare(args) -> int:
             print(tables.markdown(report), end="")
         return 0
 
+    if args.bootstrap_reps < 100:  # fewer draws put a 95% interval's ends on 2-3 replicates
+        raise ValueError(f"--bootstrap-reps {args.bootstrap_reps}: give at least 100 (the "
+                         "default 2000 for the published intervals, ~200 for a quick look)")
     ccfg = CompareConfig(
         run_dir=args.run_dir or ("runs/compare" if args.task == "short"
                                  else f"runs/compare-{args.task}"),
@@ -172,7 +175,8 @@ def cmd_compare(args) -> int:
         **{k: (getattr(args, k) if getattr(args, k) is not None
                else TASK_DEFAULTS.get(args.task, {}).get(k, getattr(CompareConfig, k)))
            for k in ("warmup_steps", "prm_steps", "prm_init")},
-        prm_examples=args.prm_examples, wandb=args.wandb, extra=list(args.overrides))
+        prm_examples=args.prm_examples, bootstrap_reps=args.bootstrap_reps, wandb=args.wandb,
+        extra=list(args.overrides))
     if args.write_readme:  # the markers must be there before an hour of runs
         # deferred: keeps --help fast
         from megaprm.experiments.readme import read_block
@@ -727,6 +731,11 @@ def _parser() -> argparse.ArgumentParser:
                          "runs are seed-major, so a run cut short keeps complete seeds)")
     cp.add_argument("--only-finished", action="store_true",
                     help="run nothing new: report the cells already finished in --run-dir")
+    cp.add_argument("--bootstrap-reps", type=int, default=defaults.bootstrap_reps,
+                    help="replicates of every bootstrap interval (default %(default)s); the "
+                         "report's cost grows with it and with --eval-problems: ~200 gives "
+                         "a quick --only-finished look at a run still going (no cell's key "
+                         "holds it)")
     cp.add_argument("--state-dir", default="",
                     help="keep what a resumed run reads back (built starts, finished cells; "
                          "sha256 manifest) in this directory too, and restore it into --run-dir "

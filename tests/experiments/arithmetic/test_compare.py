@@ -21,7 +21,8 @@ from tests.test_megaprm_cli import MEGAPRM, ROOT, one_line_error, run
 TINY = ["--methods", "grpo,prof_grpo", "--seeds", "1", "--oracle", "grpo,prof_grpo",
         "--rl-steps", "2", "--hack-steps", "2", "--eval-problems", "32", "--sampled-n", "2",
         "--warmup-steps", "300", "--prm-steps", "20", "--prm-examples", "256",
-        "--wandb", "disabled", "--nproc", "2", "trainer.progress=false"]
+        "--wandb", "disabled", "--bootstrap-reps", "200", "--nproc", "2",
+        "trainer.progress=false"]
 
 
 def _greedy_reference(model_dir, problems):
@@ -121,6 +122,7 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     assert os.path.getmtime(first) == mtime
     rep = _load(rd / "compare.json")
     assert rep["missing"] == [] and len(rep["planned"]) == 4
+    assert rep["config"]["bootstrap_reps"] == 200  # --bootstrap-reps reaches the intervals
     # what another machine needs to rebuild it: the commit, the code versions, torch, the CPU;
     # no absolute path (compare.json is committed)
     prov = rep["provenance"]
@@ -405,6 +407,7 @@ def test_method_seeds_checked():
     (["--from-json", "nosuch.json"], "--from-json nosuch.json: no such file"),
     # a fresh directory: nothing to report, and nothing is trained to find that out
     (["--only-finished"], "has no warm-up, no PRM, no finished run with these settings"),
+    (["--bootstrap-reps", "20"], "--bootstrap-reps 20: give at least 100"),
 ])
 def test_compare_bad_input_one_line(tmp_path, args, needle):
     p = run([*MEGAPRM, "compare", "--run-dir", str(tmp_path / "x"), *args])
