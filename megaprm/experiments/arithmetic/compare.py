@@ -31,6 +31,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import time
 from dataclasses import asdict
 
@@ -721,6 +722,27 @@ def evaluation_sizes(rows: list, results: list) -> dict | None:
             "sizes": stats.cheapest_evaluation(greedy, sampled, max_sequences=cap)}
 
 
+def cells_to_go_s(done: list, todo: list) -> float | None:
+    """Seconds the cells in `todo` (RunSpecs) would take at the recorded cost (RL + evaluation
+    seconds) of the finished cells in `done` of the same kind (method, process reward, hack),
+    the median over those; of every finished cell for a kind none has finished yet. None
+    before any finished cell has a recorded cost. Cells of `todo` already finished on disk
+    would cost nothing: a resumed run's estimate is an upper bound until it passes them."""
+    cost: dict = {}
+    for r in done:
+        if r.get("rl_s") is not None:
+            kind = (r["method"], r["prm"], bool(r.get("hack")))
+            cost.setdefault(kind, []).append(r["rl_s"] + (r.get("eval_s") or 0.0))
+    if not cost:
+        return None
+    every = statistics.median(x for xs in cost.values() for x in xs)
+    return sum(statistics.median(cost.get((s.method, s.prm, s.hack), [every])) for s in todo)
+
+
+def _hours_or_min(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+
+
 def _first_last(series: list, n: int = 10) -> dict:
     """Mean over the runs of each run's first and last `n` defined values of a per-step
     monitor that is undefined at some steps (a step AUROC: no right or no wrong step among the
@@ -914,11 +936,14 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False,
         rec.setdefault("start", spec.start)  # results written before starts were a level
         results.append(rec)
         keep_state()
+        to_go = cells_to_go_s(results, runs[i + 1:])
         _say(groups, f"({i + 1}/{len(runs)}) {key}: greedy accuracy "
                      f"{rec['greedy']['accuracy']:.3f}, correct with a wrong step "
                      f"{rec['greedy']['correct_with_wrong_step']:.3f} "
                      f"({time.perf_counter() - t:.0f} s; {(time.perf_counter() - t0) / 60:.1f} "
-                     f"min so far; load {os.getloadavg()[0]:.1f})")
+                     f"min so far" + ("" if not to_go else f", the {len(runs) - i - 1} cell(s) "
+                                      f"to go ~{_hours_or_min(to_go)} at the finished ones' cost")
+                     + f"; load {os.getloadavg()[0]:.1f})")
     if not results:
         raise ValueError(f"--only-finished: no finished run in {ccfg.run_dir}; run without the "
                          "flag first")

@@ -119,6 +119,9 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     assert "warm-up: reusing" in p.stdout and "PRM: reusing" in p.stdout, p.stdout
     assert "grpo-learned-s0: reusing the finished run" in p.stdout, p.stdout
     assert "prof_grpo-learned-s0: reusing" not in p.stdout
+    # the progress line estimates the rest from the finished cells' recorded cost (3 cells
+    # and the hack run: each line but the last has some to go)
+    assert p.stdout.count(" cell(s) to go ~") == 3, p.stdout
     assert os.path.getmtime(first) == mtime
     rep = _load(rd / "compare.json")
     assert rep["missing"] == [] and len(rep["planned"]) == 4
@@ -391,6 +394,22 @@ def test_the_implicit_prm_loss_is_each_runs_first_and_last_trained_steps():
     assert pl["last"] == pytest.approx((0.95 + 0.60) / 2)
     assert pl["defined_steps"] == [60, 12]
     assert "implicit_prm_loss" not in rows[("grpo", "learned")]
+
+
+def test_the_time_to_go_is_each_kinds_median_recorded_cost():
+    """The progress line's estimate, by hand: GRPO cells cost 100 and 300 s (median 200),
+    PRIME's 600 s; of the three cells to go, GRPO's costs 200, PRIME's 600 and PURE's, a kind
+    none has finished, the median of every finished cell (300)."""
+    spec = compare.RunSpec
+    done = [{"method": "grpo", "prm": "learned", "rl_s": 90.0, "eval_s": 10.0},
+            {"method": "grpo", "prm": "learned", "rl_s": 280.0, "eval_s": 20.0},
+            {"method": "prime", "prm": "implicit", "rl_s": 550.0, "eval_s": 50.0}]
+    todo = [spec("grpo", "learned", 1), spec("prime", "implicit", 1), spec("pure", "learned", 1)]
+    assert compare.cells_to_go_s(done, todo) == pytest.approx(200 + 600 + 300)
+    # the hack run is a kind of its own (not GRPO's 200); nothing finished: no estimate
+    assert compare.cells_to_go_s(done, [spec("grpo", "learned", 0, hack=True)]) == 300
+    assert compare.cells_to_go_s([], todo) is None
+    assert compare.cells_to_go_s(done, []) == 0
 
 
 def test_method_seeds_checked():
