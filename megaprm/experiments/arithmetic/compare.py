@@ -496,6 +496,7 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
     curves = _curves(d)
     rec = {"digest": digest, **asdict(spec), "name": spec.name,
            "overrides": [_relative_override(o) for o in overrides], **ev, "rl_code": rl_code,
+           "cpu": _cpu(),  # one pass may span machines (resumed elsewhere): each cell's own
            "train_end": {k: _tail_mean(v) for k, v in curves.items()},
            "curves": curves, "rl_s": rl_s, "eval_s": time.perf_counter() - t - rl_s}
     del trainer, history
@@ -836,17 +837,22 @@ def _cpu() -> dict:
 
 def provenance(code: dict, rl_code: dict, results: list) -> dict:
     """What a reader needs to rebuild the table: the commit, the code versions (the start's,
-    part of its cache key; the RL cells', recorded per cell), torch, the CPU."""
+    part of its cache key; the RL cells', recorded per cell), torch, the CPU (this one's; the
+    cells', counted by model and ATen kernel level: a resumed pass may span machines)."""
     import platform
 
     import torch
 
     versions: dict = {}
+    cpus: dict = {}
     for r in results:
         v = (r.get("rl_code") or {}).get("code", "unrecorded")
         versions[v] = versions.get(v, 0) + 1
+        c = r.get("cpu")
+        c = f"{c['model']} (ATen {c['aten_capability']})" if c else "unrecorded"
+        cpus[c] = cpus.get(c, 0) + 1
     return {**_git_commit(), "start_code": code, "rl_code": rl_code,
-            "cells_by_rl_code": versions, "torch": torch.__version__,
+            "cells_by_rl_code": versions, "cells_by_cpu": cpus, "torch": torch.__version__,
             "python": platform.python_version(), "cpu": _cpu()}
 
 INTERVALS = ("mean over seeds [95% percentile interval of a two-level bootstrap: seeds with "

@@ -133,6 +133,8 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     assert prov["start_code"]["code"] and prov["cells_by_rl_code"] == {
         prov["rl_code"]["code"]: 4}
     assert prov["cpu"]["aten_capability"] and prov["cpu"]["cores"]
+    assert prov["cells_by_cpu"] == {
+        f"{prov['cpu']['model']} (ATen {prov['cpu']['aten_capability']})": 4}
     def strings(x):
         if isinstance(x, dict):
             return [s for v in x.values() for s in strings(v)]
