@@ -619,7 +619,7 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
                "variant_of": VARIANTS[key[0]][0] if key[0] in VARIANTS else None,
                "variant_overrides": VARIANTS[key[0]][1] if key[0] in VARIANTS else []}
         for label, path in COLUMNS:
-            vals = [lookup(r, path) for r in recs]
+            vals = [_value(r, label, path) for r in recs]
             row[label] = {"per_seed": vals, **stats.mean_ci(vals)}
             cnt = _start_counts(recs, label) if label in EVAL_RATIOS else None
             if cnt is not None:
@@ -646,9 +646,10 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
                     b = stats.hier_bootstrap(mn, md, tn, td, reps=reps)
                     by_start[str(k)] = {"seeds": int(mn.shape[0]), "mean": b["mean"],
                                         "lo": b["lo"], "hi": b["hi"], "separated": _separated(b)}
+                pairs = [(_value(r, label, path),
+                          _value(ref[(r.get("start", 0), r["seed"])], label, path)) for r in both]
                 row["paired"][label] = {
-                    "per_seed": [lookup(r, path) - lookup(ref[(r.get("start", 0), r["seed"])],
-                                                          path) for r in both],
+                    "per_seed": [None if None in ab else ab[0] - ab[1] for ab in pairs],
                     "mean": boot["mean"], "lo": boot["lo"], "hi": boot["hi"],
                     "separated": _separated(boot), "by_start": by_start,
                     "noise": _noise3(*mine, *theirs)}
@@ -673,6 +674,18 @@ def aggregate(results: list, ccfg: CompareConfig) -> list:
             row["implicit_prm_loss"] = _first_last([_trained(r["curves"]) for r in recs])
         rows.append(row)
     return rows
+
+
+def _value(r: dict, label: str, path: tuple):
+    """A run's value of a column; None for a ratio without a denominator: the wrong-step share
+    of a run with no correct answer, which the evaluation records as 0 (the bootstrap, the
+    noises and the design leave such a run out of that column too)."""
+    if label in EVAL_RATIOS:
+        ev, _, den = EVAL_RATIOS[label]
+        pp = lookup(r, (ev, "per_problem"))
+        if den != "samples" and pp and not sum(pp[den]):
+            return None
+    return lookup(r, path)
 
 
 def _noise3(num, den, ref_num=None, ref_den=None) -> dict:

@@ -460,7 +460,8 @@ def _plot_paired(plt, paired: list, out_dir: str) -> str:
             color = "tab:red" if d["separated"] else "tab:gray"
             ax.plot([d["lo"], d["hi"]], [y, y], color=color, lw=2)
             ax.plot([d["mean"]], [y], "o", color=color)
-            ax.plot(d["per_seed"], [y + 0.2] * len(d["per_seed"]), "x", color="k", ms=4)
+            xs = [x for x in d["per_seed"] if x is not None]  # None: no correct answer
+            ax.plot(xs, [y + 0.2] * len(xs), "x", color="k", ms=4)
         ax.axvline(0, color="k", lw=0.8)
         ax.set_title(f"Δ {col}\nvs GRPO, same seed", fontsize=9)
         ax.grid(axis="x", alpha=0.3)

@@ -367,6 +367,39 @@ def test_aggregate_rows_paired_differences_and_sentences(tmp_path):
     assert all(os.path.getsize(p) > 10_000 for p in written)
 
 
+def test_a_run_without_a_correct_answer_has_no_wrong_step_share(tmp_path):
+    """A collapsed run (0 correct answers) records its wrong-step share as 0; the row leaves it
+    out (None per seed, the mean over the other seeds) instead of averaging a 0 in."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    ccfg = runs.CompareConfig(methods=("grpo", "pure"), seeds=3, oracle=(), bootstrap_reps=200)
+    results = []
+    for r in runs.plan(ccfg):
+        collapsed = r.method == "pure" and r.seed == 1
+        results.append({**r.__dict__, "name": r.name,
+                        "greedy": _fake_eval(rng, 0.0 if collapsed else 0.5, 0.9, problems=200),
+                        "sampled": _fake_eval(rng, 0.4, 0.9, problems=200, n=2),
+                        "train_end": {}, "curves": {"reward/outcome_mean": [0.1] * 60}})
+    rows = {(r["method"], r["prm"]): r for r in compare.aggregate(results, ccfg)}
+    pure = {r["seed"]: r["greedy"] for r in results if r["method"] == "pure" and not r["hack"]}
+    assert pure[1]["correct_with_wrong_step"] == 0.0  # what the evaluation records
+    cell = rows[("pure", "learned")]["greedy correct with a wrong step"]
+    assert cell["per_seed"][1] is None and cell["n"] == 2
+    want = [sum(pure[s]["per_problem"]["wrong_step"]) / sum(pure[s]["per_problem"]["correct"])
+            for s in (0, 2)]
+    assert cell["per_seed"][0] == pytest.approx(want[0])
+    assert cell["mean"] == pytest.approx(sum(want) / 2)  # the bootstrap's point, same rule
+    paired = rows[("pure", "learned")]["paired"]["greedy correct with a wrong step"]
+    assert paired["per_seed"][1] is None and None not in paired["per_seed"][::2]
+    # the accuracy of that run is a real 0, kept
+    assert rows[("pure", "learned")]["greedy accuracy"]["per_seed"][1] == 0.0
+    rep = {"rows": list(rows.values()), "hack": None,
+           "baseline": {"greedy": results[0]["greedy"], "sampled": results[0]["sampled"]}}
+    assert "compare_paired.png" in [os.path.basename(p) for p in report.plot(rep, results,
+                                                                              str(tmp_path))]
+
+
 def test_the_implicit_prm_loss_is_each_runs_first_and_last_trained_steps():
     """PRIME's implicit-PRM loss in the report: each run's first and last 10 steps on which it
     trained some row (a step whose accuracy filter kept no group trains nothing and is left
