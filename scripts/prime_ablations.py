@@ -1,12 +1,15 @@
 """PRIME on the long task, one knob at a time: which of its parts costs the accuracy.
 
-    .venv/bin/python scripts/prime_ablations.py [--main docs/compare/long/compare.json]
+    .venv/bin/python scripts/prime_ablations.py [--main docs/compare/long/1000x4/compare.json]
         [--ablations docs/compare/long/prime_ablations] [--write docs/compare.md]
 
 Each ablation is a `megaprm compare` run of PRIME alone (2 seeds) on start 0 of the long task,
 with one override on top of the released settings, in a run directory of its own into which
 start 0's warm-up and PRM were copied (so its seed s samples the same step-0 responses as the
 main run's GRPO and PRIME of seed s); its compare.json is committed as ABLATIONS/NAME.json.
+The main run they pair with is the long task's first pass (1000 problems x 4 samples, kept as
+docs/compare/long/1000x4/compare.json): its start 0 is the one the ablations copied, which the
+rerun at 4000 x 2 built anew (another draw), so the rerun's report cannot be their reference.
 The table pairs each ablation's seed s with the main run's GRPO and PRIME of start 0, seed s,
 and prints it as markdown; `--write` replaces the `<!-- megaprm:prime-ablations -->` block of
 a doc with it. With two seeds there is no interval: each seed's difference is shown.
@@ -21,6 +24,7 @@ from pathlib import Path
 from megaprm.experiments.readme import markers, replace_block
 
 ROOT = Path(__file__).resolve().parents[1]
+MAIN = ROOT / "docs/compare/long/1000x4/compare.json"  # the run whose start 0 they copied
 BLOCK = "prime-ablations"  # docs/compare.md's generated block
 BEGIN, END = markers(BLOCK)
 # the ablations in the table's order: file name -> what it changes from the released settings
@@ -99,7 +103,7 @@ def load(main_path: Path, ablation_dir: Path) -> tuple[dict, dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--main", type=Path, default=ROOT / "docs/compare/long/compare.json")
+    ap.add_argument("--main", type=Path, default=MAIN)
     ap.add_argument("--ablations", type=Path, default=ROOT / "docs/compare/long/prime_ablations")
     ap.add_argument("--write", type=Path, default=None,
                     help="a doc whose prime-ablations block gets the table")
