@@ -96,8 +96,23 @@ def load(main_path: Path, ablation_dir: Path) -> tuple[dict, dict]:
     main = json.loads(main_path.read_text(encoding="utf-8"))
     names = [n for n in ABLATIONS if (ablation_dir / f"{n}.json").is_file()]
     names += sorted(p.stem for p in ablation_dir.glob("*.json") if p.stem not in ABLATIONS)
-    return main, {n: json.loads((ablation_dir / f"{n}.json").read_text(encoding="utf-8"))
-                  for n in names}
+    ablations = {n: json.loads((ablation_dir / f"{n}.json").read_text(encoding="utf-8"))
+                 for n in names}
+    # an ablation pairs only with the run whose start 0 it copied: the same warm-up evaluates
+    # to the same baseline (a rebuilt start 0 with the same settings is another draw)
+    want = _start0_baseline(main)
+    for n, rep in ablations.items():
+        if want is not None and _start0_baseline(rep) not in (None, want):
+            raise ValueError(f"{ablation_dir / n}.json: its start 0 is not {main_path}'s "
+                             "(their warm-up baselines differ); give --main the compare.json "
+                             "of the run whose start 0 the ablation copied")
+    return main, ablations
+
+
+def _start0_baseline(report: dict):
+    """Start 0's warm-up evaluation in a compare.json, or None where the report has no starts."""
+    return next((s.get("baseline") for s in report.get("starts", []) if s.get("start") == 0),
+                None)
 
 
 def main(argv=None) -> int:

@@ -46,9 +46,6 @@ def test_each_seed_is_paired_with_grpo_of_the_same_start_and_seed(tmp_path):
 
 
 def test_the_doc_block_is_the_scripts_output_on_the_committed_jsons(tmp_path):
-    # the reference is the run whose start 0 the ablations copied: its GRPO/PRIME cells hold
-    # the ablations' seeds on start 0
-    assert pa.MAIN.is_file() and pa.MAIN != ROOT / "docs/compare/long/compare.json"
     main, ablations = pa.load(pa.MAIN,
                               ROOT / "docs/compare/long/prime_ablations")
     assert set(ablations) == set(pa.ABLATIONS)  # every ablation the doc names is committed
@@ -70,3 +67,15 @@ def test_a_doc_without_the_block_is_one_line_and_exit_2(tmp_path):
                         str(tmp_path / "x.md")], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "prime-ablations begin" in p.stderr and (tmp_path / "x.md").read_text() == "no block\n"
+
+
+def test_an_ablation_is_refused_against_a_run_with_another_start_0():
+    """The rerun at 4000 x 2 rebuilt start 0 with the same settings (another draw): pairing the
+    ablations with its report would compare runs from two warm-ups, so it is one line, exit 2."""
+    rerun = ROOT / "docs/compare/long/compare.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts/prime_ablations.py"), "--main",
+                        str(rerun)], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "its start 0 is not" in p.stderr and p.stdout == ""
+    # and the committed reference is the run they copied
+    pa.load(pa.MAIN, ROOT / "docs/compare/long/prime_ablations")
