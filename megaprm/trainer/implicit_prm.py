@@ -3,6 +3,8 @@ them, q = log pi_prm - log pi_ref per token (research §1.3/§1.6)."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -15,6 +17,17 @@ from megaprm.parallel.host import agree, dp_sum
 from megaprm.rollout.engine import RightPadded
 from megaprm.trainer.batch import ScoredBatch, StepSkipped
 from megaprm.trainer.policy import Policy, targets_to_response
+
+
+@dataclass(frozen=True)
+class ImplicitPRM:
+    """prm.kind=implicit (PRIME): the implicit PRM, a policy trained with its own optimiser, and
+    its reference at T = 1 (the actor's reference where that is at T = 1 too, else a policy of
+    its own). One of the trainer's PRM slot kinds (the other: reward_phase.DiscriminativePRM)."""
+
+    kind: ClassVar[str] = "implicit"
+    policy: Policy
+    ref: Policy
 
 
 def prime_prm(implicit: Policy, prm_cfg, prime_cfg, sb: ScoredBatch, rp: RightPadded,

@@ -8,10 +8,14 @@ module from typed inputs to a typed output:
     -> UpdateResult -> weight sync (rollout_source) -> metrics (step_metrics), evaluation
     (evaluate), checkpoints (resume)
 
-`RLTrainer` owns the models, the rollout source and the data position; its phase methods
+`RLTrainer` owns the models (the actor, the reference, one PRM slot whose `.kind` says which
+parts it has), the rollout source and the run's position (`state`, a `resume.TrainState` value
+replaced as the run goes, what a checkpoint saves and a resume returns); its phase methods
 (`rollout`, `outcome_reward`, `process_reward`, `prime_prm`, `advantages`, `update_actor`) hand
 a phase function what it reads and return what it produced, so a test or a recipe can replace
-one phase on one trainer. `step` is the list of phases.
+one phase on one trainer. `step` is the list of phases. No phase or source module takes the
+trainer: each is given the parts it reads (tests/trainer/test_structure.py holds the rule).
+After `fit`, `evaluate_with_engine` and `export_implicit_prm` are what experiments use.
 
 Memory (trainer/lifecycle.py, verl's order): train -> wake the engine's weights -> sync (the end
 of a step) -> offload the trainer's state (`*.offload`) -> wake the KV cache -> generate -> sleep
@@ -36,10 +40,11 @@ Rules the phases keep:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import uuid
-from typing import List
+from typing import Any, Callable, List, Optional
 
 from checkpoint_tools import model_source
 from megaprm import faults
@@ -82,7 +87,6 @@ class RLTrainer:
         if not cfg.trainer.resume:  # an earlier run there: refused, or moved aside (replace_run)
             start_fresh(cfg.trainer.run_dir, groups, replace=cfg.trainer.replace_run,
                         log=print if groups.rank == 0 else (lambda _m: None))
-        self.run_id = uuid.uuid4().hex[:12]  # a resume takes the checkpoint's
         # the data first: a bad prompt file fails before any model is built
         self.data = make_data(cfg, tokenizer, log=print if groups.rank == 0 else None)
         self.src = model_source.resolve(cfg.model.path, "model.path")
@@ -99,7 +103,9 @@ class RLTrainer:
         t_build = time.perf_counter()
         say(f"[train] building the rollout engine and the models (actor{', reference' if ref_needed(cfg) else ''}"
             f"{', PRM' if cfg.prm.kind in ('discriminative', 'implicit') else ''}) ...", flush=True)
-        self.engine = rollout_source.build_engine(self)  # None: the rollout ranks hold it
+        # None: the rollout ranks hold it
+        self.engine = rollout_source.build_engine(cfg.rollout, cfg.trainer.seed, self.src.hf_dir,
+                                                  tokenizer, groups)
         kw = dict(dtype=dtype, batching=self.batching,
                   build={"impl": cfg.model.impl, "compile": cfg.model.compile,
                          "recompute": cfg.model.recompute,
@@ -109,50 +115,50 @@ class RLTrainer:
                             temperature=self.temperature, **kw)
         self.ref = (Policy(self.spec, groups, self.src, trainable=False,
                            temperature=self.temperature, **kw) if ref_needed(cfg) else None)
-        self.prm = self.implicit = self.disc_prm = None
+        # the one PRM slot: its kind says which parts it has (the oracle and the judge: none)
+        self.prm: Optional[reward_phase.DiscriminativePRM | implicit_prm.ImplicitPRM] = None
         if cfg.prm.kind == "discriminative":
-            self.disc_prm = reward_phase.build_discriminative_prm(cfg, groups)
-            self.prm = self.disc_prm.model  # what prm.offload moves
+            self.prm = reward_phase.build_discriminative_prm(cfg, groups)
         elif cfg.prm.kind == "implicit":
             # PRIME: the implicit PRM starts from the policy and, with its reference, scores at
             # T = 1 (q = log pi_prm - log pi_ref of the sampled tokens; PRIME samples at T = 1)
             imp_src = model_source.resolve(cfg.prm.path or cfg.model.path, "prm.path")
-            self.implicit = Policy(self.spec, groups, imp_src, trainable=True,
-                                   optim=cfg.prm.optim, **kw)
-            self.implicit_ref = (self.ref if self.temperature == 1.0 else
-                                 Policy(self.spec, groups, self.src, trainable=False, **kw))
+            self.prm = implicit_prm.ImplicitPRM(
+                Policy(self.spec, groups, imp_src, trainable=True, optim=cfg.prm.optim, **kw),
+                self.ref if self.temperature == 1.0 else
+                Policy(self.spec, groups, self.src, trainable=False, **kw))
         self.grader = self.grader_tok = None
         if cfg.prm.kind == "judge":
             grader = reward_phase.build_grader(cfg, groups)
             self.grader, self.grader_tok = grader.engine, grader.tok
         say(f"[train] models built ({time.perf_counter() - t_build:.0f} s)", flush=True)
-        # data position: block b = the b-th batch of prompts_per_step prompts. Without refill a
-        # step uses block `step`; with refill a step uses one block per generation round and the
-        # next unused block is trainer state (saved in checkpoints, so resume draws the same).
-        self.next_block = 0
-        self.requeue: list = []  # rollout.refill_surplus=requeue: global prompt ids to redo
+        # the run's position (step, data position, refill queue, ...): one value, replaced as
+        # the run goes, saved in checkpoints (so a resume draws the same prompts; its run id
+        # is the checkpoint's)
+        self.state = resume.TrainState(run_id=uuid.uuid4().hex[:12])
         self.sep_ids = separator_token_ids(tokenizer)
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.run_dir = cfg.trainer.run_dir
-        self.ckpt_root = os.path.join(self.run_dir, "checkpoints")
         self.digest_fields = config_digest_fields(cfg)
         self.logger = MetricsLogger(self.run_dir, enabled=groups.rank == 0,
                                     wandb_mode=cfg.trainer.wandb, config=to_dict(cfg))
         if groups.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
-        self.skipped_steps = 0
-        self.last_row = None  # the metrics row of the last step logged (a checkpoint keeps it)
-        self.start_step = 0
-        self._step = 0  # the step being run (seeds the judge, places the NaN hook)
-        self.lifecycle, self.source = rollout_source.make_source(self)
+        self.lifecycle, self.source = rollout_source.make_source(
+            cfg, groups, self.engine, self.actor.model, self.data, tokenizer, self.eos,
+            rollout_source.offloads(cfg, self.actor, self.ref, self.prm))
         self.sync_weights()
 
     @staticmethod
     def tokenizer_dir(model_path: str) -> str:
         """Where the tokenizer of `model.path` lives (the HF dir, or a checkpoint's hf/)."""
         return model_source.resolve(model_path, "model.path").hf_dir
+
+    def _prm_of(self, kind: str):
+        """The PRM slot where it is of `kind` (discriminative, implicit), else None."""
+        return self.prm if self.prm is not None and self.prm.kind == kind else None
 
     # ------------------------------------------------------------------ the phases
     def sync_weights(self) -> dict:
@@ -161,31 +167,32 @@ class RLTrainer:
         it next generates, after the trainer's state is offloaded). Returns its metrics."""
         return self.source.sync()
 
-    def _stream_weights(self) -> dict:
-        return rollout_source.stream_weights(self.engine, self.actor.model, self.groups)
-
     def rollout(self, block: int, requeued: tuple = ()):
         return rollout_source.rollout(self.source, self.data, self.tok, self.cfg, self.groups,
                                       self.eos, block, requeued)
 
-    def _reward_context(self) -> reward_phase.RewardContext:
+    def _reward_context(self, step: int) -> reward_phase.RewardContext:
+        """What the reward phases read; `step` seeds the judge and places the NaN hook."""
         grader = (reward_phase.Grader(self.grader, self.grader_tok) if self.grader is not None
                   else None)
         return reward_phase.RewardContext(self.cfg, self.groups, self.tok, self.sep_ids,
-                                          self.pad, self._step, self.disc_prm, grader)
+                                          self.pad, step, self._prm_of("discriminative"),
+                                          grader)
 
-    def outcome_reward(self, batch, prompts, group_ids) -> ScoredBatch:
-        return reward_phase.outcome_reward(self._reward_context(), batch, prompts, group_ids)
+    def outcome_reward(self, batch, prompts, group_ids, step: int) -> ScoredBatch:
+        return reward_phase.outcome_reward(self._reward_context(step), batch, prompts,
+                                           group_ids)
 
-    def process_reward(self, sb: ScoredBatch) -> ScoredBatch:
-        return reward_phase.process_reward(self._reward_context(), sb)
+    def process_reward(self, sb: ScoredBatch, step: int) -> ScoredBatch:
+        return reward_phase.process_reward(self._reward_context(step), sb)
 
     def prime_prm(self, sb: ScoredBatch, lp: logprob_phase.LogProbs) -> tuple:
         """PRIME's implicit PRM (its reference at T = 1: the actor's reference when that is
         at T = 1 too, else its own forward)."""
-        ref_t = (lp.ref_t if self.implicit_ref is self.ref
-                 else self.implicit_ref.logprobs(lp.rp.input_ids, lp.lengths))
-        return implicit_prm.prime_prm(self.implicit, self.cfg.prm, self.cfg.advantage.prime, sb,
+        prm = self.prm
+        ref_t = (lp.ref_t if prm.ref is self.ref
+                 else prm.ref.logprobs(lp.rp.input_ids, lp.lengths))
+        return implicit_prm.prime_prm(prm.policy, self.cfg.prm, self.cfg.advantage.prime, sb,
                                       lp.rp, lp.lengths, ref_t)
 
     def advantages(self, sb: ScoredBatch, logp_old, logp_ref):
@@ -200,11 +207,26 @@ class RLTrainer:
         """Held-out greedy accuracy of the policy through the rollout source's engine."""
         return {f"eval/{k}": float(v) for k, v in self.source.evaluate().items()}
 
-    def save(self, step: int, crash_after_models: bool = False) -> str:
-        return resume.save(self, step, crash_after_models=crash_after_models)
+    def _checkpoint_parts(self) -> resume.CheckpointParts:
+        implicit = self._prm_of("implicit")
+        return resume.checkpoint_parts(self.actor,
+                                       implicit.policy if implicit is not None else None)
+
+    def save(self, crash_after_models: bool = False) -> str:
+        """Checkpoint the models and `self.state` (step `state.step - 1`, the last step done)."""
+        return resume.save(self.cfg, self.groups, self.state, self._checkpoint_parts(),
+                           self.digest_fields, crash_after_models=crash_after_models)
 
     def maybe_resume(self) -> int:
-        return resume.maybe_resume(self)
+        """Resume from the newest intact checkpoint where trainer.resume asks (the models,
+        `self.state`, the metrics file cut back to it, the engine fed the loaded weights).
+        Returns the step to run next (0: a fresh start)."""
+        self.state = resume.maybe_resume(self.cfg, self.groups, self.state,
+                                         self._checkpoint_parts(), self.digest_fields)
+        if self.state.step > 0:
+            self.logger.truncate_after(self.state.step - 1, self.state.last_row)
+            self.sync_weights()
+        return self.state.step
 
     def _scored_rollout(self, step: int, t: PhaseTimer) -> tuple:
         """Phases rollout, outcome and process reward: (ScoredBatch, refill's metrics). A
@@ -212,19 +234,22 @@ class RLTrainer:
         fault, sb, metrics = None, None, {}
         try:
             if self.cfg.rollout.refill == "none":
-                self.next_block = step + 1
+                self.state = dataclasses.replace(self.state, next_block=step + 1)
                 with t("rollout"):
                     batch, prompts, group_ids = self.rollout(step)
                 with t("outcome_reward"):
-                    sb = self.outcome_reward(batch, prompts, group_ids)
+                    sb = self.outcome_reward(batch, prompts, group_ids, step)
             else:
-                r = refill.refill_rollout(self.cfg, self.groups, self.sep_ids, t,
-                                          self.next_block, self.requeue, self.rollout,
-                                          self.outcome_reward)
-                sb, metrics, self.next_block, self.requeue = (r.batch, r.metrics, r.next_block,
-                                                              r.requeue)
+                r = refill.refill_rollout(
+                    self.cfg, self.groups, self.sep_ids, t, self.state.next_block,
+                    self.state.requeue, self.rollout,
+                    lambda batch, prompts, group_ids: self.outcome_reward(batch, prompts,
+                                                                          group_ids, step))
+                sb, metrics = r.batch, r.metrics
+                self.state = dataclasses.replace(self.state, next_block=r.next_block,
+                                                 requeue=tuple(r.requeue))
             with t("process_reward"):
-                sb = self.process_reward(sb)
+                sb = self.process_reward(sb, step)
         except FloatingPointError as e:
             fault = str(e)
         fault = agree(fault, self.groups)  # every rank skips, or none does
@@ -236,7 +261,6 @@ class RLTrainer:
     def step(self, step: int) -> dict:
         """One RL step on this rank: its rank-local metrics (step_or_skip reduces them)."""
         cfg, g, t, t0 = self.cfg, self.groups, PhaseTimer(), time.perf_counter()
-        self._step = step
         sb, refill_metrics = self._scored_rollout(step, t)
         batch = sb.rollout
         lag = correction.row_lag(batch, self.source.version)  # versions behind the trainer's
@@ -249,7 +273,7 @@ class RLTrainer:
                                              sampler_temperature=cfg.rollout.temperature,
                                              reuse=reuse)
         prm_metrics: dict = {}
-        if self.implicit is not None:  # PRIME: train the PRM (filtered, mini-batched), score
+        if self._prm_of("implicit") is not None:  # PRIME: train the PRM (filtered, ...), score
             with t("prm_update"):
                 sb, prm_metrics = self.prime_prm(sb, lp)
         with t("advantages"):
@@ -299,11 +323,12 @@ class RLTrainer:
                        **{k: v for k, v in metrics.items() if k.startswith("actor/")}}
         except StepSkipped as e:  # agreed on by every rank; nothing was applied
             self.actor.opt.zero_grad()
-            self.skipped_steps += 1
+            self.state = dataclasses.replace(self.state,
+                                             skipped_steps=self.state.skipped_steps + 1)
             metrics = {"guard/skipped": 1.0}
             if self.groups.rank == 0:
                 print(f"[megaprm] step {step} skipped: {e}", flush=True)
-        metrics["guard/skipped_total"] = float(self.skipped_steps)
+        metrics["guard/skipped_total"] = float(self.state.skipped_steps)
         return metrics
 
     # ------------------------------------------------------------------ the run
@@ -325,7 +350,9 @@ class RLTrainer:
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
                 metrics.update(self.evaluate())
             step_metrics.warn_on_drift(g.rank, step, metrics)
-            self.last_row = self.logger.log(step, metrics)  # a save of this step keeps it
+            # the run is past `step`; a save of this step keeps its row
+            self.state = dataclasses.replace(self.state, step=step + 1,
+                                             last_row=self.logger.log(step, metrics))
             faults.kill_at(step, "after_log")
             history.append(metrics)
             bar.set_postfix(reward=f"{metrics.get('reward/outcome_mean', float('nan')):.3f}")
@@ -333,7 +360,7 @@ class RLTrainer:
                 on_step(step, metrics)
             last = step == cfg.steps - 1
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
-                self.save(step, crash_after_models=faults.crash_during_save(step))
+                self.save(crash_after_models=faults.crash_during_save(step))
                 faults.kill_at(step, "after_save")
         if cfg.export_hf:
             out = save_hf(self.actor.model, g, os.path.join(self.run_dir, "hf"),
@@ -345,6 +372,27 @@ class RLTrainer:
         if self.lock is not None:
             self.lock.release()
         return history
+
+    # ------------------------------------------------------------------ after the run
+    def evaluate_with_engine(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(engine)` on this rank's colocated rollout engine, which holds the actor's newest
+        weights, with the trainer's models off the device as in a rollout (the experiments'
+        own evaluations after `fit`). Returns what `fn` returned."""
+        if self.lifecycle is None:
+            raise ValueError("evaluate_with_engine needs the engine on the trainer's ranks "
+                             "(rollout.placement=colocated); under rollout.placement=separate "
+                             "the rollout ranks hold it")
+        return self.source.with_engine(fn)
+
+    def export_implicit_prm(self, path: str, side_files_from: Optional[str] = None) -> str:
+        """PRIME's implicit PRM as an HF directory at `path` (collective: every rank calls it),
+        its tokenizer and config files copied from `side_files_from` (default: the directory
+        it started from). Returns the directory written."""
+        if self._prm_of("implicit") is None:
+            raise ValueError(f"export_implicit_prm: this run has no implicit PRM "
+                             f"(prm.kind={self.cfg.prm.kind!r}; PRIME's is prm.kind=implicit)")
+        return save_hf(self.prm.policy.model, self.groups, path,
+                       side_files_from=side_files_from or self.prm.policy.src.hf_dir)
 
 
 def ref_needed(cfg: Config) -> bool:

@@ -3,7 +3,7 @@ from the rollout source until the step's share of groups passes the filter."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import Callable, List, Sequence
 
 import torch
 
@@ -29,7 +29,8 @@ class Refilled:
     requeue: list
 
 
-def refill_rollout(cfg: Config, groups: Groups, sep_ids, t, next_block: int, requeue: list,
+def refill_rollout(cfg: Config, groups: Groups, sep_ids, t, next_block: int,
+                   requeue: Sequence[int],
                    rollout: Callable, outcome_reward: Callable) -> Refilled:
     """Phases rollout + outcome reward with dynamic sampling (`rollout.refill`; PRIME's
     released loop, ray_trainer.py:467-542: generate, verify, filter, until the filtered

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, ClassVar, List, Optional
 
 import torch
 
@@ -33,8 +33,10 @@ from megaprm.trainer.data import Prompts
 
 @dataclass(frozen=True)
 class DiscriminativePRM:
-    """prm.kind=discriminative: the PRM (eval mode), its spec (the head) and its input format."""
+    """prm.kind=discriminative: the PRM (eval mode), its spec (the head) and its input format.
+    One of the trainer's PRM slot kinds (the other: implicit_prm.ImplicitPRM)."""
 
+    kind: ClassVar[str] = "discriminative"
     model: torch.nn.Module
     spec: Any
     fmt: Any

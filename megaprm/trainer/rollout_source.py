@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import List
+from typing import Callable, List, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from checkpoint_tools import model_source
 from megaprm import faults
-from megaprm.config import ConfigError
+from megaprm.config import Config, ConfigError, RolloutConfig
 from megaprm.parallel.device import rank_device
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.offload import Offload
@@ -26,6 +26,7 @@ from megaprm.trainer.data import Prompts, encode_prompts
 from megaprm.trainer.evaluate import evaluate_with
 from megaprm.trainer.lifecycle import Lifecycle
 
+T = TypeVar("T")
 
 def sampling_params(cfg, block: int, dp_rank: int, eos: int) -> SamplingParams:
     """The sampling of prompt block `block` for dp rank `dp_rank`'s share (same seed on every
@@ -40,20 +41,26 @@ def sampling_params(cfg, block: int, dp_rank: int, eos: int) -> SamplingParams:
 class ColocatedSource:
     """The engine on this rank, between the trainer's state leaving the device and coming back
     (`Lifecycle.generate`: the engine sleeps after it); `sync` streams the actor's weights
-    into it. `version`: the number of syncs so far (the weights every batch was drawn with)."""
+    into it. `version`: the number of syncs so far (the weights every batch was drawn with).
+    `cfg`, `tok`, `groups`: what the held-out evaluation reads."""
 
-    def __init__(self, tr, lifecycle, engine):
-        self.tr, self.lifecycle, self.engine, self.version = tr, lifecycle, engine, -1
+    def __init__(self, engine, lifecycle: Lifecycle, cfg: Config, tok, groups: Groups):
+        self.engine, self.lifecycle, self.version = engine, lifecycle, -1
+        self.cfg, self.tok, self.groups = cfg, tok, groups
 
     def generate(self, block: int, ids: list, params: SamplingParams) -> RolloutBatch:
         batch = self.lifecycle.generate(lambda: self.engine.generate(ids, params))
         batch.row_versions = torch.full((batch.batch_size,), self.version, dtype=torch.long)
         return batch
 
+    def with_engine(self, fn: Callable[[object], T]) -> T:
+        """fn(engine) while the engine generates: the trainer's state offloaded, the engine
+        awake with the actor's weights (synced first where it slept since), asleep after."""
+        return self.lifecycle.generate(lambda: fn(self.engine))
+
     def evaluate(self) -> dict:
-        tr = self.tr
-        return self.lifecycle.generate(lambda: evaluate_with(tr.cfg, self.engine, tr.tok,
-                                                             tr.groups))
+        return self.with_engine(lambda engine: evaluate_with(self.cfg, engine, self.tok,
+                                                             self.groups))
 
     def stop(self) -> None:
         pass
@@ -65,50 +72,57 @@ class ColocatedSource:
         return out
 
 
-def build_engine(tr):
+def build_engine(rollout_cfg: RolloutConfig, seed: int, hf_dir: str, tok, groups: Groups):
     """The colocated rollout engine on this rank's device, asleep (None under a separate
     placement). vLLM: external_launcher when world > 1, the trainer's tp, one seed per tp
-    group; it starts from the policy's HF config and holds the actor's weights after the first
-    sync (it reads no weights: the actor's are checked and loaded once, by the actor). Built
-    before the trainer's models: vLLM's start-up check wants utilisation x total memory free,
-    which the actor, reference and PRM would no longer leave."""
-    if tr.cfg.rollout.placement == "separate":
+    group; it starts from the policy's HF config (`hf_dir`) and holds the actor's weights after
+    the first sync (it reads no weights: the actor's are checked and loaded once, by the
+    actor). Built before the trainer's models: vLLM's start-up check wants utilisation x total
+    memory free, which the actor, reference and PRM would no longer leave."""
+    if rollout_cfg.placement == "separate":
         return None
-    g = tr.groups
-    engine = factory.build_engine(tr.cfg.rollout, tr.src.hf_dir, tr.tok, world_size=g.world_size,
-                   tp_size=g.tp_size, seed=tr.cfg.trainer.seed, device=rank_device(),
+    g = groups
+    engine = factory.build_engine(rollout_cfg, hf_dir, tok, world_size=g.world_size,
+                   tp_size=g.tp_size, seed=seed, device=rank_device(),
                    load_weights=False)
     engine.sleep()  # the first sync wakes its weights with the actor's
     return engine
 
 
-def make_source(tr) -> tuple:
-    """(lifecycle or None, the rollout source) of this trainer's placement."""
-    if tr.cfg.rollout.placement == "separate":
+def make_source(cfg: Config, groups: Groups, engine, actor_model, data, tok, eos: int,
+                offloaded: List[Offload]) -> tuple:
+    """(lifecycle or None, the rollout source) of `cfg.rollout.placement`: the colocated
+    `engine` (built by `build_engine`) fed the actor's weights, `offloaded` (`offloads`) leaving
+    the device while it generates; or the rollout ranks, which draw from `data` (block ->
+    Prompts) with `tok` and stop at `eos`."""
+    if cfg.rollout.placement == "separate":
         placement = remote.current()
         if placement is None:
             raise ConfigError("rollout.placement=separate: the launch must split its ranks "
                               "first (megaprm train does; rollout.remote.split_world)")
-        return None, RemoteSource(tr, placement)
-    lifecycle = Lifecycle(tr.engine, tr._stream_weights, offloads(tr))
-    return lifecycle, ColocatedSource(tr, lifecycle, tr.engine)
+        return None, RemoteSource(placement, cfg, groups, data, tok, eos, actor_model)
+    lifecycle = Lifecycle(engine, functools.partial(stream_weights, engine, actor_model, groups),
+                          offloaded)
+    return lifecycle, ColocatedSource(engine, lifecycle, cfg, tok, groups)
 
 
-def offloads(tr) -> List[Offload]:
-    """The models whose `*.offload` switch is on, with their optimizers (PRIME's second
-    reference at T = 1 follows ref.offload): they leave the device while the colocated engine
-    generates."""
-    cfg, out = tr.cfg, []
+def offloads(cfg: Config, actor, ref, prm) -> List[Offload]:
+    """The models whose `*.offload` switch is on, with their optimizers: they leave the device
+    while the colocated engine generates. `actor`, `ref` (or None): Policy; `prm`: the trainer's
+    PRM slot (None, `.kind` discriminative: its model; implicit: its trained policy, and its
+    reference at T = 1, which follows ref.offload where it is not the actor's reference)."""
+    out = []
+    implicit = prm is not None and prm.kind == "implicit"
     if cfg.actor.offload:
-        out.append(Offload("actor", tr.actor.model, tr.actor.opt))
+        out.append(Offload("actor", actor.model, actor.opt))
     if cfg.ref.offload:
-        refs = [tr.ref, getattr(tr, "implicit_ref", None)]
+        refs = [ref, prm.ref if implicit else None]
         out += [Offload("ref", r.model) for i, r in enumerate(refs)
                 if r is not None and r not in refs[:i]]
-    if cfg.prm.offload and tr.prm is not None:
-        out.append(Offload("prm", tr.prm))
-    if cfg.prm.offload and tr.implicit is not None:
-        out.append(Offload("prm", tr.implicit.model, tr.implicit.opt))
+    if cfg.prm.offload and prm is not None and prm.kind == "discriminative":
+        out.append(Offload("prm", prm.model))
+    if cfg.prm.offload and implicit:
+        out.append(Offload("prm", prm.policy.model, prm.policy.opt))
     return out
 
 
@@ -157,12 +171,16 @@ class RemoteSource:
     rollout ranks (collective over the trainer ranks); `evaluate()` runs the held-out evaluation
     on engine 0 (its leader replies) with the newest weights; `stop()` ends the rollout ranks' loop."""
 
-    def __init__(self, tr, placement: remote.Placement):
-        self.tr, self.p = tr, placement
-        self.k = tr.cfg.rollout.max_staleness
+    def __init__(self, placement: remote.Placement, cfg: Config, groups: Groups, data, tok,
+                 eos: int, actor_model):
+        """`data`: block -> Prompts (trainer rank 0 orders every dp shard's prompts, encoded
+        with `tok`, stopping at `eos`); `actor_model`: whose weights `sync` streams."""
+        self.p, self.cfg, self.groups = placement, cfg, groups
+        self.data, self.tok, self.eos, self.actor_model = data, tok, eos, actor_model
+        self.k = cfg.rollout.max_staleness
         self.version = -1
         self.ordered = -1  # the last block ordered from the rollout ranks
-        g = tr.groups
+        g = groups
         # dp shard d is drawn by engine d mod engines; its leader sends the batch
         leaders = placement.leaders
         self.server = leaders[g.dp_rank % len(leaders)]
@@ -181,13 +199,13 @@ class RemoteSource:
     def _order(self, block: int) -> None:
         """Trainer rank 0: order block `block` (every dp shard) from its engine: the same order
         to every rank of the engine (its tp workers draw together)."""
-        tr, engines = self.tr, self.p.engines
+        engines = self.p.engines
         per_engine: list = [[] for _ in engines]
         for d, dsts in self.dp_ranks.items():
-            local, _ = local_prompts(tr.data, block, d, tr.groups.dp_size)
+            local, _ = local_prompts(self.data, block, d, self.groups.dp_size)
             per_engine[d % len(engines)].append(
-                (encode_prompts(tr.tok, local.texts), sampling_params(tr.cfg, block, d, tr.eos),
-                 dsts))
+                (encode_prompts(self.tok, local.texts),
+                 sampling_params(self.cfg, block, d, self.eos), dsts))
         for ranks, shards in zip(engines, per_engine):
             for s in ranks if shards else ():
                 # not waited for: a gloo send completes when the receiver takes it
@@ -196,7 +214,7 @@ class RemoteSource:
     def generate(self, block: int, ids=None, params=None):
         """This rank's batch of `block` (ids/params: the colocated interface's; the rollout
         rank draws the same ones, ordered by trainer rank 0)."""
-        if self.tr.groups.rank == 0:
+        if self.groups.rank == 0:
             for b in range(max(self.ordered + 1, block), block + self.k + 1):
                 self._order(b)
             self.ordered = max(self.ordered, block + self.k)
@@ -211,10 +229,9 @@ class RemoteSource:
         `weight_sync/seconds` is
         the trainer's time in this call: the gather, trainer rank 0's packing and issuing, and
         `weight_sync/wait_seconds` of it waiting for an older version to be taken."""
-        tr = self.tr
         start = time.perf_counter()
         self.version += 1
-        buckets = weight_sync.iter_hf_buckets(tr.actor.model, tr.groups)
+        buckets = weight_sync.iter_hf_buckets(self.actor_model, self.groups)
         if self.sender is not None:
             out = self.sender.send(self.version, buckets)
         else:  # the gather is collective: every trainer rank iterates
@@ -226,7 +243,7 @@ class RemoteSource:
                 "weight_sync/wait_seconds": out["wait_seconds"]}
 
     def evaluate(self) -> dict:
-        g = self.tr.groups
+        g = self.groups
         out = None
         if g.rank == 0:  # engine 0 evaluates (every rank of it); its leader replies
             for s in self.p.engines[0]:
@@ -239,7 +256,7 @@ class RemoteSource:
         return out
 
     def stop(self) -> None:
-        if self.tr.groups.rank == 0:
+        if self.groups.rank == 0:
             for s in self.p.rollout_ranks:
                 remote.send(self.p, ("stop",), s, remote.CTRL)
             self.sender.drain()

@@ -73,8 +73,8 @@ def _work(run_dir, policy, prm, grader, canned):
     tr.grader.generate = generate
     real_outcome = tr.outcome_reward
 
-    def outcome(batch, prompts, group_ids):
-        sb = real_outcome(batch, prompts, group_ids)
+    def outcome(batch, prompts, group_ids, step):
+        sb = real_outcome(batch, prompts, group_ids, step)
         sb.outcome = (torch.arange(sb.outcome.numel()) % 3 == 0).float()
         return sb
     tr.outcome_reward = outcome

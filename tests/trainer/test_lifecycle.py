@@ -37,7 +37,8 @@ def _held_bytes(tr) -> int:
     """Bytes the trainer's models hold (parameters, buffers, grads, optimizer tensors), found by
     walking them here (not through offload.py)."""
     ts = []
-    for pol in (tr.actor, tr.ref, tr.implicit, getattr(tr, "implicit_ref", None)):
+    implicit = tr.prm is not None and tr.prm.kind == "implicit"
+    for pol in (tr.actor, tr.ref, *((tr.prm.policy, tr.prm.ref) if implicit else ())):
         if pol is None:
             continue
         ts += [*pol.model.parameters(), *getattr(pol.model, "module", pol.model).buffers()]
@@ -45,8 +46,8 @@ def _held_bytes(tr) -> int:
         if pol.opt is not None:
             ts += [v for st in pol.opt.impl.state.values() for v in st.values()
                    if isinstance(v, torch.Tensor) and v.dim() > 0]  # not AdamW's step count
-    if tr.prm is not None:
-        ts += [*tr.prm.parameters(), *tr.prm.buffers()]
+    if tr.prm is not None and tr.prm.kind == "discriminative":
+        ts += [*tr.prm.model.parameters(), *tr.prm.model.buffers()]
     return sum(t.untyped_storage().nbytes() for t in ts)
 
 

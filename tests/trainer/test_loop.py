@@ -162,7 +162,6 @@ def _temperature_work(run_dir, policy, prm, temperature):
     cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=1",
                                                  f"rollout.temperature={temperature}"])
     tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
-    tr._step = 0
     batch, _, _ = tr.rollout(0)
     rp = batch.to_right_padded(tr.pad)
     old = targets_to_response(tr.actor.logprobs(rp.input_ids), rp,
@@ -213,7 +212,6 @@ def _logprob_temperature_work(run_dir, policy, prm):
                                                  "actor.logprob_temperature=1.0",
                                                  "actor.mini_batches=1"])
     tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
-    tr._step = 0
     batch, _, _ = tr.rollout(0)  # the batch fit's step 0 draws again (same block, same seed)
     rp = batch.to_right_padded(tr.pad)
     mask = rp.loss_mask[:, :-1].bool()
@@ -282,7 +280,6 @@ def _metrics_work(run_dir, policy, prm, micro_batch_size, packed=False):
                                                  *(["actor.max_tokens_per_micro_batch=96"]
                                                    if packed else [])])
     tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
-    tr._step = 0
     batch, _, _ = tr.rollout(0)
     rp = batch.to_right_padded(tr.pad)
     gen = torch.Generator().manual_seed(7 + g.rank)
@@ -462,8 +459,8 @@ def _prime_work(run_dir, policy, prm):
     tr = loop.RLTrainer(cfg, g, build_char_tokenizer())
     real_outcome = tr.outcome_reward
 
-    def mixed(batch, truths, group_ids):  # group 0 all correct (filtered), others half right
-        sb = real_outcome(batch, truths, group_ids)
+    def mixed(batch, truths, group_ids, step):  # group 0 all correct (filtered), others half right
+        sb = real_outcome(batch, truths, group_ids, step)
         first = sb.group_ids == sb.group_ids.min()
         sb.outcome = torch.where(first, torch.ones_like(sb.outcome),
                                  (torch.arange(len(sb.outcome)) % 2).float())
@@ -473,7 +470,7 @@ def _prime_work(run_dir, policy, prm):
     real_mb = implicit_prm.prm_minibatch
 
     def recording(implicit, beta, rp, idx, *a):
-        seen["params_at_call"].append([p.detach().clone() for p in tr.implicit.model.parameters()])
+        seen["params_at_call"].append([p.detach().clone() for p in tr.prm.policy.model.parameters()])
         seen["rows"].append(idx.tolist())
         return real_mb(implicit, beta, rp, idx, *a)
     implicit_prm.prm_minibatch = recording  # this spawned rank's module only

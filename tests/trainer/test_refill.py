@@ -74,8 +74,8 @@ def _work(run_dir, policy, prm, method, pattern, extra, steps):
         seen.setdefault("requeued", []).append(list(*requeued))
         return real_rollout(block, *requeued)
 
-    def outcome(batch, prompts, group_ids):
-        sb = real_outcome(batch, prompts, group_ids)
+    def outcome(batch, prompts, group_ids, step):
+        sb = real_outcome(batch, prompts, group_ids, step)
         pattern_o = torch.tensor([float(passes(pattern, int(gid)) and j % 2 == 0)
                                   for j, gid in enumerate(group_ids.tolist())])
         sb.outcome = pattern_o
@@ -93,7 +93,7 @@ def _work(run_dir, policy, prm, method, pattern, extra, steps):
     tr.rollout, tr.outcome_reward = rollout, outcome
     tr.advantages, tr.update_actor = advantages, update
     hist = tr.fit()
-    return hist, seen, tr.next_block
+    return hist, seen, tr.state.next_block
 
 
 @pytest.mark.parametrize("method,refill", [("grpo", "std"), ("prime", "accuracy")])
@@ -190,8 +190,8 @@ def _resume_work(run_dir, policy, prm, steps, pattern=None, extra=()):
         blocks.append((block, *requeued) if requeued else block)
         return real(block, *requeued)
 
-    def outcome(batch, prompts, group_ids):
-        sb = real_outcome(batch, prompts, group_ids)
+    def outcome(batch, prompts, group_ids, step):
+        sb = real_outcome(batch, prompts, group_ids, step)
         sb.outcome = torch.tensor([float(passes(pattern, int(gid)) and j % 2 == 0)
                                    for j, gid in enumerate(group_ids.tolist())])
         return sb
@@ -199,7 +199,7 @@ def _resume_work(run_dir, policy, prm, steps, pattern=None, extra=()):
     if pattern is not None:
         tr.outcome_reward = outcome
     tr.fit()
-    return blocks, tr.next_block
+    return blocks, tr.state.next_block
 
 
 def test_resume_continues_from_the_saved_data_position(models, tmp_path):

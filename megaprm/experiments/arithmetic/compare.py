@@ -25,7 +25,6 @@ in start.py, the statistics in stats.py, the table and plots in report.py.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import json
 import math
@@ -82,7 +81,6 @@ from megaprm.rollout.factory import build_engine
 from megaprm.tasks.tokenizer import build_char_tokenizer
 from megaprm.rewards.prm_eval import judge
 from megaprm.trainer.evaluate import evaluate_arithmetic
-from megaprm.trainer.export import save_hf
 from megaprm.trainer.loop import RLTrainer
 from megaprm.trainer.metrics import read_metrics
 from megaprm.trainer.prm_judge import arithmetic_set, judged, score_discriminative, score_implicit
@@ -280,13 +278,13 @@ def prm_judge_stage(ccfg: CompareConfig, groups: Groups, start: int, prm_dir: st
     return rec
 
 
-def judge_implicit(ccfg: CompareConfig, groups: Groups, trainer, run_dir: str,
+def judge_implicit(ccfg: CompareConfig, groups: Groups, trainer: RLTrainer, run_dir: str,
                    sft_dir: str) -> dict:
     """PRIME's implicit PRM at the end of its run, saved (RUN/implicit_prm) and judged like a
     discriminative PRM: a step's score is beta * sum of its tokens' log pi_prm - log pi_ref
     (the reference: the warm-up policy, the implicit PRM's start), called wrong below 0."""
-    out = save_hf(trainer.implicit.model, groups, os.path.join(run_dir, "implicit_prm"),
-                  side_files_from=sft_dir)
+    out = trainer.export_implicit_prm(os.path.join(run_dir, "implicit_prm"),
+                                      side_files_from=sft_dir)
     _barrier(groups)
     ex, labels, step_labels = judge_set(ccfg)
     beta = trainer.cfg.prm.beta
@@ -488,9 +486,9 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
     trainer = RLTrainer(cfg, groups, tok)
     history = trainer.fit()
     rl_s = time.perf_counter() - t
-    ev = trainer.lifecycle.generate(functools.partial(
-        evaluate_policy, trainer.engine, tok, groups, ccfg, cfg.rollout.temperature))
-    if getattr(trainer, "implicit", None) is not None:
+    ev = trainer.evaluate_with_engine(lambda engine: evaluate_policy(
+        engine, tok, groups, ccfg, cfg.rollout.temperature))
+    if cfg.prm.kind == "implicit":
         ev["implicit_judged"] = judge_implicit(ccfg, groups, trainer, d, sft_dir)
     _barrier(groups)  # rank 0 has written every step's metrics
     curves = _curves(d)

@@ -20,7 +20,6 @@ Output: RUN_DIR/demo.json (numbers, times, load, the generated texts), RUN_DIR/d
 """
 from __future__ import annotations
 
-import functools
 import gc
 import json
 import math
@@ -224,9 +223,8 @@ def run(dcfg: DemoConfig, groups: Groups) -> dict:
         history = trainer.fit()
         rl_s = time.perf_counter() - t
         t = time.perf_counter()
-        after = trainer.lifecycle.generate(
-            functools.partial(evaluate_and_record, trainer.engine, tok, groups, problems,
-                              max_tokens))
+        after = trainer.evaluate_with_engine(
+            lambda engine: evaluate_and_record(engine, tok, groups, problems, max_tokens))
         eval_s = time.perf_counter() - t
         if groups.world_size > 1:
             dist.barrier()  # rank 0 has written every step's metrics
