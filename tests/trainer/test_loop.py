@@ -485,7 +485,26 @@ def _prime_work(run_dir, policy, prm):
     hist = tr.fit()
     p0, p1 = seen["params_at_call"]
     moved = any(not torch.equal(a, b) for a, b in zip(p0, p1))
+    captured["after_fit"] = _after_fit(tr, g, run_dir)
     return hist[0], seen["rows"], moved, captured
+
+
+def _after_fit(tr, g, run_dir) -> dict:
+    """The public API experiments use after `fit`: the exported implicit PRM (its HF weights
+    against the trained PRM's and the actor's) and fn(engine) on the rollout engine."""
+    from safetensors.torch import load_file
+
+    from megaprm.rollout.weight_sync import iter_hf_weights
+
+    out = tr.export_implicit_prm(os.path.join(run_dir, "implicit_prm"))
+    got = load_file(os.path.join(out, "model.safetensors"))
+
+    def same(model):
+        want = dict(iter_hf_weights(model, g))
+        return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    return {"prm": same(tr.prm.policy.model), "actor": same(tr.actor.model),
+            "config": os.path.isfile(os.path.join(out, "config.json")),
+            "engine": tr.evaluate_with_engine(lambda engine: engine is tr.engine)}
 
 
 def test_prime_prm_trains_on_the_filtered_batch_in_minibatches_scored_inside(models, tmp_path):
@@ -502,6 +521,9 @@ def test_prime_prm_trains_on_the_filtered_batch_in_minibatches_scored_inside(mod
     assert moved, "mini-batch 2 was scored by the PRM before its first step"
     assert torch.all(cap["q"][first] == 0)
     assert torch.any(cap["q"][~first] * cap["mask"][~first] != 0)
+    # after fit: the exported implicit PRM is the trained PRM (not the actor), with its side
+    # files; evaluate_with_engine hands fn the rollout engine
+    assert cap["after_fit"] == {"prm": True, "actor": False, "config": True, "engine": True}
 
 
 # ------------------------------------------------------------------ metrics.jsonl after kills
@@ -588,7 +610,14 @@ def _oracle_rl_work(run_dir, policy, prm):
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "prof_grpo", ["trainer.steps=1", "prm.kind=oracle"])
     tr = RLTrainer(cfg, g, build_char_tokenizer())
-    return tr.prm is None, tr.fit()[0]
+    m = tr.fit()[0]
+    try:
+        tr.export_implicit_prm(os.path.join(run_dir, "implicit_prm"))
+    except ValueError as e:  # no implicit PRM to export: said so
+        assert "prm.kind='oracle'" in str(e), e
+    else:
+        raise AssertionError("export_implicit_prm exported a PRM an oracle run does not have")
+    return tr.prm is None, m
 
 
 def test_prof_grpo_runs_on_the_oracle_prm(models, tmp_path):
