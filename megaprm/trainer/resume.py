@@ -67,6 +67,7 @@ def save(cfg: Config, groups: Groups, state: TrainState, parts: CheckpointParts,
          digest_fields: dict, crash_after_models: bool = False) -> str:
     """Checkpoint `step_{state.step - 1}` of `parts` and `state` under the run's checkpoints/
     (collective); `digest_fields`: the config a resume must match. Returns its path."""
+    assert state.step >= 1, f"a checkpoint is of a step done; state.step={state.step}"
     return save_checkpoint(
         checkpoints_dir(cfg), state.step - 1, groups, models=parts.models,
         optimizers=parts.optimizers,
