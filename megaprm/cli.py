@@ -28,13 +28,14 @@ def _user_errors() -> tuple:
     """Exception types that are the user's to fix (one line, exit 2), not megaprm bugs."""
     # deferred: keeps --help fast
     from megaprm.config import ConfigError
+    from megaprm.outputs import OutputPathError
     from megaprm.parallel.init import ParallelConfigError
     from megaprm.parallel.launch import LaunchError
     from megaprm.trainer.checkpoint.store import CheckpointError
     from megaprm.trainer.run_lock import RunLockError
 
-    types = [ConfigError, ParallelConfigError, LaunchError, CheckpointError, RunLockError,
-             FileNotFoundError, ValueError]
+    types = [ConfigError, OutputPathError, ParallelConfigError, LaunchError, CheckpointError,
+             RunLockError, FileNotFoundError, ValueError]
     try:
         # deferred: keeps --help fast
         from checkpoint_tools.layout import ConversionError

@@ -153,7 +153,7 @@ def run(args) -> int:
 
     def preflight():
         # deferred: keeps --help fast
-        from checkpoint_tools.layout import check_output
+        from megaprm.outputs import check_output
         from megaprm.config import load_config
         from megaprm.experiments.arithmetic.compare import claim_run_dir
         from megaprm.parallel.launch import world_size_of

@@ -96,7 +96,7 @@ def run(args) -> int:
 
     def preflight():
         # deferred: keeps --help fast
-        from checkpoint_tools.layout import check_output
+        from megaprm.outputs import check_output
         from megaprm.experiments.readme import read_block
         from megaprm.parallel.launch import world_size_of
 

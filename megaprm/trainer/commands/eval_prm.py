@@ -137,7 +137,7 @@ def _write_json(path: str, doc: dict) -> None:
 
 def run(args) -> int:
     # deferred: keeps --help fast
-    from checkpoint_tools.layout import check_output
+    from megaprm.outputs import check_output
     from megaprm.rewards import prm_eval
 
     _check_args(args)

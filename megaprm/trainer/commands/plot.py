@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     # deferred: keeps --help fast
-    from checkpoint_tools.layout import check_output
+    from megaprm.outputs import check_output
     from megaprm.trainer.plots import plot_run
 
     if args.out:  # RUN_DIR/plots (the default) is the run's own place for them

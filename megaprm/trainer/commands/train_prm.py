@@ -29,7 +29,7 @@ def run(args) -> int:
 
     def preflight():
         # deferred: keeps --help fast
-        from checkpoint_tools.layout import check_output
+        from megaprm.outputs import check_output
         from megaprm.parallel.init import check_layout
         from megaprm.parallel.launch import world_size_of
 
