@@ -27,7 +27,7 @@ import traceback
 def _user_errors() -> tuple:
     """Exception types that are the user's to fix (one line, exit 2), not megaprm bugs."""
     # deferred: keeps --help fast
-    from megaprm.config import ConfigError
+    from megaprm.errors import ConfigError
     from megaprm.outputs import OutputPathError
     from megaprm.parallel.init import ParallelConfigError
     from megaprm.parallel.launch import LaunchError

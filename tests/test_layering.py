@@ -26,14 +26,18 @@ PACKAGES = ("megaprm", "checkpoint_tools", "eval")
 # lower layer, never one of its own layer or above: parallel/ knows nothing of the models built
 # on it, tasks/ nothing of the rewards that judge them, rollout/ nothing of the checkpoint
 # tools, and nothing below the trainer imports the trainer, the experiments or the CLI.
-# Modules in no package listed here (megaprm.config, megaprm.faults, the package roots) are
-# held by the cycle rule only.
+# The leaves (errors: ConfigError; outputs: the output-path rule) sit below every package and
+# import none. The root config composes the component configs of the layers below it (rollout,
+# rewards, algorithms, tasks, parallel), so it sits above them and they raise ConfigError from
+# the leaf, not from it. Modules in no package listed here (megaprm.faults, megaprm.digest, the
+# package roots) are held by the cycle rules only.
 LAYERS = {
+    "megaprm.errors": -1, "megaprm.outputs": -1,
     "megaprm.parallel": 0,
     "megaprm.models": 1, "megaprm.algorithms": 1, "megaprm.tasks": 1,
     "megaprm.rollout": 2,
     "megaprm.rewards": 3, "checkpoint_tools": 3,
-    "megaprm.planner": 4, "eval": 4,
+    "megaprm.config": 4, "megaprm.planner": 4, "eval": 4,
     "megaprm.trainer": 5,
     "megaprm.experiments": 6,
     "megaprm.cli": 7,
@@ -184,6 +188,25 @@ def file_cycles() -> list:
     return _cycles(edges)
 
 
+def _unit(module: str) -> str:
+    """The package of the layer table a module belongs to, else the module itself."""
+    return next((pkg for pkg in LAYERS if _under(module, pkg)), module)
+
+
+def package_cycles(imports: dict) -> list:
+    """Cycles between the units of the layer table (a package, or a module in none): a module
+    of A importing B while one of B imports A, even where no module imports itself back (once
+    megaprm.config imported rewards.judge while rewards.prm_input imported megaprm.config)."""
+    edges = defaultdict(set)
+    for m, imps in imports.items():
+        for i in imps:
+            target = i.target if isinstance(i, _Import) else i
+            a, b = _unit(m), _unit(target)
+            if a != b:
+                edges[a].add(b)
+    return _cycles(edges)
+
+
 def _layer(module: str):
     """(package, layer) of a module, or (None, None) when it sits in no layered package."""
     for pkg, layer in LAYERS.items():
@@ -254,6 +277,21 @@ def test_no_import_cycles():
     cycles = file_cycles()
     assert not cycles, "import cycles (each a set of modules that import each other):\n" + \
         "\n".join(str(c) for c in cycles)
+
+
+def test_no_cycles_between_packages():
+    _, imports = _graph()
+    cycles = package_cycles(imports)
+    assert not cycles, "packages that import each other:\n" + "\n".join(map(str, cycles))
+
+
+def test_the_package_cycle_finder_sees_a_cycle_no_module_closes():
+    # the cycle megaprm.config once made with rewards: no module imported itself back
+    imports = {"megaprm.config": ["megaprm.rewards.judge", "megaprm.tasks.arithmetic"],
+               "megaprm.rewards.prm_input": ["megaprm.config"],
+               "megaprm.rewards.judge": [], "megaprm.tasks.arithmetic": []}
+    assert not _cycles({m: set(v) for m, v in imports.items()})
+    assert package_cycles(imports) == [["megaprm.config", "megaprm.rewards"]]
 
 
 def test_lower_layers_do_not_import_upper_ones():

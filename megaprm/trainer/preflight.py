@@ -7,7 +7,8 @@ import os
 import sys
 
 from checkpoint_tools import model_source
-from megaprm.config import Config, ConfigError
+from megaprm.config import Config
+from megaprm.errors import ConfigError
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.outputs import check_output
 from megaprm.parallel.init import ParallelConfigError, check_layout

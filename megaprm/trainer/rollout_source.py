@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from checkpoint_tools import model_source
 from megaprm import faults
-from megaprm.config import ConfigError
+from megaprm.errors import ConfigError
 from megaprm.parallel.device import rank_device
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.offload import Offload

@@ -37,9 +37,10 @@ from dataclasses import asdict
 
 from checkpoint_tools.convert import export_hf_in_process
 from checkpoint_tools.layout import ConversionError
-from megaprm.config import RolloutConfig, load_config
+from megaprm.config import load_config
 from megaprm.digest import json_digest, source_digest
 from megaprm.experiments.arithmetic import run_state, stats
+from megaprm.rollout.config import RolloutConfig
 from megaprm.experiments.arithmetic.report import (
     COLUMNS,
     CURVE_KEYS,
