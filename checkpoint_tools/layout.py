@@ -26,6 +26,16 @@ import tempfile
 from dataclasses import asdict, dataclass
 
 from megaprm.models.hf_files import WEIGHT_FILE
+from megaprm.outputs import (
+    CHECKPOINTS_SUBDIR,
+    LATEST_FILE,
+    RUN_MARKERS,
+    STEP_DIR,
+    OutputPathError,
+    check_output,
+    describe,
+    overlap,
+)
 
 HF_EXPORT_FORMAT = "megaprm-hf-export"  # MANIFEST.json's format in an export-hf output
 MODEL_SUBDIR = "model"
@@ -121,25 +131,11 @@ class CheckpointMeta:
 
 
 MODEL_KEYS = ("actor", "prm")
-CHECKPOINTS_SUBDIR = "checkpoints"
-LATEST_FILE = "latest"
-_STEP_DIR = re.compile(r"step_\d+$")
 
 
 def is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, META_FILE)) and \
         os.path.isdir(os.path.join(path, MODEL_SUBDIR))
-
-
-def _describe(path: str) -> str:
-    """A short listing of what a directory holds, for error messages."""
-    try:
-        names = sorted(os.listdir(path))
-    except OSError:
-        return "nothing readable"
-    shown = [n + ("/" if os.path.isdir(os.path.join(path, n)) else "") for n in names[:8]]
-    return ", ".join(shown) + (f", ... (+{len(names) - 8})" if len(names) > 8 else "") \
-        if names else "an empty directory"
 
 
 def _model_in_step(step_dir: str, model: str) -> str:
@@ -153,15 +149,15 @@ def _model_in_step(step_dir: str, model: str) -> str:
             f"a PRM is saved only by runs that train one, e.g. PRIME); pass --model {others[0]}")
     if os.path.isdir(ckpt):
         raise ConversionError(
-            f"{ckpt!r} is not a complete checkpoint: it holds {_describe(ckpt)}, expected "
+            f"{ckpt!r} is not a complete checkpoint: it holds {describe(ckpt)}, expected "
             f"{MODEL_SUBDIR}/ and {META_FILE} (an interrupted save? use an earlier step)")
     raise ConversionError(f"trainer step {step_dir!r} has no {model}/ checkpoint; it holds "
-                          f"{_describe(step_dir)}")
+                          f"{describe(step_dir)}")
 
 
 def _follow_latest(ckpts_dir: str, model: str) -> str:
     latest = os.path.join(ckpts_dir, LATEST_FILE)
-    steps = sorted(n for n in os.listdir(ckpts_dir) if _STEP_DIR.match(n))
+    steps = sorted(n for n in os.listdir(ckpts_dir) if STEP_DIR.match(n))
     if not os.path.isfile(latest):
         hint = f"; pass a step directory, e.g. {os.path.join(ckpts_dir, steps[-1])}" if steps \
             else ""
@@ -195,13 +191,13 @@ def resolve_checkpoint(path: str, model: str = "actor") -> str:
         return _model_in_step(path, model)
     for ckpts in (path, os.path.join(path, CHECKPOINTS_SUBDIR)):
         if os.path.isfile(os.path.join(ckpts, LATEST_FILE)) or (
-                os.path.isdir(ckpts) and any(_STEP_DIR.match(n) for n in os.listdir(ckpts))):
+                os.path.isdir(ckpts) and any(STEP_DIR.match(n) for n in os.listdir(ckpts))):
             return _follow_latest(ckpts, model)
     raise ConversionError(
         f"{path!r} is not a megaprm checkpoint: expected a checkpoint dir ({MODEL_SUBDIR}/ + "
         f"{META_FILE}, from `python -m checkpoint_tools import-hf`), a trainer step dir "
         f"(step_N/{model}/), or a run / checkpoints dir with a {LATEST_FILE} file; it holds "
-        f"{_describe(path)}")
+        f"{describe(path)}")
 
 
 def write_checkpoint_meta(ckpt_dir: str, hf_dir: str, architecture: str, dtype,
@@ -243,99 +239,6 @@ def copy_side_files(src: str, dst: str) -> list[str]:
     return files
 
 
-# what marks a trainer's run directory (metrics, resolved config, checkpoints)
-RUN_MARKERS = ("metrics.jsonl", "config.yaml", "checkpoints")
-
-
-def overlap(out_dir: str, src: str) -> str | None:
-    """How `out_dir` sits against `src` ("is", "lies inside", "contains"), None if apart.
-    Symlinks resolved: a link to the input is the input."""
-    out, s = os.path.realpath(out_dir), os.path.realpath(src)
-    if out == s:
-        return "is"
-    if out.startswith(s.rstrip(os.sep) + os.sep):
-        return "lies inside"
-    if s.startswith(out.rstrip(os.sep) + os.sep):
-        return "contains"
-    return None
-
-
-def holds_run(path: str) -> bool:
-    """Whether directory `path` is a trainer's run directory: its metrics.jsonl next to its
-    config.yaml, or a checkpoints/ of trainer steps (a config.yaml alone is common elsewhere)."""
-    ckpts = os.path.join(path, CHECKPOINTS_SUBDIR)
-    if os.path.isfile(os.path.join(path, "metrics.jsonl")) and os.path.isfile(
-            os.path.join(path, "config.yaml")):
-        return True
-    try:
-        return os.path.isdir(ckpts) and any(n == LATEST_FILE or _STEP_DIR.match(n)
-                                            for n in os.listdir(ckpts))
-    except OSError:
-        return False
-
-
-def _run_around(path: str) -> str | None:
-    """The nearest directory above `path` (not `path` itself) that holds a training run."""
-    d = os.path.dirname(os.path.realpath(path))
-    while True:
-        if holds_run(d):
-            return d
-        if os.path.dirname(d) == d:
-            return None
-        d = os.path.dirname(d)
-
-
-def _run_within(path: str, depth: int = 2) -> str | None:
-    """A training run in a directory up to `depth` levels below `path`, if any."""
-    level = [path] if os.path.isdir(path) else []
-    for _ in range(depth):
-        nxt = []
-        for d in level:
-            try:
-                entries = sorted(e.path for e in os.scandir(d) if e.is_dir())
-            except OSError:
-                continue
-            for sub in entries:
-                if holds_run(sub):
-                    return sub
-                nxt.append(sub)
-        level = nxt
-    return None
-
-
-def check_output(out: str, setting: str, inputs: dict, *, own_run: bool = False,
-                 holds_runs: bool = False, allowed: tuple = ()) -> None:
-    """The rule for every command that writes (megaprm train, train-prm, demo, compare, eval,
-    plot; import-hf and export-hf through `check_target`): its output `out` (named by
-    `setting` in the message) is refused in one line when it is, lies inside or contains one
-    of `inputs` ({setting: path}; None entries skipped), or when it is, lies inside or contains
-    a training run's directory. `own_run`: `out` is itself a run directory (train: a resume).
-    `holds_runs`: `out` holds runs of its own below it (demo, compare). `allowed`: outputs that
-    are the input's own place for them (plot's RUN_DIR/plots)."""
-    real = os.path.realpath(out)
-    if any(real == os.path.realpath(a) for a in allowed):
-        return
-    for name, src in inputs.items():
-        how = overlap(out, src) if src else None
-        if how is not None:
-            raise ConversionError(
-                f"{setting}={out!r} {how} the input {name}={src!r}: writing there would change "
-                f"what the command reads; choose a {setting} outside it")
-    around = _run_around(out)
-    if around is not None:
-        raise ConversionError(f"{setting}={out!r} lies inside the training run {around!r}: "
-                              f"writing there would mix into its history; choose a {setting} "
-                              "outside it")
-    if os.path.isdir(out) and holds_run(out) and not own_run:
-        raise ConversionError(f"{setting}={out!r} holds a training run ({_describe(out)}); "
-                              f"choose a new {setting} (nothing of a run is written over)")
-    # a run's own replaced-<time>/ runs are its history, not another run to refuse
-    inner = None if holds_runs or (own_run and holds_run(out)) else _run_within(out)
-    if inner is not None:
-        raise ConversionError(f"{setting}={out!r} contains the training run {inner!r}; choose "
-                              f"a {setting} of its own, outside every run")
-
-
 def check_apart(out_dir: str, inputs: tuple) -> None:
     """Refuse an output that is, lies inside or contains one of `inputs`, whatever --force
     says: replacing it would delete what the command reads."""
@@ -351,7 +254,10 @@ def check_target(out_dir: str, force: bool, inputs: tuple = ()) -> None:
     """`check_apart`; then refuse an output that holds a trainer run, whatever --force says
     (its history would go); else refuse to write over an existing directory unless --force."""
     check_apart(out_dir, inputs)
-    check_output(out_dir, "--out", {})  # nor inside or around a run
+    try:
+        check_output(out_dir, "--out", {})  # nor inside or around a run
+    except OutputPathError as e:  # a conversion refuses with its own error type
+        raise ConversionError(str(e)) from None
     out_dir = os.path.abspath(out_dir)
     held = [m for m in RUN_MARKERS if os.path.exists(os.path.join(out_dir, m))]
     if held:
@@ -365,7 +271,7 @@ def check_target(out_dir: str, force: bool, inputs: tuple = ()) -> None:
     if os.path.exists(out_dir) and not _earlier_output(out_dir):
         raise ConversionError(
             f"--out {out_dir!r} is not an earlier output of import-hf or export-hf (no "
-            f"MANIFEST.json of theirs; it holds {_describe(out_dir)}): --force replaces only "
+            f"MANIFEST.json of theirs; it holds {describe(out_dir)}): --force replaces only "
             "those; choose a new directory, or remove it yourself")
     parent = os.path.dirname(out_dir)
     if not os.path.isdir(parent):

@@ -5,8 +5,8 @@ import json
 import os
 import sys
 
-from checkpoint_tools.layout import check_output
 from eval.run import EvalConfig, evaluate_benchmarks, format_table
+from megaprm.outputs import check_output
 from megaprm.tasks.datasets import BENCHMARKS
 
 

@@ -154,8 +154,8 @@ def resolve_model(path: str, workdir: str) -> str:
 def build_engine(cfg: EvalConfig, hf_dir: str, tokenizer):
     """The one engine factory (rollout.factory), one process: this rank's device."""
     # deferred: bound at call time (tests and benchmarks replace it); torch (run imports without it)
-    from megaprm.config import RolloutConfig
     from megaprm.parallel.device import rank_device
+    from megaprm.rollout.config import RolloutConfig
     from megaprm.rollout.factory import build_engine as build
 
     return build(RolloutConfig(engine=cfg.engine), hf_dir, tokenizer, world_size=1, tp_size=1,

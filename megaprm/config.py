@@ -2,8 +2,8 @@
 
 Each component's dataclass lives beside the component (advantage estimators in
 `algorithms.registry`, the arithmetic task in `tasks.arithmetic`, optimiser in
-`parallel.optimizer`); this module composes them. Unknown keys and bad values raise
-`ConfigError` naming the dotted field, the value and what would be valid.
+`parallel.optimizer`, sampling and the engine in `rollout.config`); this module composes them. Unknown keys and bad values raise
+`ConfigError` (megaprm/errors.py) naming the dotted field, the value and what would be valid.
 """
 from __future__ import annotations
 
@@ -19,19 +19,12 @@ from typing import Any, Optional
 import yaml
 
 from megaprm.algorithms.registry import AdvantageConfig
+from megaprm.errors import ConfigError, check_value
 from megaprm.parallel.device import DTYPE_CHOICES, resolve_dtype_name
 from megaprm.parallel.optimizer import OptimConfig
 from megaprm.rewards.judge import JudgeConfig
+from megaprm.rollout.config import RolloutConfig
 from megaprm.tasks.arithmetic import ArithmeticConfig
-
-
-class ConfigError(ValueError):
-    """A config value a user wrote that cannot work; the message says how to fix it."""
-
-
-def _check(cond: bool, path: str, value: Any, valid: str) -> None:
-    if not cond:
-        raise ConfigError(f"{path}={value!r} is not valid: {valid}")
 
 
 @dataclass
@@ -43,7 +36,7 @@ class ParallelConfig:
     def __post_init__(self):
         for k in ("tp", "pp", "ep"):
             v = getattr(self, k)
-            _check(isinstance(v, int) and v >= 1, f"parallel.{k}", v, "a positive integer")
+            check_value(isinstance(v, int) and v >= 1, f"parallel.{k}", v, "a positive integer")
 
 
 @dataclass
@@ -62,16 +55,16 @@ class ModelConfig:
     moe_z_loss_coef: float = 0.0
 
     def __post_init__(self):
-        _check(self.dtype in DTYPE_CHOICES, "model.dtype", self.dtype,
+        check_value(self.dtype in DTYPE_CHOICES, "model.dtype", self.dtype,
                "auto (bf16 on CUDA, fp32 on the CPU), fp32 or bf16")
         # resolved once, where the run starts: the run dir's config.yaml and the checkpoints
         # name the dtype the models were built in
         self.dtype = resolve_dtype_name(self.dtype)
-        _check(self.impl in (None, "te", "sdpa", "local"), "model.impl", self.impl,
+        check_value(self.impl in (None, "te", "sdpa", "local"), "model.impl", self.impl,
                "te, sdpa, local or null (automatic)")
         for k in ("moe_aux_loss_coef", "moe_z_loss_coef"):
             v = getattr(self, k)
-            _check(isinstance(v, (int, float)) and v >= 0, f"model.{k}", v, "a number >= 0")
+            check_value(isinstance(v, (int, float)) and v >= 0, f"model.{k}", v, "a number >= 0")
 
 
 PROMPT_FORMATS = ("raw", "chat", "first_message")
@@ -101,28 +94,28 @@ class DataConfig:
     system_prompt: Optional[str] = None  # chat: the system message (none: the row's own)
 
     def __post_init__(self):
-        _check(self.task in ("arithmetic", "math"), "data.task", self.task, "arithmetic or math")
-        _check(self.prompt_format in PROMPT_FORMATS, "data.prompt_format", self.prompt_format,
+        check_value(self.task in ("arithmetic", "math"), "data.task", self.task, "arithmetic or math")
+        check_value(self.prompt_format in PROMPT_FORMATS, "data.prompt_format", self.prompt_format,
                "raw, chat or first_message")
-        _check(isinstance(self.prompt_template, str) and "{question}" in self.prompt_template,
+        check_value(isinstance(self.prompt_template, str) and "{question}" in self.prompt_template,
                "data.prompt_template", self.prompt_template,
                "a string holding {question} (where the problem text goes)")
         try:
             self.prompt_template.format(question="")
         except (KeyError, IndexError, ValueError):
-            _check(False, "data.prompt_template", self.prompt_template,
+            check_value(False, "data.prompt_template", self.prompt_template,
                    "only the {question} field; write other braces doubled ({{ }})")
-        _check(self.system_prompt is None or self.prompt_format == "chat", "data.system_prompt",
+        check_value(self.system_prompt is None or self.prompt_format == "chat", "data.system_prompt",
                self.system_prompt, "a system message needs data.prompt_format=chat")
-        _check(self.on_bad_row in ("skip", "error"), "data.on_bad_row", self.on_bad_row,
+        check_value(self.on_bad_row in ("skip", "error"), "data.on_bad_row", self.on_bad_row,
                "skip or error")
-        _check(self.long_prompt in ("truncate", "drop", "error"), "data.long_prompt",
+        check_value(self.long_prompt in ("truncate", "drop", "error"), "data.long_prompt",
                self.long_prompt, "truncate, drop or error")
-        _check(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
+        check_value(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
                "data.max_prompt_tokens", self.max_prompt_tokens, "a positive token count")
-        _check(self.prompts_per_step >= 1, "data.prompts_per_step", self.prompts_per_step, ">= 1")
+        check_value(self.prompts_per_step >= 1, "data.prompts_per_step", self.prompts_per_step, ">= 1")
         if self.task == "math":
-            _check(self.path is not None, "data.path", self.path,
+            check_value(self.path is not None, "data.path", self.path,
                    "data.task=math needs data.path (a .jsonl or verl-style .parquet file)")
         else:  # the embedded task reads no file: a file setting here would be silently ignored
             defaults = DataConfig.__dataclass_fields__
@@ -137,97 +130,6 @@ class DataConfig:
 # the DataConfig keys that only a prompt file (data.task=math) reads
 _PROMPT_FILE_KEYS = ("path", "eval_path", "on_bad_row", "keep_unanswered", "max_prompt_tokens",
                      "long_prompt")
-
-
-REFILL_FILTERS = ("none", "accuracy", "std")
-
-
-@dataclass
-class RolloutConfig:
-    """Sampling, the engine, and dynamic sampling. `refill` (DAPO's dynamic sampling, verl's
-    `algorithm.filter_groups`; PRIME's released loop): keep generating fresh prompt groups until
-    `data.prompts_per_step` groups pass a filter, at most `max_refill_rounds` extra rounds; the
-    filtered-out groups leave the batch. `accuracy`: mean outcome in [advantage.prime.acc_low,
-    acc_high] (PRIME's filter); `std`: outcomes not all equal (verl's filter_groups, std > 0);
-    `none`: one round, the batch as generated."""
-
-    # auto: vLLM where it is installed and CUDA is present, else the transformers engine (hf);
-    # resolved where the engine is built (rollout/factory.py), so a plan made on a CPU laptop
-    # still plans the GPU run's engine
-    engine: str = "auto"
-    n: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 64
-    gpu_memory_utilization: float = 0.5  # vLLM: share of the GPU for weights + KV cache
-    sleep_level: int = 1                 # vLLM sleep: 1 offloads weights to host, 2 drops them
-    refill: str = "none"                 # none | accuracy | std (class docstring)
-    max_refill_rounds: int = 4           # extra generation rounds per step at most (then train
-                                         # on what passed; rollout/refill_capped says so)
-    # passing groups beyond the step's share: drop (verl's DAPO recipe) | requeue (PRIME's
-    # release: their prompts are generated again first in the next step's first round)
-    refill_surplus: str = "drop"
-    # where the engine runs (docs/rollout.md "Placement"): colocated (on every trainer rank,
-    # sharing its device) | separate (the last `ranks` ranks of the launch run the engine alone)
-    placement: str = "colocated"
-    ranks: int = 0                       # separate: how many rollout ranks (the last of the world)
-    # separate: GPUs of one rollout engine (vLLM tensor parallelism; rollout.ranks / tp engines
-    # of consecutive rollout ranks, rollout/remote.py); the transformers engine takes tp 1 only
-    # (trainer/preflight)
-    tp: int = 1
-    # separate: batches the rollout ranks may draw ahead of the trainer; a batch is consumed at
-    # most this many weight versions after the one it was drawn with (0: on-policy)
-    max_staleness: int = 0
-    # off-policy correction of the update against the engine's log-probs (docs/rollout.md):
-    # none | tis (token-level truncated importance sampling, verl's rollout correction) |
-    # decoupled (AReaL's decoupled PPO: tokens whose weight exceeds the cap are dropped)
-    correction: str = "tis"
-    tis_cap: float = 2.0                 # C: weights above it are truncated (tis) or dropped
-
-    def __post_init__(self):
-        _check(self.placement in ("colocated", "separate"), "rollout.placement", self.placement,
-               "colocated or separate")
-        _check(isinstance(self.ranks, int) and self.ranks >= 0, "rollout.ranks", self.ranks,
-               "an integer >= 0 (rollout ranks of a separate placement)")
-        _check(self.placement == "colocated" or self.ranks >= 1, "rollout.ranks", self.ranks,
-               ">= 1 with rollout.placement=separate (the last ranks of the launch)")
-        _check(isinstance(self.tp, int) and self.tp >= 1, "rollout.tp", self.tp,
-               "a positive integer (GPUs of one rollout engine)")
-        _check(self.tp == 1 or self.placement == "separate", "rollout.tp", self.tp,
-               "1 with rollout.placement=colocated (the engine takes the trainer's parallel.tp "
-               "there); set rollout.placement=separate")
-        _check(self.placement == "colocated" or self.ranks % self.tp == 0, "rollout.tp",
-               self.tp, f"a divisor of rollout.ranks={self.ranks} (each engine takes tp of them)")
-        _check(isinstance(self.max_staleness, int) and self.max_staleness >= 0,
-               "rollout.max_staleness", self.max_staleness, "an integer >= 0")
-        _check(self.max_staleness == 0 or self.placement == "separate", "rollout.max_staleness",
-               self.max_staleness, "0 with rollout.placement=colocated (the engine shares the "
-               "trainer's ranks: nothing runs ahead); set rollout.placement=separate")
-        _check(self.placement == "colocated" or self.refill_surplus == "drop",
-               "rollout.refill_surplus", self.refill_surplus,
-               "drop with rollout.placement=separate (requeued prompts are not streamed)")
-        _check(self.correction in ("none", "tis", "decoupled"), "rollout.correction",
-               self.correction, "none, tis (token-level truncated importance sampling) or "
-               "decoupled (AReaL's decoupled PPO)")
-        _check(self.tis_cap >= 1.0, "rollout.tis_cap", self.tis_cap, ">= 1")
-        _check(self.engine in ("auto", "hf", "vllm"), "rollout.engine", self.engine,
-               "auto (vLLM where it and CUDA are present, else hf), hf (transformers) or vllm")
-        _check(self.refill in REFILL_FILTERS, "rollout.refill", self.refill,
-               "none, accuracy (mean outcome in advantage.prime.acc_low..acc_high) or std "
-               "(groups whose outcomes are not all equal)")
-        _check(self.refill_surplus in ("drop", "requeue"), "rollout.refill_surplus",
-               self.refill_surplus, "drop or requeue (PRIME's release)")
-        _check(isinstance(self.max_refill_rounds, int) and self.max_refill_rounds >= 0,
-               "rollout.max_refill_rounds", self.max_refill_rounds,
-               "an integer >= 0 (extra generation rounds per step)")
-        _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
-               self.gpu_memory_utilization, "in (0, 1]")
-        _check(self.sleep_level in (1, 2), "rollout.sleep_level", self.sleep_level, "1 or 2")
-        _check(isinstance(self.n, int) and self.n >= 2, "rollout.n", self.n,
-               "an integer >= 2 (group baselines need at least two samples per prompt)")
-        _check(self.temperature > 0, "rollout.temperature", self.temperature, "> 0 for RL")
-        _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
-        _check(self.max_tokens >= 1, "rollout.max_tokens", self.max_tokens, ">= 1")
 
 
 @dataclass
@@ -265,26 +167,26 @@ class ActorConfig:
     offload: bool = False
 
     def __post_init__(self):
-        _check(isinstance(self.offload, bool), "actor.offload", self.offload, "true or false")
-        _check(self.skip_ratio_scope in ("token", "sequence"), "actor.skip_ratio_scope",
+        check_value(isinstance(self.offload, bool), "actor.offload", self.offload, "true or false")
+        check_value(self.skip_ratio_scope in ("token", "sequence"), "actor.skip_ratio_scope",
                self.skip_ratio_scope, "token or sequence (PURE's release)")
         t = self.logprob_temperature
-        _check(t == "rollout" or (isinstance(t, (int, float)) and not isinstance(t, bool)
+        check_value(t == "rollout" or (isinstance(t, (int, float)) and not isinstance(t, bool)
                                   and t > 0), "actor.logprob_temperature", t,
                "rollout (the sampling temperature) or a number > 0")
-        _check(self.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+        check_value(self.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                  "seq-mean-token-sum-norm"),
                "actor.loss_agg", self.loss_agg, "token-mean, seq-mean-token-mean, "
                "seq-mean-token-sum or seq-mean-token-sum-norm (Dr.GRPO; divides by "
                "rollout.max_tokens)")
-        _check(self.kl_kind in ("k1", "k2", "k3", "low_var_kl"), "actor.kl_kind", self.kl_kind,
+        check_value(self.kl_kind in ("k1", "k2", "k3", "low_var_kl"), "actor.kl_kind", self.kl_kind,
                "k1, k2, k3 or low_var_kl")
-        _check(self.mini_batches >= 1, "actor.mini_batches", self.mini_batches, ">= 1")
-        _check(self.micro_batch_size >= 1, "actor.micro_batch_size", self.micro_batch_size, ">= 1")
-        _check(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 2,
+        check_value(self.mini_batches >= 1, "actor.mini_batches", self.mini_batches, ">= 1")
+        check_value(self.micro_batch_size >= 1, "actor.micro_batch_size", self.micro_batch_size, ">= 1")
+        check_value(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 2,
                "actor.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch,
                "a token budget >= the longest prompt + response, or null")
-        _check(self.eps_low >= 0 and self.eps_high >= 0, "actor.eps_low/eps_high",
+        check_value(self.eps_low >= 0 and self.eps_high >= 0, "actor.eps_low/eps_high",
                (self.eps_low, self.eps_high), ">= 0")
 
 
@@ -319,19 +221,19 @@ class PRMConfig:
     offload: bool = False
 
     def __post_init__(self):
-        _check(isinstance(self.offload, bool), "prm.offload", self.offload, "true or false")
-        _check(self.kind in ("discriminative", "implicit", "oracle", "judge", "none"), "prm.kind",
+        check_value(isinstance(self.offload, bool), "prm.offload", self.offload, "true or false")
+        check_value(self.kind in ("discriminative", "implicit", "oracle", "judge", "none"), "prm.kind",
                self.kind, "discriminative, implicit, oracle (exact step labels, arithmetic task), "
                "judge (a generative grader LLM at prm.path) or none")
-        _check(self.kind != "judge" or bool(self.path), "prm.path", self.path,
+        check_value(self.kind != "judge" or bool(self.path), "prm.path", self.path,
                "prm.kind=judge needs prm.path: the grader model's HF directory")
-        _check(isinstance(self.mini_batches, int) and self.mini_batches >= 1, "prm.mini_batches",
+        check_value(isinstance(self.mini_batches, int) and self.mini_batches >= 1, "prm.mini_batches",
                self.mini_batches, "an integer >= 1")
-        _check(self.update in ("after", "none"), "prm.update", self.update,
+        check_value(self.update in ("after", "none"), "prm.update", self.update,
                "after (released PRIME) or none")
-        _check(self.forward in ("compact", "released"), "prm.forward", self.forward,
+        check_value(self.forward in ("compact", "released"), "prm.forward", self.forward,
                "compact (exact) or released (left-padded, no attention mask, as PROF-GRPO)")
-        _check(self.input_format in ("auto", "qwen25_math_prm", "pure", "raw", "megaprm"),
+        check_value(self.input_format in ("auto", "qwen25_math_prm", "pure", "raw", "megaprm"),
                "prm.input_format", self.input_format, "auto, qwen25_math_prm, pure, raw or megaprm")
 
 
@@ -344,7 +246,7 @@ class RefConfig:
     offload: bool = False
 
     def __post_init__(self):
-        _check(isinstance(self.offload, bool), "ref.offload", self.offload, "true or false")
+        check_value(isinstance(self.offload, bool), "ref.offload", self.offload, "true or false")
 
 
 VERIFIERS = ("math_verify", "prof_math_verify", "hendrycks_math", "prime_math", "verl_prime_math")
@@ -364,7 +266,7 @@ class RewardConfig:
     llm_fallback: bool = False
 
     def __post_init__(self):
-        _check(self.verifier in VERIFIERS, "reward.verifier", self.verifier,
+        check_value(self.verifier in VERIFIERS, "reward.verifier", self.verifier,
                "math_verify, prof_math_verify, hendrycks_math, prime_math or verl_prime_math")
 
 
@@ -396,12 +298,12 @@ class TrainerConfig:
     progress: bool = True
 
     def __post_init__(self):
-        _check(self.steps >= 0, "trainer.steps", self.steps, ">= 0")
+        check_value(self.steps >= 0, "trainer.steps", self.steps, ">= 0")
         for k in ("save_every", "keep_last", "eval_every", "log_samples"):
             v = getattr(self, k)
-            _check(isinstance(v, int) and v >= 0, f"trainer.{k}", v, "an integer >= 0 (0 = off)")
-        _check(self.eval_problems >= 1, "trainer.eval_problems", self.eval_problems, ">= 1")
-        _check(self.wandb in ("offline", "online", "disabled"), "trainer.wandb", self.wandb,
+            check_value(isinstance(v, int) and v >= 0, f"trainer.{k}", v, "an integer >= 0 (0 = off)")
+        check_value(self.eval_problems >= 1, "trainer.eval_problems", self.eval_problems, ">= 1")
+        check_value(self.wandb in ("offline", "online", "disabled"), "trainer.wandb", self.wandb,
                "offline, online or disabled")
         if self.replace_run and self.resume:  # it would resume the run it is meant to replace
             raise ConfigError("trainer.replace_run=true starts a new run (moving the earlier "

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from megaprm.cli import DEMO_METHODS
+from megaprm.experiments.arithmetic.demo_command import DEMO_METHODS
 
 COMMANDS = ["", "demo", "compare", "train", "train-prm", "plan", "plot", "convert", "eval",
             "bench"]

@@ -1,8 +1,8 @@
 """No command writes over what it reads or over a training run's history: for every command
 that writes (import-hf, export-hf, train, train-prm, compare, demo, eval, plot), an output that
 is, lies inside or contains one of its inputs or a run directory is refused in one line (exit 2)
-before anything is written, and every byte on disk stays as it was (`checkpoint_tools.layout.
-check_output`, `check_target`). Each command runs in this process up to its refusal; a command
+before anything is written, and every byte on disk stays as it was (`megaprm.outputs.
+check_output`, `checkpoint_tools.layout.check_target`). Each command runs in this process up to its refusal; a command
 that got past it would start ranks, which the test forbids."""
 import hashlib
 import os

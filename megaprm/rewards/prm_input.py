@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from megaprm.config import ConfigError
+from megaprm.errors import ConfigError
 from megaprm.rewards.steps import PROF_MAX_STEPS, prof_steps
 
 HF_CONFIG_KEY = "megaprm_prm_input"

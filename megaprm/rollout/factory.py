@@ -15,8 +15,9 @@ import importlib.util
 
 import torch
 
-from megaprm.config import ConfigError, RolloutConfig
+from megaprm.errors import ConfigError
 from megaprm.models.hf_files import has_weights
+from megaprm.rollout.config import RolloutConfig
 from megaprm.rollout.engine import RolloutEngine, preserved_rng_and_device
 from megaprm.rollout.hf_engine import HFEngine, HFEngineConfig
 from megaprm.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig

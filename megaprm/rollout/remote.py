@@ -62,7 +62,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megaprm.config import ConfigError
+from megaprm.errors import ConfigError
 from megaprm.parallel.device import default_backend, rank_device
 
 CTRL, DATA, EVAL = 11, 12, 13  # message tags: orders (trainer 0 -> rollout), batches, evaluation

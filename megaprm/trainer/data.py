@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megaprm.config import Config, ConfigError
+from megaprm.config import Config
+from megaprm.errors import ConfigError
 from megaprm.tasks.arithmetic import generate_problems, reference_solution
 from megaprm.tasks.datasets import load_prompts, policy_prompt
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import sys
 
-from checkpoint_tools import layout, model_source
-from megaprm.config import Config, ConfigError
+from checkpoint_tools import model_source
+from megaprm.config import Config
+from megaprm.errors import ConfigError
 from megaprm.models.hf_spec import spec_from_hf
+from megaprm.outputs import check_output
 from megaprm.parallel.init import ParallelConfigError, check_layout
 from megaprm.planner import plan as planner
 from megaprm.planner.hardware import local_gpu
@@ -91,7 +93,7 @@ def check_rl_launch(cfg: Config, world_size: int):
     reads = {"model.path": cfg.model.path, "data.path": cfg.data.path,
              "data.eval_path": cfg.data.eval_path,
              "prm.path": cfg.prm.path if cfg.prm.kind not in ("oracle", "none") else None}
-    layout.check_output(cfg.trainer.run_dir, "trainer.run_dir", reads, own_run=True)
+    check_output(cfg.trainer.run_dir, "trainer.run_dir", reads, own_run=True)
     return check_resume(cfg, world_size)
 
 

@@ -28,7 +28,8 @@ import torch
 from checkpoint_tools import model_source
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.parallel.groups import Groups
-from megaprm.rewards import scoring
+from megaprm.parallel.init import destroy, init_distributed
+from megaprm.rewards import prm_eval, scoring
 from megaprm.rewards.prm_eval import ProcessBenchRow, ScoredSolution, first_error_label
 from megaprm.rewards.steps import STEP_SEP, separator_token_ids
 from megaprm.tasks import arithmetic
@@ -174,3 +175,48 @@ def judged(examples: Sequence[StepExample], labels: Sequence[int],
             continue
         solutions.append(ScoredSolution(tuple(s), y, e.kind, sl, source))
     return Judged(solutions, skipped, threshold, score)
+
+
+def labelled_set(task: Optional[arithmetic.ArithmeticConfig], num: int, seed: int,
+                 subsets: Sequence[Tuple[str, Sequence[ProcessBenchRow]]]
+                 ) -> Tuple[List[StepExample], List[int], List[Optional[tuple]]]:
+    """The solutions `megaprm eval-prm` judges: `num` of the arithmetic `task` (seed `seed`),
+    or, without a task, the ProcessBench rows of every (kind, rows) subset in turn."""
+    if task is not None:
+        return arithmetic_set(task, num, seed)
+    examples, labels, step_labels = [], [], []
+    for kind, rows in subsets:
+        ex, y, sl = processbench_set(rows, kind)
+        examples += ex
+        labels += y
+        step_labels += sl
+    return examples, labels, step_labels
+
+
+def judge_prm(examples: Sequence[StepExample], labels: Sequence[int],
+              step_labels: Sequence[Optional[tuple]], threshold: float, *,
+              prm: Optional[str] = None, implicit: Optional[str] = None,
+              ref: Optional[str] = None, beta: float = 0.05, input_format: str = "auto",
+              micro_batch_size: int = 16, pooled_kinds: bool = False
+              ) -> Tuple[dict, Judged]:
+    """Score the solutions by one PRM in this one process (a discriminative `prm`, else the
+    implicit PRM `implicit` over `ref` at `beta`) and judge the scores at `threshold`:
+    (`prm_eval.judge`'s report, the Judged solutions with what a score is in words). Raises
+    ValueError when no solution could be scored."""
+    groups = init_distributed(tp=1, pp=1, seed=0)
+    try:
+        if prm:
+            scores = score_discriminative(prm, examples, groups, input_format=input_format,
+                                          micro_batch_size=micro_batch_size)
+            what = "P(good) of the PRM's head"
+        else:
+            scores = score_implicit(implicit, ref, examples, groups, beta=beta,
+                                    micro_batch_size=micro_batch_size)
+            what = f"PRIME's implicit reward: {beta:g} * sum(log pi_phi - log pi_ref)"
+    finally:
+        destroy()
+    j = judged(examples, labels, step_labels, scores, threshold, what)
+    if not j.solutions:
+        raise ValueError(f"no solution could be scored ({len(j.skipped)} skipped, e.g. "
+                         f"{j.skipped[0]}); the PRM's tokenizer must keep each step apart")
+    return prm_eval.judge(j.solutions, threshold, pooled_kinds=pooled_kinds), j

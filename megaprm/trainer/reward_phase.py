@@ -14,7 +14,8 @@ import torch
 
 from checkpoint_tools import model_source
 from megaprm import faults
-from megaprm.config import Config, ConfigError, RolloutConfig
+from megaprm.config import Config
+from megaprm.errors import ConfigError
 from megaprm.models.hf_files import has_weights
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.parallel.device import rank_device, resolve_dtype, to_host
@@ -24,6 +25,7 @@ from megaprm.rewards import judge  # called through the module: a test can stand
 from megaprm.rewards.scoring import ChatStepFormat, resolve_prm_input_format, score_rollouts
 from megaprm.rewards.steps import prof_num_steps, segment_steps
 from megaprm.rewards.verifiers import score_outcomes
+from megaprm.rollout.config import RolloutConfig
 from megaprm.rollout.engine import RolloutBatch
 from megaprm.rollout.factory import build_engine
 from megaprm.tasks.arithmetic import check_steps

@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from checkpoint_tools import model_source
 from megaprm import faults
-from megaprm.config import Config, ConfigError, RolloutConfig
+from megaprm.config import Config
+from megaprm.errors import ConfigError
+from megaprm.rollout.config import RolloutConfig
 from megaprm.parallel.device import rank_device
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.offload import Offload

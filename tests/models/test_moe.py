@@ -232,7 +232,8 @@ def test_router_losses_are_switches(moe_dirs):
 
 
 def test_config_fields_are_checked():
-    from megaprm.config import ConfigError, ModelConfig, ParallelConfig
+    from megaprm.config import ModelConfig, ParallelConfig
+    from megaprm.errors import ConfigError
 
     assert ParallelConfig(ep=2).ep == 2
     with pytest.raises(ConfigError, match=r"parallel.ep=0 is not valid: a positive integer"):

@@ -257,7 +257,8 @@ def test_auto_dtype_is_bf16_on_cuda_and_fp32_on_the_cpu(monkeypatch, cuda):
     """model.dtype / PRMTrainConfig.dtype "auto" (the default) resolve where the run starts;
     explicit names stay as written; a bad one is a config error naming the field; TF32 is on
     exactly where CUDA is."""
-    from megaprm.config import ConfigError, ModelConfig
+    from megaprm.config import ModelConfig
+    from megaprm.errors import ConfigError
     from megaprm.parallel import device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megaprm.cli import main
-from megaprm.config import ConfigError, load_config
+from megaprm.config import load_config
+from megaprm.errors import ConfigError
 from megaprm.models.hf_spec import spec_from_hf
 from megaprm.models.prm import as_prm_spec
 from megaprm.models.tiny import tiny_config

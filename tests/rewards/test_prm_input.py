@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from megaprm.config import ConfigError
+from megaprm.errors import ConfigError
 from megaprm.rewards.prm_input import (
     HF_CONFIG_KEY,
     ChatStepFormat,

@@ -122,7 +122,7 @@ import json  # noqa: E402
 import re  # noqa: E402
 import string  # noqa: E402
 
-from megaprm.config import ConfigError  # noqa: E402
+from megaprm.errors import ConfigError  # noqa: E402
 from megaprm.rewards.scoring import (PROF_PRM_SYSTEM, ChatStepFormat,  # noqa: E402
                                      chat_batch_from_rollouts, resolve_prm_input_format)
 

@@ -6,8 +6,9 @@ import importlib.util
 import pytest
 import torch
 
-from megaprm.config import ConfigError, RolloutConfig
+from megaprm.errors import ConfigError
 from megaprm.rollout import factory
+from megaprm.rollout.config import RolloutConfig
 from megaprm.rollout.hf_engine import HFEngine
 from tests.test_megaprm_cli import FAST, MEGAPRM, one_line_error, run
 

@@ -196,7 +196,7 @@ def test_llm_arguments_and_multiprocessing_error(vllm, model_dir, monkeypatch):
 
 
 def test_external_launcher_when_world_is_larger_than_one(vllm, model_dir, monkeypatch):
-    from megaprm.config import RolloutConfig
+    from megaprm.rollout.config import RolloutConfig
     from megaprm.rollout.factory import build_engine
     from megaprm.tasks.tokenizer import build_char_tokenizer
 
@@ -248,7 +248,7 @@ class _FakeCuda:
 
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
 def test_building_keeps_the_callers_rng_and_device(vllm, model_dir, monkeypatch, engine):
-    from megaprm.config import RolloutConfig
+    from megaprm.rollout.config import RolloutConfig
     from megaprm.rollout.factory import build_engine
     from megaprm.tasks.tokenizer import build_char_tokenizer
 

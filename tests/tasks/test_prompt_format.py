@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaprm.config import ConfigError, DataConfig, load_config
+from megaprm.config import DataConfig, load_config
+from megaprm.errors import ConfigError
 from megaprm.rewards.scoring import (
     batch_from_rollouts,
     chat_batch_from_rollouts,

@@ -158,7 +158,8 @@ def test_a_killed_rank_ends_the_run_in_one_line_and_resume_continues(models, tmp
     (["rollout.correction=is"], "rollout.correction='is' is not valid: none, tis"),
 ])
 def test_async_keys_are_checked_in_one_line(overrides, says):
-    from megaprm.config import ConfigError, load_config
+    from megaprm.config import load_config
+    from megaprm.errors import ConfigError
     from tests.rl_setup import DEMO_YAML
 
     with pytest.raises(ConfigError) as e:
@@ -167,7 +168,8 @@ def test_async_keys_are_checked_in_one_line(overrides, says):
 
 
 def test_preflight_counts_only_the_trainer_ranks():
-    from megaprm.config import ConfigError, load_config
+    from megaprm.config import load_config
+    from megaprm.errors import ConfigError
     from megaprm.trainer.preflight import check_batch, trainer_world
     from tests.rl_setup import DEMO_YAML
 

@@ -104,7 +104,7 @@ def test_blend_uses_grpo_eps():
                                        ["data.eval_path=held.jsonl", "data.long_prompt=drop"]])
 def test_prompt_file_keys_with_the_embedded_task_are_an_error(overrides):
     """data.task=arithmetic reads no file: a data file setting there used to be ignored silently."""
-    from megaprm.config import ConfigError
+    from megaprm.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"would be ignored: data.task='arithmetic'") as e:
         load_config("configs/grpo_tiny.yaml", overrides)

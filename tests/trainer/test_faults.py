@@ -434,7 +434,8 @@ def test_resume_where_a_finished_runs_checkpoints_were_removed_is_refused(tmp_pa
 def test_replace_run_without_resume_false_is_refused():
     """trainer.replace_run=true with trainer.resume left true resumed the old run, trained 0
     steps and exited 0."""
-    from megaprm.config import ConfigError, load_config
+    from megaprm.config import load_config
+    from megaprm.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
         load_config(None, ["trainer.replace_run=true"])
@@ -444,7 +445,8 @@ def test_replace_run_without_resume_false_is_refused():
 
 def test_an_override_that_is_not_yaml_names_the_field():
     """`data.prompt_template={question} {` ended in a 37-line YAML traceback."""
-    from megaprm.config import ConfigError, load_config
+    from megaprm.config import load_config
+    from megaprm.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
         load_config(None, ["data.prompt_template={question} {"])
@@ -498,7 +500,8 @@ def _tree(root) -> dict:
 def test_config_numbers_are_checked_for_type_and_finiteness(override, says):
     """a bool was taken as 1, NaN was accepted (then every step was skipped,
     exit 0), and an Optional field's type error did not name the field."""
-    from megaprm.config import ConfigError, load_config
+    from megaprm.config import load_config
+    from megaprm.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -588,7 +591,7 @@ def test_unreadable_lock_of_no_live_process_is_taken_over(tmp_path, monkeypatch)
 def test_unclear_inputs_are_one_line_naming_what_and_where(tmp_path, hf_dir):
     """a data.path directory ('does not exist'), a .json array ('bad JSON'), a broken
     config.json (no file named), missing tokenizer files ('prompt 0 is empty')."""
-    from megaprm.config import ConfigError
+    from megaprm.errors import ConfigError
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.tasks.datasets import DataError, load_prompts
     from megaprm.tasks.tokenizer import build_char_tokenizer

@@ -159,7 +159,8 @@ def test_judge_grades_drive_papo_advantages(models, tmp_path):
 def test_judge_config_and_recipe():
     import os
 
-    from megaprm.config import ConfigError, load_config
+    from megaprm.config import load_config
+    from megaprm.errors import ConfigError
 
     root = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
     papo = load_config(os.path.join(root, "papo.yaml"))

@@ -211,7 +211,8 @@ def test_the_stand_in_device_holds_no_tensor_while_the_engine_generates(tmp_path
 def test_offload_switches_are_booleans_outside_the_config_digest(tmp_path):
     """The three keys the planner reads; a non-boolean names the field; switching them changes
     no digested field (a run resumes with them changed)."""
-    from megaprm.config import ConfigError, load_config
+    from megaprm.config import load_config
+    from megaprm.errors import ConfigError
     from megaprm.trainer.run_config import config_digest_fields
 
     cfg = load_config(None, list(ON))

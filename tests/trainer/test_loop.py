@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megaprm.algorithms.registry import METHODS
-from megaprm.config import ConfigError, load_config
+from megaprm.config import load_config
+from megaprm.errors import ConfigError
 from megaprm.parallel import launch
 from tests.rl_setup import DEMO_YAML, rl_config, tiny_policy_and_prm
 

@@ -240,7 +240,8 @@ def test_surplus_prompts_are_requeued_first_as_released(models, tmp_path):
 
 
 def test_refill_config_and_recipes():
-    from megaprm.config import ConfigError, load_config
+    from megaprm.config import load_config
+    from megaprm.errors import ConfigError
 
     root = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
     for name in ("prime", "prime_tiny"):  # released PRIME refills (ray_trainer.py:467-524)

@@ -14,10 +14,9 @@ LOOP_SIDE = {"loop", "actor_update", "advantage_phase", "implicit_prm", "refill"
              "reward_phase", "logprob_phase", "rollout_source", "step_metrics", "policy", "batch",
              "data", "correction"}
 # The modules of megaprm/trainer that may hold an RLTrainer: the loop that defines it, and a
-# command module that builds one and runs it (none lives here today: the CLI and the
-# experiments do, outside the package). Every other module is a phase, a source or a helper,
+# command module that builds one and runs it (`megaprm train`). Every other module is a phase, a source or a helper,
 # given the parts it reads.
-TRAINER_HOLDERS = {"loop.py"}
+TRAINER_HOLDERS = {"loop.py", "commands/train.py"}  # the loop, and the command that runs it
 TRAINER_NAMES = {"tr", "trainer", "rl_trainer"}  # a parameter or attribute so named is one
 
 

@@ -9,4 +9,6 @@ Imports go one way (each module imports only those listed before it):
 * `demo`: `megaprm demo`, one seed of two methods from the shipped start;
 * `report`: the comparison's table, README block and plots, from compare.json alone;
 * `compare`: `megaprm compare`, the driver of every (method, process reward, seed) run.
+* `demo_command`, `compare_command`: the two commands' parsers and runs, which the CLI
+  composes (light at import, as `runs`).
 """

@@ -36,9 +36,10 @@ from dataclasses import asdict
 
 from checkpoint_tools.convert import export_hf_in_process
 from checkpoint_tools.layout import ConversionError
-from megaprm.config import RolloutConfig, load_config
+from megaprm.config import load_config
 from megaprm.digest import json_digest, source_digest
 from megaprm.experiments.arithmetic import run_state, stats
+from megaprm.rollout.config import RolloutConfig
 from megaprm.experiments.arithmetic.report import (
     COLUMNS,
     CURVE_KEYS,
@@ -85,6 +86,7 @@ from megaprm.trainer.loop import RLTrainer
 from megaprm.trainer.metrics import read_metrics
 from megaprm.trainer.prm_judge import arithmetic_set, judged, score_discriminative, score_implicit
 from megaprm.trainer.prm_training import PRMTrainConfig, train_prm
+from megaprm.trainer.run_lock import RunLock
 
 SAMPLED_SEED = 424_242
 EVAL_FORMAT = "per-problem-v1"
@@ -204,6 +206,30 @@ def check_only_finished(ccfg: CompareConfig) -> None:
                          "without --only-finished first (or pass the --run-dir and settings of "
                          "a finished comparison)")
 
+
+def claim_run_dir(ccfg: CompareConfig, state_dir: str, only_finished: bool) -> RunLock:
+    """The launcher's lock on `ccfg.run_dir`, held while the ranks run: one comparison per run
+    directory, as one run per trainer run directory (a second compare there would train into
+    the same warm-up, PRM and cells). Under the lock, `state_dir`'s copy is restored into the
+    run directory (before the ranks: they find the restored run directory) and
+    `--only-finished` checked. A refusal releases the lock and removes the run directory when
+    it made it and left it empty."""
+    existed = os.path.isdir(ccfg.run_dir)
+    lock = RunLock(ccfg.run_dir).acquire()
+    try:
+        if state_dir:
+            copied, kept = run_state.restore(state_dir, ccfg.run_dir)
+            print(f"[compare] --state-dir {state_dir}: restored {copied} unit(s) (a "
+                  f"start's stage, a cell, a file) into {ccfg.run_dir}, kept {kept} "
+                  "already there", flush=True)
+        if only_finished:
+            check_only_finished(ccfg)
+    except BaseException:
+        lock.release()
+        if not existed and not os.listdir(ccfg.run_dir):
+            os.rmdir(ccfg.run_dir)  # refused: nothing left behind
+        raise
+    return lock
 
 def _trunk_of(model_dir: str, what: str) -> str:
     """`what (qwen2 hidden H, L layers)`, read from the model's config.json."""

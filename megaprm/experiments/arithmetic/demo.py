@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from megaprm.algorithms.registry import METHODS
-from megaprm.config import RolloutConfig, load_config
+from megaprm.config import load_config
 from megaprm.experiments.arithmetic import start
+from megaprm.rollout.config import RolloutConfig
 from megaprm.experiments.arithmetic.runs import (
     MAX_TOKENS,
     PRM_INITS,

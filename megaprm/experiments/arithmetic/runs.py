@@ -10,20 +10,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from megaprm.tasks.arithmetic import ArithmeticConfig, generate_problems
+from megaprm.tasks.arithmetic import TASKS, ArithmeticConfig, generate_problems
 
-# the tasks of the comparison, on the same exact checker. "short": the demo's (2-4 steps, a
-# solution of ~32 tokens). "long": 8-11 steps of a one-digit operand carried on a running
-# result, each step restating the operations still to apply (`restate`), so a solution runs to
-# 114-208 tokens (median 160 with the char tokenizer): the regime PRIME was built for (its
-# released run samples hundreds of tokens), where "short" is ~20x too short for its implicit
-# PRM's beta (docs/compare.md, "PRIME at this response length"). The restated tail puts each
-# step's next operand in the step before it: without it, a first long task of 18-22 plain steps
-# (median 152 tokens) left the tiny policy at 4.9% greedy accuracy and no fully correct chain
-# after 600 supervised steps (3.5% after 200 more): it picked the wrong operand from the prompt.
-TASKS = {"short": ArithmeticConfig(num_ops=(2, 4), operand_max=20, ops="+-", seed=0),
-         "long": ArithmeticConfig(num_ops=(8, 11), operand_max=9, ops="+-", seed=0,
-                                  restate=True)}
+# the tasks of the comparison: tasks.arithmetic.TASKS ("short", "long"), named there
 TASK = TASKS["short"]
 # rollout.max_tokens per task: the longest reference solution (+ EOS) with room to spare
 # (short: 37 tokens; long: 208)
