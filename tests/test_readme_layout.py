@@ -27,6 +27,9 @@ def test_layout_block_names_every_module_and_package():
     sub = os.path.join(pkg, "experiments")
     names += [f"megaprm/experiments/{e}" for e in sorted(os.listdir(sub))
               if e.endswith(".py") and e != "__init__.py"]
+    trainer = os.path.join(pkg, "trainer")  # its sub-packages: the RL step's, checkpoint, ...
+    names += [f"{e}/" for e in sorted(os.listdir(trainer))
+              if os.path.isdir(os.path.join(trainer, e)) and not e.startswith(("_", "."))]
     names += ["checkpoint_tools/", "eval/", "scripts/", "configs/"]
     missing = [n for n in names if n not in block and n.rstrip("/") + ":" not in block
                and not (n.startswith("megaprm/") and n.rstrip("/").split("/")[-1] + "/" in block)]

@@ -1,4 +1,4 @@
-"""The one device rule (ARCHITECTURE.md "One device rule").
+"""The one device rule (docs/architecture.md "One device rule").
 
 * A rank's models live on `rank_device()`: `cuda:LOCAL_RANK` when CUDA is present, else the CPU.
   With MEGAPRM_RANKS_SHARE_DEVICE=1 every local rank takes cuda:0 instead: 2-4 ranks on one GPU

@@ -333,7 +333,7 @@ def hidden_gpus(hide: bool):
 # and every rank it forks starts with them (see `spawn`).
 PRELOAD = ("torch", "torch.distributed", "numpy", "transformers", "megatron.core",
            "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
-           "megaprm.parallel.init", "megaprm.trainer.loop")
+           "megaprm.parallel.init", "megaprm.trainer.rl.loop")
 # Variables that no PRELOAD module reads while it is imported (torch reads
 # CUDA_VISIBLE_DEVICES when CUDA starts, inductor its cache dir when it compiles; megatron-core
 # sets NVTE_* itself when it builds a model; the rest are read by megaprm, torch.distributed,

@@ -50,7 +50,7 @@ def _actor_vs_transformers(policy, dtype_name):
     from megaprm.models.hf_spec import spec_from_hf
     from megaprm.parallel.init import init_distributed
     from checkpoint_tools import model_source
-    from megaprm.trainer.policy import Policy
+    from megaprm.trainer.rl.policy import Policy
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     g = init_distributed()
@@ -159,7 +159,7 @@ def test_megatron_optimizer_on_cuda_steps_like_the_cpu_adamw(models):
 def _rl_every_method(run_root, policy, prm):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     g = init_distributed()
     _full_fp32()
@@ -186,8 +186,8 @@ def _sync_logits(policy):
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import loop
-    from megaprm.trainer.policy import fixed_micro_batches
+    from megaprm.trainer.rl import loop
+    from megaprm.trainer.rl.policy import fixed_micro_batches
 
     g = init_distributed()
     _full_fp32()
@@ -254,7 +254,7 @@ def test_prm_scores_equal_transformers_and_one_training_step_on_cuda(models, tmp
 def _resume(run_dir, policy, prm, steps):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "rloo", [f"trainer.steps={steps}",

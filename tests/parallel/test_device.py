@@ -29,7 +29,7 @@ def _meta_phases(rank, world_size, hf_dir):
     from megaprm.models.actor import build_stage
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
-    from megaprm.trainer.policy import fixed_micro_batches, logprob_post
+    from megaprm.trainer.rl.policy import fixed_micro_batches, logprob_post
 
     from megaprm.parallel import cpu
 

@@ -9,7 +9,7 @@ import pytest
 
 from megaprm import cli
 from megaprm.config import load_config
-from megaprm.trainer.data import make_data
+from megaprm.trainer.rl.data import make_data
 from tests.qwen25 import qwen25_tokenizer
 from tests.tasks.test_prompt_format import PRIME_SYSTEM, PRIME_USER, QUESTION
 

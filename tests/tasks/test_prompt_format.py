@@ -27,7 +27,7 @@ from megaprm.rewards.scoring import (
 )
 from megaprm.rewards.steps import separator_token_ids
 from megaprm.tasks.datasets import DataError
-from megaprm.trainer.data import encode_prompts, make_data, prompt_formatter
+from megaprm.trainer.rl.data import encode_prompts, make_data, prompt_formatter
 from tests.qwen25 import qwen25_tokenizer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

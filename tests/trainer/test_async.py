@@ -22,9 +22,9 @@ def _run(run_dir, policy, prm, extra):
     """One rank of a launch, as `megaprm train` runs it: split the world, then train or serve."""
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import remote
-    from megaprm.trainer import rollout_source
+    from megaprm.trainer.rl import rollout_source
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     cfg = rl_config(run_dir, policy, prm, "grpo", [*BASE, *extra])
     tok = build_char_tokenizer()
@@ -75,9 +75,9 @@ def test_separate_on_policy_equals_colocated_and_stale_stays_within_k(models, tm
 def _run_method(run_dir, policy, prm, method, extra):
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import remote
-    from megaprm.trainer import rollout_source
+    from megaprm.trainer.rl import rollout_source
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     cfg = rl_config(run_dir, policy, prm, method, [*BASE, "trainer.steps=2", *extra])
     tok = build_char_tokenizer()

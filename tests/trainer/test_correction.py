@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megaprm.algorithms.losses import actor_loss
-from megaprm.trainer.correction import tis_weights
+from megaprm.trainer.rl.correction import tis_weights
 
 
 def _batch(seed=0, b=4, r=7):

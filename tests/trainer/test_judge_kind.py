@@ -55,8 +55,8 @@ def _work(run_dir, policy, prm, grader, canned):
     import megaprm.rewards.judge as J
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import advantage_phase as phase
-    from megaprm.trainer import loop
+    from megaprm.trainer.rl import advantage_phase as phase
+    from megaprm.trainer.rl import loop
 
     g = init_distributed()
     cfg = rl_config(run_dir, policy, prm, "papo", [*JUDGE, f"prm.path={grader}"])
@@ -186,7 +186,7 @@ def test_prompt_files_carry_the_reference_solution(tmp_path):
     import json
 
     from megaprm.config import load_config
-    from megaprm.trainer.data import make_data
+    from megaprm.trainer.rl.data import make_data
 
     rows = [{"prompt": "p0", "answer": "1",
              "extra_info": {"reference_solution": "r0", "question": "q0"}},

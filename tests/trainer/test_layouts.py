@@ -51,7 +51,7 @@ def models(tmp_path_factory):
 def _step(run_root, policy, prm, tp, pp):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     g = init_distributed(tp=tp, pp=pp)
     torch.set_float32_matmul_precision("highest")  # fp32 references: TF32 off on CUDA

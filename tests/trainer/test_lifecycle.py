@@ -66,7 +66,7 @@ def _record_held_bytes(tr) -> list:
 def _runs(run_root, policy, prm):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     g = init_distributed()
     out = {}
@@ -147,8 +147,8 @@ def _stand_in_lifecycle(rank, world, hf):
     from megaprm.parallel import offload, pipeline
     from megaprm.parallel.optimizer import OptimConfig, Optimizer
     from megaprm.parallel.init import init_distributed
-    from megaprm.trainer.policy import fixed_micro_batches, logprob_post
-    from megaprm.trainer.lifecycle import Lifecycle
+    from megaprm.trainer.rl.policy import fixed_micro_batches, logprob_post
+    from megaprm.trainer.rl.lifecycle import Lifecycle
     from tests.parallel.test_device import _stand_in
 
     g = init_distributed()

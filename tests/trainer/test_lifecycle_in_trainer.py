@@ -82,7 +82,7 @@ def _train(run_root, policy, tp):
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import weight_sync
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     fake_vllm.install()  # this spawned rank's `import vllm`
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
@@ -135,8 +135,8 @@ def _build_order(run_root, policy):
     from megaprm.config import load_config
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
-    from megaprm.trainer.policy import Policy
+    from megaprm.trainer.rl.loop import RLTrainer
+    from megaprm.trainer.rl.policy import Policy
 
     fake_vllm.install()
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)

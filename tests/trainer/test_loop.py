@@ -31,7 +31,7 @@ def _config(run_dir, policy, prm, method, extra=()):
 def _run_methods(run_root, policy, prm, tp, steps):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     g = init_distributed(tp=tp)
     out = {}
@@ -75,7 +75,7 @@ def test_every_method_runs_on_two_ranks(models, tmp_path, tp):
 def _resume_work(run_dir, policy, prm, crash_at):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     if crash_at is not None:
         os.environ["MEGAPRM_CRASH_DURING_SAVE_AT"] = str(crash_at)
@@ -107,7 +107,7 @@ def test_kill_during_save_then_resume_reproduces(models, tmp_path):
 def _nan_work(run_dir, policy, prm):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import loop
+    from megaprm.trainer.rl import loop
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=2"])
@@ -156,8 +156,8 @@ def test_bad_config_is_one_line_error(tmp_path):
 def _temperature_work(run_dir, policy, prm, temperature):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import loop
-    from megaprm.trainer.policy import targets_to_response
+    from megaprm.trainer.rl import loop
+    from megaprm.trainer.rl.policy import targets_to_response
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=1",
@@ -205,8 +205,8 @@ def _logprob_temperature_work(run_dir, policy, prm):
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import loop
-    from megaprm.trainer.policy import fixed_micro_batches, logprob_post, response_to_targets
+    from megaprm.trainer.rl import loop
+    from megaprm.trainer.rl.policy import fixed_micro_batches, logprob_post, response_to_targets
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=1", "rollout.temperature=0.5",
@@ -271,8 +271,8 @@ def _metrics_work(run_dir, policy, prm, micro_batch_size, packed=False):
     from megaprm.parallel import pipeline
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import loop
-    from megaprm.trainer.policy import fixed_micro_batches, logprob_post
+    from megaprm.trainer.rl import loop
+    from megaprm.trainer.rl.policy import fixed_micro_batches, logprob_post
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=1", "actor.entropy_coef=0.01",
@@ -331,7 +331,7 @@ def _rollback_work(run_dir, policy, prm):
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import weight_sync
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import actor_update, loop
+    from megaprm.trainer.rl import actor_update, loop
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=2", "actor.mini_batches=2"])
@@ -381,7 +381,7 @@ def test_nan_in_second_minibatch_leaves_parameters_and_engine_untouched(models, 
 def _one_rank_nan_work(run_dir, policy, prm):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     os.environ["MEGAPRM_FAULT"] = "outcome:1:0"  # NaN reward on rank 1 at step 0 only
     g = init_distributed()
@@ -400,7 +400,7 @@ def test_nan_reward_on_one_rank_is_skipped_by_both(models, tmp_path):
 def _ratio_guard_work(run_dir, policy, prm):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import loop
+    from megaprm.trainer.rl import loop
 
     g = init_distributed()
     # a threshold below 1 makes every micro-batch "exceed" it: PURE's guard then zeroes them all
@@ -430,7 +430,7 @@ def test_shuffled_mini_batches_permute_every_update_input_alike():
     """actor.shuffle_mini_batches (PRIME's dataloader shuffle): one permutation per (seed, step,
     dp rank), applied to every row-aligned input of the update."""
     from megaprm.rollout.engine import RightPadded
-    from megaprm.trainer.actor_update import mini_batch_order, permute_rows
+    from megaprm.trainer.rl.actor_update import mini_batch_order, permute_rows
 
     order = mini_batch_order(12, 1234, 3, 0)
     assert sorted(order.tolist()) == list(range(12))
@@ -452,7 +452,7 @@ def test_shuffled_mini_batches_permute_every_update_input_alike():
 def _prime_work(run_dir, policy, prm):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import implicit_prm, loop
+    from megaprm.trainer.rl import implicit_prm, loop
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "prime", ["trainer.steps=1", "prm.mini_batches=2",
@@ -534,7 +534,7 @@ def _killable_run(run_dir, policy, prm, kill_at, crash_at):
     os.environ["MEGAPRM_CRASH_DURING_SAVE_AT"] = str(crash_at)
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "grpo", ["trainer.steps=4", "trainer.save_every=1",
@@ -582,7 +582,7 @@ def test_oracle_step_scores_are_the_exact_checkers_labels():
     from megaprm.tasks.arithmetic import (ArithmeticConfig, check_steps, corrupt_solution,
                                           generate_problems, reference_solution)
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.reward_phase import oracle_step_scores
+    from megaprm.trainer.rl.reward_phase import oracle_step_scores
 
     tok = build_char_tokenizer()
     probs = generate_problems(ArithmeticConfig(), 24, seed=5)
@@ -606,7 +606,7 @@ def test_oracle_step_scores_are_the_exact_checkers_labels():
 def _oracle_rl_work(run_dir, policy, prm):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     g = init_distributed()
     cfg = _config(run_dir, policy, prm, "prof_grpo", ["trainer.steps=1", "prm.kind=oracle"])
@@ -636,7 +636,7 @@ def _reuse_work(run_dir, policy, prm):
     actor forwards outside the update, the step's metrics and the grads it applied."""
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import logprob_phase, loop
+    from megaprm.trainer.rl import logprob_phase, loop
 
     g = init_distributed()
     real = logprob_phase.reuses_new_logprobs
@@ -674,7 +674,7 @@ def test_old_logprob_forward_is_skipped_exactly_when_it_equals_the_update_forwar
     and applied grads equal those of the path with the forward (the ratio is 1 by
     construction, TRL's detach); with two mini-batches the forward runs."""
     from megaprm.config import load_config
-    from megaprm.trainer.logprob_phase import reuses_new_logprobs
+    from megaprm.trainer.rl.logprob_phase import reuses_new_logprobs
 
     policy, prm = models
     out = launch.spawn(_reuse_work, 1, str(tmp_path), policy, prm)[0]

@@ -37,7 +37,7 @@ def _step(run_root, policy, prm, ep):
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import weight_sync
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     g = init_distributed(ep=ep)
     out = {}

@@ -60,7 +60,7 @@ def _work(run_dir, policy, prm, method, pattern, extra, steps):
     estimator sees and the keep mask the update gets."""
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     g = init_distributed()
     cfg = rl_config(run_dir, policy, prm, method, [*FAST, f"trainer.steps={steps}", *extra])
@@ -176,7 +176,7 @@ def test_two_ranks_with_different_filters_run_the_same_rounds(models, tmp_path):
 def _resume_work(run_dir, policy, prm, steps, pattern=None, extra=()):
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     g = init_distributed()
     cfg = rl_config(run_dir, policy, prm, "grpo",
@@ -259,7 +259,7 @@ def test_refill_config_and_recipes():
 
 
 def test_pick_groups_fills_with_passing_then_tops_up():
-    from megaprm.trainer.refill import _pick_groups
+    from megaprm.trainer.rl.refill import _pick_groups
 
     ok = [torch.tensor([False, True]), torch.tensor([True, True])]
     assert _pick_groups(ok, 2) == [[1], [0]]

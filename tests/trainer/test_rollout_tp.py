@@ -44,8 +44,8 @@ def _run(run_dir, policy, prm, extra):
     from megaprm.parallel.init import init_distributed
     from megaprm.rollout import remote
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import rollout_source
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl import rollout_source
+    from megaprm.trainer.rl.loop import RLTrainer
 
     fake_vllm.install()  # this rank's `import vllm`
     cfg = rl_config(run_dir, policy, prm, "grpo", [*BASE, *extra])

@@ -4,7 +4,7 @@ scripts/results/gpu_h200/metrics_*.jsonl), while a wrong temperature or stale we
 every token's log-prob."""
 import pytest
 
-from megaprm.trainer import step_metrics
+from megaprm.trainer.rl import step_metrics
 
 
 def _warned(capsys, rank=0, **metrics) -> str:
@@ -55,7 +55,7 @@ def test_step_aurocs_rank_the_batch_steps_against_the_exact_labels():
         reference_solution,
     )
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.batch import ScoredBatch
+    from megaprm.trainer.rl.batch import ScoredBatch
 
     tok = build_char_tokenizer()
     rng = random.Random(0)

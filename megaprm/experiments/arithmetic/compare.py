@@ -81,8 +81,8 @@ from megaprm.parallel.host import agree
 from megaprm.rollout.factory import build_engine
 from megaprm.tasks.tokenizer import build_char_tokenizer
 from megaprm.rewards.prm_eval import judge
-from megaprm.trainer.evaluate import evaluate_arithmetic
-from megaprm.trainer.loop import RLTrainer
+from megaprm.trainer.rl.evaluate import evaluate_arithmetic
+from megaprm.trainer.rl.loop import RLTrainer
 from megaprm.trainer.metrics import read_metrics
 from megaprm.trainer.prm_judge import arithmetic_set, judged, score_discriminative, score_implicit
 from megaprm.trainer.prm_training import PRMTrainConfig, train_prm
@@ -817,7 +817,7 @@ def _mean_curve(series: list) -> list:
 
 # the modules whose source makes an RL cell's result (with everything they import): recorded
 # per cell (`rl_code`) and counted in compare.json's provenance
-RL_CODE = ("megaprm.trainer.loop", "megaprm.trainer.evaluate", "megaprm.rollout.factory",
+RL_CODE = ("megaprm.trainer.rl.loop", "megaprm.trainer.rl.evaluate", "megaprm.rollout.factory",
            "megaprm.experiments.arithmetic.runs")
 
 

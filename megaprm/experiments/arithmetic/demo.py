@@ -54,8 +54,8 @@ from megaprm.parallel.groups import Groups
 from megaprm.parallel.launch import seconds_since_launch
 from megaprm.rollout.factory import build_engine
 from megaprm.tasks.tokenizer import build_char_tokenizer
-from megaprm.trainer.evaluate import evaluate_arithmetic, shard
-from megaprm.trainer.loop import RLTrainer
+from megaprm.trainer.rl.evaluate import evaluate_arithmetic, shard
+from megaprm.trainer.rl.loop import RLTrainer
 from megaprm.trainer.metrics import read_metrics
 
 # the full comparison's committed result (in a checkout; a wheel has no docs/): the spread

@@ -206,7 +206,7 @@ def run_overrides(spec: RunSpec, ccfg: CompareConfig, sft_dir: str, prm_dir: str
 def held_out_problems(n: int, task: str = "short") -> list:
     """The held-out problems every run is evaluated on (the trainer's HELD_OUT_SEED)."""
     # deferred: keeps --help fast (trainer.data reads the config module and the datasets)
-    from megaprm.trainer.data import HELD_OUT_SEED
+    from megaprm.trainer.rl.data import HELD_OUT_SEED
 
     return generate_problems(TASKS[task], n, seed=HELD_OUT_SEED)
 

@@ -1,6 +1,6 @@
 """Trainer checkpoints: atomic, verified, resumable; each model in checkpoint_tools' format.
 
-Layout of `ckpt_root/` (ARCHITECTURE.md "One checkpoint format"):
+Layout of `ckpt_root/` (docs/architecture.md "One checkpoint format"):
 
     step_000004/                 one complete checkpoint
       actor/                     a checkpoint_tools checkpoint of the actor (`export-hf` takes it)

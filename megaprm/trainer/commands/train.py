@@ -70,9 +70,9 @@ def run(args) -> int:
         # deferred: keeps --help fast
         from megaprm.parallel.init import destroy, init_distributed
         from megaprm.rollout import remote
-        from megaprm.trainer.loop import RLTrainer
+        from megaprm.trainer.rl.loop import RLTrainer
         from megaprm.trainer.prm_training import load_tokenizer
-        from megaprm.trainer.rollout_source import serve
+        from megaprm.trainer.rl.rollout_source import serve
 
         # not AutoTokenizer: next to a Qwen2 config it would rebuild the char tokenizer as
         # Qwen2Tokenizer, which splits the "\n\n" step separator into two tokens

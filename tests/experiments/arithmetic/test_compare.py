@@ -636,7 +636,7 @@ def test_the_long_task_runs_to_150_tokens_with_its_own_overrides():
     cfg = load_config(runs.RL_YAML, ov)
     assert cfg.data.arithmetic == runs.TASKS["long"] and cfg.rollout.max_tokens == 224
     assert runs.held_out_problems(5, "long") == generate_problems(
-        runs.TASKS["long"], 5, seed=__import__("megaprm.trainer.data", fromlist=["x"]
+        runs.TASKS["long"], 5, seed=__import__("megaprm.trainer.rl.data", fromlist=["x"]
                                                ).HELD_OUT_SEED)
     with pytest.raises(ValueError, match="--task nosuch: unknown task"):
         runs.CompareConfig(task="nosuch")

@@ -13,7 +13,7 @@ from megaprm.algorithms.registry import (
     compute_advantages,
 )
 from megaprm.parallel import pipeline
-from megaprm.trainer.batch import ScoredBatch
+from megaprm.trainer.rl.batch import ScoredBatch
 
 
 def advantages(cfg: AdvantageConfig, seed: int, host_dp, sb: ScoredBatch,

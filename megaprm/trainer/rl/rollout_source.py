@@ -24,9 +24,9 @@ from megaprm.parallel.groups import Groups
 from megaprm.parallel.offload import Offload
 from megaprm.rollout import factory, remote, weight_sync
 from megaprm.rollout.engine import RolloutBatch, SamplingParams
-from megaprm.trainer.data import Prompts, encode_prompts
-from megaprm.trainer.evaluate import evaluate_with
-from megaprm.trainer.lifecycle import Lifecycle
+from megaprm.trainer.rl.data import Prompts, encode_prompts
+from megaprm.trainer.rl.evaluate import evaluate_with
+from megaprm.trainer.rl.lifecycle import Lifecycle
 
 T = TypeVar("T")
 

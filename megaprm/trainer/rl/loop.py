@@ -1,4 +1,4 @@
-"""The RL step as named phases (ARCHITECTURE.md "One RL step"), each a function in its own
+"""The RL step as named phases (docs/architecture.md "One RL step"), each a function in its own
 module from typed inputs to a typed output:
 
     rollout (rollout_source, refill) -> RolloutBatch -> outcome and process reward
@@ -54,24 +54,13 @@ from megaprm.parallel.device import resolve_dtype
 from megaprm.parallel.groups import Groups
 from megaprm.parallel.host import agree, dp_metrics
 from megaprm.rewards.steps import separator_token_ids
-from megaprm.trainer import (
-    actor_update,
-    advantage_phase,
-    correction,
-    implicit_prm,
-    logprob_phase,
-    refill,
-    resume,
-    reward_phase,
-    rollout_source,
-    step_metrics,
-)
-from megaprm.trainer.batch import ScoredBatch, StepSkipped, UpdateResult
+from megaprm.trainer.rl import actor_update, advantage_phase, correction, implicit_prm, logprob_phase, refill, resume, reward_phase, rollout_source, step_metrics
+from megaprm.trainer.rl.batch import ScoredBatch, StepSkipped, UpdateResult
 from megaprm.trainer.checkpoint.run_dir import start_fresh
-from megaprm.trainer.data import make_data
+from megaprm.trainer.rl.data import make_data
 from megaprm.trainer.export import save_hf
 from megaprm.trainer.metrics import MetricsLogger, PhaseTimer
-from megaprm.trainer.policy import Batching, Policy, response_to_targets
+from megaprm.trainer.rl.policy import Batching, Policy, response_to_targets
 from megaprm.trainer.preflight import check_batch
 from megaprm.trainer.run_config import config_digest_fields, logprob_temperature
 

@@ -15,8 +15,8 @@ from megaprm.parallel import microbatch, pipeline
 from megaprm.parallel.device import to_host
 from megaprm.parallel.host import agree, dp_sum
 from megaprm.rollout.engine import RightPadded
-from megaprm.trainer.batch import ScoredBatch, StepSkipped
-from megaprm.trainer.policy import Policy, targets_to_response
+from megaprm.trainer.rl.batch import ScoredBatch, StepSkipped
+from megaprm.trainer.rl.policy import Policy, targets_to_response
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from megaprm.trainer.checkpoint.save import SideFiles
 from megaprm.trainer.checkpoint.save import save as save_checkpoint
 from megaprm.trainer.checkpoint.run_dir import refuse_lost_checkpoints
 from megaprm.trainer.checkpoint.store import CheckpointError, agreed
-from megaprm.trainer.policy import Policy
+from megaprm.trainer.rl.policy import Policy
 from megaprm.trainer.run_config import LOCK_ENV
 from megaprm.trainer.run_lock import RunLock, RunLockError
 

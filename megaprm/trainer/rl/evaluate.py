@@ -10,7 +10,7 @@ from megaprm.rewards.verifiers import score_outcomes
 from megaprm.rollout.engine import SamplingParams
 from megaprm.tasks.arithmetic import check_steps, generate_problems
 from megaprm.tasks.datasets import load_prompts
-from megaprm.trainer.data import HELD_OUT_SEED, prompt_formatter, render_with
+from megaprm.trainer.rl.data import HELD_OUT_SEED, prompt_formatter, render_with
 
 
 def shard(problems: list, groups: Groups) -> tuple[int, int]:

@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 
 from megaprm.rollout.engine import RightPadded
-from megaprm.trainer.batch import UpdateResult
-from megaprm.trainer.policy import Policy, targets_to_response
+from megaprm.trainer.rl.batch import UpdateResult
+from megaprm.trainer.rl.policy import Policy, targets_to_response
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Who is on the device in each phase (ARCHITECTURE.md "Memory has a lifecycle").
+"""Who is on the device in each phase (docs/architecture.md "Memory has a lifecycle").
 
 The colocated engine and the trainer's models share one device. A step goes, in verl's order
 (`ActorRolloutRefWorker.rollout_mode` / `trainer_mode`):

@@ -10,8 +10,8 @@ import torch
 
 from megaprm.algorithms.registry import AdvantageOutputs
 from megaprm.config import Config
-from megaprm.trainer.batch import ScoredBatch
-from megaprm.trainer.reward_phase import oracle_step_scores
+from megaprm.trainer.rl.batch import ScoredBatch
+from megaprm.trainer.rl.reward_phase import oracle_step_scores
 
 # on the mean |sampler - trainer| over response tokens: fp32 engines agree to ~1e-6; in bf16 the
 # max alone reaches 0.09-0.57 from rounding (H200, the demo's model: docs/rollout.md), the mean

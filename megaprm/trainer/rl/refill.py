@@ -15,7 +15,7 @@ from megaprm.parallel.host import agree, dp_reduce, dp_sum
 from megaprm.parallel.reductions import group_index, group_moments
 from megaprm.rewards.steps import segment_steps
 from megaprm.rollout.engine import RolloutBatch
-from megaprm.trainer.batch import ScoredBatch, StepSkipped
+from megaprm.trainer.rl.batch import ScoredBatch, StepSkipped
 
 
 @dataclass

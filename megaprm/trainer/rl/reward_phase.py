@@ -29,8 +29,8 @@ from megaprm.rollout.config import RolloutConfig
 from megaprm.rollout.engine import RolloutBatch
 from megaprm.rollout.factory import build_engine
 from megaprm.tasks.arithmetic import check_steps
-from megaprm.trainer.batch import ScoredBatch
-from megaprm.trainer.data import Prompts
+from megaprm.trainer.rl.batch import ScoredBatch
+from megaprm.trainer.rl.data import Prompts
 
 
 @dataclass(frozen=True)

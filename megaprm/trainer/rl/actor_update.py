@@ -18,8 +18,8 @@ from megaprm.parallel.device import to_host
 from megaprm.parallel.host import dp_reduce
 from megaprm.config import ActorConfig
 from megaprm.rollout.engine import RightPadded
-from megaprm.trainer.batch import StepSkipped, UpdateResult
-from megaprm.trainer.policy import Policy
+from megaprm.trainer.rl.batch import StepSkipped, UpdateResult
+from megaprm.trainer.rl.policy import Policy
 
 
 # Per micro-batch sums the update reports; the step's value of each is sum / count over every
