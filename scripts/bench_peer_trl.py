@@ -64,7 +64,7 @@ def megaprm_rank(model_dir: str, run_dir: str, steps: int, warmup: int,
     from megaprm.config import load_config
     from megaprm.parallel.init import destroy, init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     c0 = _cpu_s()
     groups = init_distributed(tp=1, pp=1, seed=0)

@@ -63,9 +63,9 @@ def rank_main(model_dir: str, run_dir: str, tp: int, pp: int, steps: int, warmup
     from megaprm.config import load_config
     from megaprm.parallel.init import destroy, init_distributed
     from megaprm.rollout import remote
-    from megaprm.trainer import rollout_source
+    from megaprm.trainer.rl import rollout_source
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl.loop import RLTrainer
 
     cfg = load_config(str(ROOT / "megaprm" / "configs" / "demo.yaml"), [
         f"model.path={model_dir}", f"trainer.run_dir={run_dir}", f"parallel.tp={tp}",

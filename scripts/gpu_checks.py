@@ -514,8 +514,8 @@ def _trainer(policy, prm, run_dir, dry):
     from megaprm.config import load_config
     from megaprm.parallel.init import init_distributed
     from megaprm.tasks.tokenizer import build_char_tokenizer
-    from megaprm.trainer import loop
-    from megaprm.trainer.loop import RLTrainer
+    from megaprm.trainer.rl import loop
+    from megaprm.trainer.rl.loop import RLTrainer
 
     note("rank started")
     cfg = load_config(str(ROOT / "megaprm" / "configs" / "demo.yaml"),

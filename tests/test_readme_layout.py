@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _layout_block() -> str:
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         text = f.read()
-    m = re.search(r"^## Layout\n+```\n(.*?)\n```", text, re.S | re.M)
+    m = re.search(r"^## Layout\n(?:[^`\n][^\n]*\n|\n)*```\n(.*?)\n```", text, re.S | re.M)
     assert m, "README.md has no '## Layout' code block"
     return m.group(1)
 
