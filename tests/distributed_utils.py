@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megaprm.parallel.ports import free_port
+from megaprm.parallel.ports import held_store
 
 
 class DistributedTestError(RuntimeError):
@@ -45,8 +45,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..
     torch.set_num_threads(1)  # N ranks share 2 cores in CI
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size)
+        # the caller holds the store's port (ports.held_store): every rank is a client of it
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         result = {"ok": True, "value": fn(rank, world_size, *args)}
     except BaseException:  # report everything, including assertion errors inside fn
         result = {"ok": False, "traceback": traceback.format_exc()}
@@ -67,7 +68,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
 
     ctx = start_context()  # forks of a server that has imported torch and megatron-core
     with tempfile.TemporaryDirectory(prefix="megaprm-dist-") as out_dir:
-        port = free_port()
+        store = held_store()  # bound now and held until the ranks end: no port to race for
+        port = store.port
         with hidden_gpus(world_size > gpu_count()):  # one GPU, several ranks: gloo on the CPU
             env = rank_env(ctx)
             procs = [ctx.Process(target=_worker,

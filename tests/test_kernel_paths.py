@@ -33,10 +33,11 @@ def test_learning_tests_are_the_marked_ones():
     assert got == sorted(LEARNING_TESTS), got
 
 
-# its subprocess has 1800 s (the learning tests, run again under another kernel path); the
+# `make test-learning` runs it (CI runs that target after `make test`); its subprocess has 1800 s (the learning tests, run again under another kernel path); the
 # suite's 900 s per test cut it on a slow box (2026-11-29: a CPU ~3x slower than the day
 # before's, beside a comparison at load ~40)
 @pytest.mark.timeout(1800)
+@pytest.mark.second_path
 def test_learning_tests_pass_under_a_second_kernel_path():
     path = second_path()
     assert path != native_path() or len(available_paths()) == 1

@@ -40,7 +40,7 @@ import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, List, Optional
 
-from megaprm.parallel.ports import free_port
+from megaprm.parallel.ports import AGENT_STORE_ENV, held_store
 
 # torch is imported where it is used: `megaprm <cmd> --help` builds its parser from this module
 # and must not pay torch's import (seconds)
@@ -432,9 +432,10 @@ def enter_rank(env: Optional[dict]) -> None:
 
 def _child(rank, world_size, port, fn, args, queue, threads, env):
     enter_rank(env)
+    # the caller holds the rendezvous store on `port` (ports.held_store): every rank is a client
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), **AGENT_STORE_ENV)
     import torch
 
     torch.set_num_threads(threads)
@@ -469,7 +470,8 @@ def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 600.0,
 
     ctx = start_context(start_method)
     queue = ctx.Queue()
-    port = free_port()
+    store = held_store()  # bound now and held until the ranks end: no port to race for
+    port = store.port
     threads = max(1, (os.cpu_count() or 1) // world_size)
     with hidden_gpus(world_size > gpu_count() and not ranks_share_device()):
         env = rank_env(ctx)

@@ -542,6 +542,7 @@ def _killable_run(run_dir, policy, prm, kill_at, crash_at):
     return len(RLTrainer(cfg, g, build_char_tokenizer()).fit())
 
 
+@pytest.mark.slow  # kill-and-resume trials (pytest.ini's `slow`)
 def test_metrics_hold_each_step_once_after_kills_at_random_points(models, tmp_path):
     """6 seeded trials, each kill point at two steps drawn at random: SIGKILL after a step is
     logged, inside a save (after the model files), or right after a save (its row then torn,
