@@ -5,17 +5,12 @@ consumed more than one weight version after the one it was drawn with."""
 import pytest
 
 from megaprm.parallel import launch
-from tests.rl_setup import rl_config, tiny_policy_and_prm
+from tests.rl_setup import rl_config
 
 PER_RANK = ("timing/", "throughput/", "weight_sync/")  # wall-clock: differs between runs
 BASE = ["rollout.max_tokens=16", "actor.micro_batch_size=8", "trainer.save_every=0",
         "trainer.steps=3", "trainer.eval_every=3", "trainer.eval_problems=8",
         "actor.entropy_coef=0.01"]  # a gradient every step (the tiny policy earns no reward)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return tiny_policy_and_prm(tmp_path_factory.mktemp("models"))
 
 
 def _run(run_dir, policy, prm, extra):
@@ -40,8 +35,8 @@ def _same(a: dict, b: dict) -> None:
             assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
 
 
-def test_separate_on_policy_equals_colocated_and_stale_stays_within_k(models, tmp_path):
-    policy, prm = models
+def test_separate_on_policy_equals_colocated_and_stale_stays_within_k(tiny_models, tmp_path):
+    policy, prm = tiny_models
     colocated = launch.spawn(_run, 2, str(tmp_path / "colocated"), policy, prm, [])
     sep = ["rollout.placement=separate", "rollout.ranks=1"]
     separate = launch.spawn(_run, 3, str(tmp_path / "separate"), policy, prm, sep)
@@ -90,10 +85,10 @@ def _run_method(run_dir, policy, prm, method, extra):
 @pytest.mark.parametrize("method,extra", [
     ("prime", ["rollout.refill=std", "rollout.max_refill_rounds=2"]),
     ("prof_grpo", [])], ids=["prime-refill", "prof_grpo-prm"])
-def test_every_kind_of_method_runs_one_step_stale(models, tmp_path, method, extra):
+def test_every_kind_of_method_runs_one_step_stale(tiny_models, tmp_path, method, extra):
     """max_staleness 1 with PRIME's online implicit PRM and refill drawing further blocks from
     the stream, and with a discriminative PRM scoring on the trainer ranks."""
-    policy, prm = models
+    policy, prm = tiny_models
     out = launch.spawn(_run_method, 3, str(tmp_path), policy, prm, method,
                        ["rollout.placement=separate", "rollout.ranks=1",
                         "rollout.max_staleness=1", *extra])
@@ -111,7 +106,7 @@ def test_every_kind_of_method_runs_one_step_stale(models, tmp_path, method, extr
 
 
 @pytest.mark.slow
-def test_a_killed_rank_ends_the_run_in_one_line_and_resume_continues(models, tmp_path):
+def test_a_killed_rank_ends_the_run_in_one_line_and_resume_continues(tiny_models, tmp_path):
     """`megaprm train --nproc 3 rollout.placement=separate rollout.ranks=1`: kill -9 of the
     rollout rank (drawing block 2), then of the trainer ranks (after step 2's log) each end the
     whole launch with one line naming the killed rank, leave no rank behind, and the next start
@@ -123,7 +118,7 @@ def test_a_killed_rank_ends_the_run_in_one_line_and_resume_continues(models, tmp
 
     from tests.test_megaprm_cli import FAST, MEGAPRM, ROOT, _assert_none_left, _pids_with
 
-    policy, _ = models
+    policy, _ = tiny_models
     run_dir = str(tmp_path / "run")
     cmd = [*MEGAPRM, "train", "--config", "configs/grpo_tiny.yaml", f"model.path={policy}",
            f"trainer.run_dir={run_dir}", *FAST, "--nproc", "3", "rollout.placement=separate",

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megaprm.parallel import launch
-from tests.rl_setup import rl_config, tiny_policy_and_prm
+from tests.rl_setup import rl_config
 
 METHODS = ("pure", "prime")
 EXTRA = ["rollout.max_tokens=12", "actor.micro_batch_size=4", "model.dtype=fp32"]
@@ -41,11 +41,6 @@ BY_METHOD = {"pure": ["trainer.steps=1", "trainer.save_every=1"],
 TOL = {"pure": {"metrics_rel": [1e-4], "update_rel": 1e-4},
        "prime": {"metrics_rel": [1e-4, 2e-2], "update_rel": 1e-1}}
 PER_RUN = ("timing/", "throughput/", "weight_sync/seconds", "weight_sync/gbps", "memory/")
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return tiny_policy_and_prm(tmp_path_factory.mktemp("layouts"))
 
 
 def _step(run_root, policy, prm, tp, pp):
@@ -97,16 +92,16 @@ def _compare(one, other) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def reference(models, tmp_path_factory):
+def reference(tiny_models, tmp_path_factory):
     """The world-size-1 step, run once for both layouts."""
-    policy, prm = models
+    policy, prm = tiny_models
     return launch.spawn(_step, 1, str(tmp_path_factory.mktemp("ws1")), policy, prm, 1, 1)[0]
 
 
 @pytest.fixture(scope="module")
-def layouts(models, tmp_path_factory):
+def layouts(tiny_models, tmp_path_factory):
     """layout -> its ranks' results, each layout run once for the tests below."""
-    policy, prm = models
+    policy, prm = tiny_models
     runs = {}
 
     def run(tp, pp):

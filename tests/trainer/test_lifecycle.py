@@ -19,18 +19,13 @@ import pytest
 import torch
 
 from megaprm.parallel import launch
-from tests.rl_setup import rl_config, tiny_policy_and_prm
+from tests.rl_setup import rl_config
 
 PER_RANK = ("timing/", "throughput/", "weight_sync/")  # wall-clock: differs between runs
 OFF = ("actor.offload=false", "ref.offload=false", "prm.offload=false")
 ON = ("actor.offload=true", "ref.offload=true", "prm.offload=true")
 RUNS = {"prime": ["actor.kl_coef=0.01"],
         "prof_grpo": ["actor.kl_coef=0.01", "trainer.eval_every=1", "trainer.eval_problems=4"]}
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return tiny_policy_and_prm(tmp_path_factory.mktemp("models"))
 
 
 def _held_bytes(tr) -> int:
@@ -87,8 +82,8 @@ def _runs(run_root, policy, prm):
     return out
 
 
-def test_every_offload_switch_on_gives_the_same_run_bit_for_bit(models, tmp_path):
-    policy, prm = models
+def test_every_offload_switch_on_gives_the_same_run_bit_for_bit(tiny_models, tmp_path):
+    policy, prm = tiny_models
     results = launch.spawn(_runs, 2, str(tmp_path), policy, prm)
     for res in results:
         for method in RUNS:

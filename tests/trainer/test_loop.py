@@ -12,16 +12,10 @@ from megaprm.algorithms.registry import METHODS
 from megaprm.config import load_config
 from megaprm.errors import ConfigError
 from megaprm.parallel import launch
-from tests.rl_setup import DEMO_YAML, rl_config, tiny_policy_and_prm
+from tests.rl_setup import DEMO_YAML, rl_config
 
 PER_RANK = ("timing/", "throughput/", "weight_sync/")  # wall-clock: differs between runs
 LOOP = ["rollout.max_tokens=20", "actor.micro_batch_size=4"]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A tiny policy and a tiny token-classification PRM sharing the char tokenizer."""
-    return tiny_policy_and_prm(tmp_path_factory.mktemp("models"))
 
 
 def _config(run_dir, policy, prm, method, extra=()):
@@ -44,8 +38,8 @@ def _run_methods(run_root, policy, prm, tp, steps):
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
-def test_every_method_runs_on_two_ranks(models, tmp_path, tp):
-    policy, prm = models
+def test_every_method_runs_on_two_ranks(tiny_models, tmp_path, tp):
+    policy, prm = tiny_models
     results = launch.spawn(_run_methods, 2, str(tmp_path), policy, prm, tp, 2)
     for method in METHODS:
         for rank_hist in results:
@@ -84,8 +78,8 @@ def _resume_work(run_dir, policy, prm, crash_at):
     return RLTrainer(cfg, g, build_char_tokenizer()).fit()
 
 
-def test_kill_during_save_then_resume_reproduces(models, tmp_path):
-    policy, prm = models
+def test_kill_during_save_then_resume_reproduces(tiny_models, tmp_path):
+    policy, prm = tiny_models
     ref = launch.spawn(_resume_work, 2, str(tmp_path / "ref"), policy, prm, None)[0]
     run = str(tmp_path / "crashy")
     with pytest.raises(launch.RankFailed):  # killed while writing the step-3 checkpoint
@@ -127,8 +121,8 @@ def _nan_work(run_dir, policy, prm):
     return hist, all(torch.equal(a, b) for a, b in zip(after, before))
 
 
-def test_nan_reward_step_is_skipped_not_applied(models, tmp_path):
-    policy, prm = models
+def test_nan_reward_step_is_skipped_not_applied(tiny_models, tmp_path):
+    policy, prm = tiny_models
     hist, unchanged = launch.spawn(_nan_work, 1, str(tmp_path), policy, prm)[0]
     assert [h["guard/skipped_total"] for h in hist] == [1.0, 2.0]
     assert unchanged
@@ -186,12 +180,12 @@ def _with_temperature(policy, t):
 
 
 @pytest.mark.parametrize("temperature", [0.5, 0.7])
-def test_trainer_logprobs_are_the_samplers_at_the_rollout_temperature(models, tmp_path,
+def test_trainer_logprobs_are_the_samplers_at_the_rollout_temperature(tiny_models, tmp_path,
                                                                        temperature):
     """The engine samples at T; the trainer's old log-probs of the same tokens equal the
     sampler's (fp32, <= 1e-5) and the first mini-batch's PPO ratio is 1. At T = 1 they differ
     (the bug this guards against: log pi_1 trained on tokens drawn from pi_T)."""
-    policy, prm = models
+    policy, prm = tiny_models
     diff, sampler_mean, t1_diff, metrics = launch.spawn(
         _temperature_work, 1, str(tmp_path), policy, prm, temperature)[0]
     assert diff <= 1e-5
@@ -235,11 +229,11 @@ def _logprob_temperature_work(run_dir, policy, prm):
     return out, tr.fit()[0]
 
 
-def test_pure_logprobs_at_t1_while_sampling_at_half(models, tmp_path):
+def test_pure_logprobs_at_t1_while_sampling_at_half(tiny_models, tmp_path):
     """actor.logprob_temperature=1 with rollout.temperature=0.5 (PURE's release): the update's
     log-probs and entropy are the T = 1 ones of a plain forward, the guard still compares with
     the sampler at 0.5 (and passes), and the metrics name both temperatures."""
-    policy, prm = models
+    policy, prm = tiny_models
     ref, metrics = launch.spawn(_logprob_temperature_work, 1, str(tmp_path), policy, prm)[0]
     assert ref["old_vs_t1"] <= 1e-6
     assert ref["half_vs_sampler"] <= 1e-5
@@ -311,11 +305,11 @@ def _metrics_work(run_dir, policy, prm, micro_batch_size, packed=False):
                                               (2, 10_000, False), (2, 3, False), (1, 3, True)],
                          ids=["1rank-1mb", "1rank-3mb", "2ranks-1mb", "2ranks-3mb",
                               "1rank-packed"])
-def test_update_metrics_equal_a_single_batch_reference(models, tmp_path, world, mbs, packed):
+def test_update_metrics_equal_a_single_batch_reference(tiny_models, tmp_path, world, mbs, packed):
     """Logged actor metrics are global token means over all micro-batches and ranks (maxima as
     maxima), equal to one actor_loss call on the whole gathered batch; with sequences packed
     into token-budget rows the update computes the same losses."""
-    policy, prm = models
+    policy, prm = tiny_models
     for metrics, ref in launch.spawn(_metrics_work, world, str(tmp_path), policy, prm, mbs,
                                      packed):
         for k in ("actor/pg_loss", "actor/clip_frac", "actor/ratio_mean", "actor/ratio_max",
@@ -363,8 +357,8 @@ def _rollback_work(run_dir, policy, prm):
             opt_before, opt_after, engine_equal, second)
 
 
-def test_nan_in_second_minibatch_leaves_parameters_and_engine_untouched(models, tmp_path):
-    policy, prm = models
+def test_nan_in_second_minibatch_leaves_parameters_and_engine_untouched(tiny_models, tmp_path):
+    policy, prm = tiny_models
     (calls, first, unchanged, opt_before, opt_after, engine_equal,
      second) = launch.spawn(_rollback_work, 1, str(tmp_path), policy, prm)[0]
     assert calls >= 2 and first["guard/skipped"] == 1.0
@@ -389,8 +383,8 @@ def _one_rank_nan_work(run_dir, policy, prm):
     return RLTrainer(cfg, g, build_char_tokenizer()).fit()
 
 
-def test_nan_reward_on_one_rank_is_skipped_by_both(models, tmp_path):
-    policy, prm = models
+def test_nan_reward_on_one_rank_is_skipped_by_both(tiny_models, tmp_path):
+    policy, prm = tiny_models
     results = launch.spawn(_one_rank_nan_work, 2, str(tmp_path), policy, prm, timeout_s=300)
     for hist in results:
         assert hist[0].get("guard/skipped") == 1.0
@@ -418,10 +412,10 @@ def _ratio_guard_work(run_dir, policy, prm):
     return m["actor/ratio_skipped_microbatches"], unchanged
 
 
-def test_pure_ratio_guard_zeroes_the_update(models, tmp_path):
+def test_pure_ratio_guard_zeroes_the_update(tiny_models, tmp_path):
     """PURE's released guard: a micro-batch whose mean ratio exceeds the threshold moves
     nothing (random advantages would otherwise move every weight)."""
-    policy, prm = models
+    policy, prm = tiny_models
     skipped, unchanged = launch.spawn(_ratio_guard_work, 1, str(tmp_path), policy, prm)[0]
     assert skipped >= 2 and unchanged
 
@@ -508,11 +502,11 @@ def _after_fit(tr, g, run_dir) -> dict:
             "engine": tr.evaluate_with_engine(lambda engine: engine is tr.engine)}
 
 
-def test_prime_prm_trains_on_the_filtered_batch_in_minibatches_scored_inside(models, tmp_path):
+def test_prime_prm_trains_on_the_filtered_batch_in_minibatches_scored_inside(tiny_models, tmp_path):
     """Released PRIME (update=after): prm.mini_batches optimiser steps per iteration over the
     accuracy-filtered rollouts only; mini-batch 2 is scored by the PRM after step 1; filtered
     groups are never trained on and carry q = 0."""
-    policy, prm = models
+    policy, prm = tiny_models
     m, rows, moved, cap = launch.spawn(_prime_work, 1, str(tmp_path), policy, prm)[0]
     assert m["prm/updates"] == 2.0 and len(rows) == 2
     first = cap["group_ids"] == cap["group_ids"].min()
@@ -543,14 +537,14 @@ def _killable_run(run_dir, policy, prm, kill_at, crash_at):
 
 
 @pytest.mark.slow  # kill-and-resume trials (pytest.ini's `slow`)
-def test_metrics_hold_each_step_once_after_kills_at_random_points(models, tmp_path):
+def test_metrics_hold_each_step_once_after_kills_at_random_points(tiny_models, tmp_path):
     """6 seeded trials, each kill point at two steps drawn at random: SIGKILL after a step is
     logged, inside a save (after the model files), or right after a save (its row then torn,
     as a full disk leaves it); the restart resumes and metrics.jsonl holds steps 0..3 exactly
     once, a torn row of a saved step restored from its checkpoint (it was lost: [0, 1, 3])."""
     import random
 
-    policy, prm = models
+    policy, prm = tiny_models
     rng = random.Random(1234)
     trials = [(step, where) for where in ("after_log", "mid_save", "after_save")
               for step in rng.sample(range(4), 2)]
@@ -622,8 +616,8 @@ def _oracle_rl_work(run_dir, policy, prm):
     return tr.prm is None, m
 
 
-def test_prof_grpo_runs_on_the_oracle_prm(models, tmp_path):
-    policy, prm = models
+def test_prof_grpo_runs_on_the_oracle_prm(tiny_models, tmp_path):
+    policy, prm = tiny_models
     no_model, m = launch.spawn(_oracle_rl_work, 1, str(tmp_path), policy, prm)[0]
     assert no_model and m["guard/skipped_total"] == 0 and "prm/outcome_agreement" in m
 
@@ -669,7 +663,7 @@ def _reuse_work(run_dir, policy, prm):
     return out
 
 
-def test_old_logprob_forward_is_skipped_exactly_when_it_equals_the_update_forward(models,
+def test_old_logprob_forward_is_skipped_exactly_when_it_equals_the_update_forward(tiny_models,
                                                                                   tmp_path):
     """One mini-batch on-policy: no old-log-prob forward, and the step's losses, ratios, monitor
     and applied grads equal those of the path with the forward (the ratio is 1 by
@@ -677,7 +671,7 @@ def test_old_logprob_forward_is_skipped_exactly_when_it_equals_the_update_forwar
     from megaprm.config import load_config
     from megaprm.trainer.rl.logprob_phase import reuses_new_logprobs
 
-    policy, prm = models
+    policy, prm = tiny_models
     out = launch.spawn(_reuse_work, 1, str(tmp_path), policy, prm)[0]
     (n_skip, m_skip, g_skip), (n_fwd, m_fwd, g_fwd) = out["skip"], out["forward"]
     assert (n_skip, n_fwd, out["two_minibatches"][0]) == (0, 1, 1)

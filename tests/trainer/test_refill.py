@@ -7,15 +7,10 @@ import pytest
 import torch
 
 from megaprm.parallel import launch
-from tests.rl_setup import rl_config, tiny_policy_and_prm
+from tests.rl_setup import rl_config
 
 P, N = 4, 4  # data.prompts_per_step and rollout.n of tests/rl_setup.SMALL
 FAST = ["rollout.max_tokens=8", "actor.micro_batch_size=8", "trainer.save_every=0"]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return tiny_policy_and_prm(tmp_path_factory.mktemp("models"))
 
 
 def passes(pattern: str, gid: int) -> bool:
@@ -97,8 +92,8 @@ def _work(run_dir, policy, prm, method, pattern, extra, steps):
 
 
 @pytest.mark.parametrize("method,refill", [("grpo", "std"), ("prime", "accuracy")])
-def test_refill_samples_until_the_filtered_batch_is_full(models, tmp_path, method, refill):
-    policy, prm = models
+def test_refill_samples_until_the_filtered_batch_is_full(tiny_models, tmp_path, method, refill):
+    policy, prm = tiny_models
     hist, seen, next_block = launch.spawn(
         _work, 1, str(tmp_path), policy, prm, method, "sparse",
         [f"rollout.refill={refill}", "rollout.max_refill_rounds=20"], 2)[0]
@@ -116,8 +111,8 @@ def test_refill_samples_until_the_filtered_batch_is_full(models, tmp_path, metho
     assert seen["blocks"] == list(range(start)) and next_block == start
 
 
-def test_refill_stops_at_the_cap_and_trains_on_what_passed(models, tmp_path):
-    policy, prm = models
+def test_refill_stops_at_the_cap_and_trains_on_what_passed(tiny_models, tmp_path):
+    policy, prm = tiny_models
     hist, seen, next_block = launch.spawn(
         _work, 1, str(tmp_path), policy, prm, "grpo", "sparse",
         ["rollout.refill=std", "rollout.max_refill_rounds=1"], 1)[0]
@@ -133,8 +128,8 @@ def test_refill_stops_at_the_cap_and_trains_on_what_passed(models, tmp_path):
     assert m["actor/updates"] >= 1 and next_block == 2
 
 
-def test_refill_never_passing_is_capped_not_endless(models, tmp_path):
-    policy, prm = models
+def test_refill_never_passing_is_capped_not_endless(tiny_models, tmp_path):
+    policy, prm = tiny_models
     hist, seen, _ = launch.spawn(_work, 1, str(tmp_path), policy, prm, "grpo", "never",
                                  ["rollout.refill=std", "rollout.max_refill_rounds=2"], 1)[0]
     m = hist[0]
@@ -143,8 +138,8 @@ def test_refill_never_passing_is_capped_not_endless(models, tmp_path):
     assert m["actor/updates"] == 0 and m["guard/skipped_total"] == 0
 
 
-def test_refill_off_is_one_round_per_step(models, tmp_path):
-    policy, prm = models
+def test_refill_off_is_one_round_per_step(tiny_models, tmp_path):
+    policy, prm = tiny_models
     hist, seen, next_block = launch.spawn(_work, 1, str(tmp_path), policy, prm, "grpo",
                                           "never", [], 2)[0]
     assert seen["blocks"] == [0, 1] and next_block == 2
@@ -152,10 +147,10 @@ def test_refill_off_is_one_round_per_step(models, tmp_path):
     assert seen["groups"] == [list(range(P)), list(range(P, 2 * P))]
 
 
-def test_two_ranks_with_different_filters_run_the_same_rounds(models, tmp_path):
+def test_two_ranks_with_different_filters_run_the_same_rounds(tiny_models, tmp_path):
     """dp=2: rank 0's groups pass at once, rank 1's rarely; both generate the same number of
     rounds (agreed), each fills its own share, the global counts agree with the loop."""
-    policy, prm = models
+    policy, prm = tiny_models
     out = launch.spawn(_work, 2, str(tmp_path), policy, prm, "grpo", "rank1_dry",
                        ["rollout.refill=std", "rollout.max_refill_rounds=20"], 1)
     rounds, trained, _ = reference("rank1_dry", 2, 20)
@@ -202,9 +197,9 @@ def _resume_work(run_dir, policy, prm, steps, pattern=None, extra=()):
     return blocks, tr.state.next_block
 
 
-def test_resume_continues_from_the_saved_data_position(models, tmp_path):
+def test_resume_continues_from_the_saved_data_position(tiny_models, tmp_path):
     """The blocks a refilled run draws after a restart are the ones the uninterrupted run drew."""
-    policy, prm = models
+    policy, prm = tiny_models
     whole, end = launch.spawn(_resume_work, 1, str(tmp_path / "a"), policy, prm, 2)[0]
     first, mid = launch.spawn(_resume_work, 1, str(tmp_path / "b"), policy, prm, 1)[0]
     rest, end_b = launch.spawn(_resume_work, 1, str(tmp_path / "b"), policy, prm, 2)[0]
@@ -212,10 +207,10 @@ def test_resume_continues_from_the_saved_data_position(models, tmp_path):
     assert os.path.isdir(tmp_path / "b" / "checkpoints")
 
 
-def test_resume_keeps_the_requeued_prompts(models, tmp_path):
+def test_resume_keeps_the_requeued_prompts(tiny_models, tmp_path):
     """The requeue list is checkpointed: after a restart the next step regenerates the same
     surplus prompts first (step 0 requeues gids 5, 6)."""
-    policy, prm = models
+    policy, prm = tiny_models
     args = ("three_of_four", ["rollout.refill_surplus=requeue"])
     first, _ = launch.spawn(_resume_work, 1, str(tmp_path), policy, prm, 1, *args)[0]
     rest, end = launch.spawn(_resume_work, 1, str(tmp_path), policy, prm, 2, *args)[0]
@@ -223,12 +218,12 @@ def test_resume_keeps_the_requeued_prompts(models, tmp_path):
     assert first + rest == [0, 1, (2, (5, 6))] and end == 3
 
 
-def test_surplus_prompts_are_requeued_first_as_released(models, tmp_path):
+def test_surplus_prompts_are_requeued_first_as_released(tiny_models, tmp_path):
     """rollout.refill_surplus=requeue (PRIME's add_to_buffer): passing groups beyond the share
     come back at the head of the next step's first round, and are trained then.
     Step 0: blocks 0 (gids 0,1,2 pass) and 1 (4,5,6): trains 0,1,2,4, requeues 5,6.
     Step 1: 5,6 + block 2 (8,9,10 pass): trains 5,6,8,9, requeues 10."""
-    policy, prm = models
+    policy, prm = tiny_models
     hist, seen, next_block = launch.spawn(
         _work, 1, str(tmp_path), policy, prm, "grpo", "three_of_four",
         ["rollout.refill=std", "rollout.refill_surplus=requeue"], 2)[0]

@@ -12,17 +12,12 @@ import pytest
 import torch
 
 from megaprm.parallel import launch
-from tests.rl_setup import rl_config, tiny_policy_and_prm
+from tests.rl_setup import rl_config
 
 PER_RANK = ("timing/", "throughput/", "weight_sync/")  # wall-clock: differs between runs
 BASE = ["rollout.engine=vllm", "rollout.max_tokens=12", "actor.micro_batch_size=8",
         "trainer.save_every=0", "trainer.steps=2", "trainer.eval_every=2",
         "trainer.eval_problems=4", "actor.entropy_coef=0.01", "rollout.placement=separate"]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return tiny_policy_and_prm(tmp_path_factory.mktemp("models"))
 
 
 def _digest(pairs) -> tuple:
@@ -101,8 +96,8 @@ def _same(a: dict, b: dict) -> None:
             assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
 
 
-def test_engine_of_two_ranks_gets_the_same_orders_and_weights_and_equals_tp1(models, tmp_path):
-    policy, prm = models
+def test_engine_of_two_ranks_gets_the_same_orders_and_weights_and_equals_tp1(tiny_models, tmp_path):
+    policy, prm = tiny_models
     one = launch.spawn(_run, 2, str(tmp_path / "tp1"), policy, prm, ["rollout.ranks=1"])
     two = launch.spawn(_run, 3, str(tmp_path / "tp2"), policy, prm,
                        ["rollout.ranks=2", "rollout.tp=2"])
