@@ -5,7 +5,7 @@ its own; `ATEN_CPU_CAPABILITY` and `MKL_ENABLE_INSTRUCTIONS` force a lower one, 
 one machine reproduces what another CPU computes. A model trained for a few hundred steps
 lands on different weights under each path, so a threshold on a learning outcome must hold
 under all of them (margins: docs/testing.md, scripts/learning_margins.py), and
-tests/test_kernel_paths.py reruns the learning tests under a second path on every `make test`.
+tests/test_kernel_paths.py reruns the learning tests under a second path (`make test-learning`).
 """
 from __future__ import annotations
 
