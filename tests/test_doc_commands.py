@@ -19,8 +19,9 @@ its `\\` continuations and heredoc. Two checks:
            (`megaprm plan`, `eval`, `eval-prm`, `plot` and `data` run as written):
            argv parsed by megaprm's own parser and the config + overrides loaded and validated
            (everything short of starting ranks);
-    flags  synopses with placeholders (HF_DIR, [--x a|b]) and the benchmark and repeat scripts
-           (minutes each): every --flag must appear in the program's own --help;
+    flags  synopses with placeholders (HF_DIR, [--x a|b]), the benchmark and repeat scripts,
+           scripts/test_durations.py and tests.kernel_paths (minutes each): every --flag must
+           appear in the program's own --help;
     make   `make -n TARGET` (the target exists; nothing runs).
 """
 import json
@@ -136,8 +137,10 @@ def kind(cmd: str) -> str:
         return "run" if words[1] in ("eval", "eval-prm", "plot", "plan", "data") else "dry"
     if words[1:3] == ["-m", "checkpoint_tools"] and len(words) == 3:
         return "flags"  # the program's name in prose
-    if re.match(r"\.venv/bin/python scripts/(bench_\w+|repeat_\w+)\.py", cmd):
-        return "flags"  # benchmarks and repeat counts: minutes each
+    if re.match(r"\.venv/bin/python scripts/(bench_\w+|repeat_\w+|test_durations)\.py", cmd):
+        return "flags"  # benchmarks, repeat counts, the suite's own timing: minutes each
+    if words[1:3] == ["-m", "tests.kernel_paths"]:
+        return "flags"  # the learning tests under every kernel path: minutes
     return "run"
 
 
@@ -216,6 +219,8 @@ def _flags(cmd: str, tmp: Path) -> None:
     n = 2
     if words[1:3] == ["-m", "checkpoint_tools"]:
         n = 4 if len(words) > 3 and not words[3].startswith("-") else 3
+    elif words[1] == "-m":  # python -m module --flag ...
+        n = 3
     _help_has_flags(words[:n], words[n:], tmp)
 
 
