@@ -1,19 +1,27 @@
-"""MANIFEST.json: size + crc32 of every file of a checkpoint, written last; every reader checks it.
+"""MANIFEST.json: size + checksum of every file of a directory, written last; every reader checks it.
 
 An `import-hf` checkpoint holds its own `DIR/MANIFEST.json`. A trainer step holds one for the
 whole step (`step_N/MANIFEST.json`, written by megaprm.trainer.checkpoint.save), so its model `step_N/actor/`
-is checked against the entries under `actor/`. The format is the trainer's:
-`{"checksum": "crc32", "total_bytes": N, "files": {relative path: [size, "crc32 hex"]}}`.
-A checkpoint written before manifests existed has none; it is read with a warning.
+is checked against the entries under `actor/`. A comparison's state directory (`megaprm compare
+--state-dir`, megaprm.experiments.arithmetic.run_state) holds one too, with sha256 checksums.
+The format, version 2 (`MANIFEST_VERSION`):
+`{"manifest_version": 2, <the writer's header>, "checksum": "crc32" | "sha256",
+"total_bytes": N, "files": {relative path: [size, "checksum hex"]}}`.
+Version 1 is the same without `manifest_version` and always crc32 (what megaprm wrote before the
+field); `load` reads both and refuses a newer version. A checkpoint written before manifests
+existed has none; it is read with a warning.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
 import zlib
 
 MANIFEST = "MANIFEST.json"
+MANIFEST_VERSION = 2  # the record's own version; a writer's header may hold its own "version"
+CHECKSUMS = ("crc32", "sha256")
 _CHUNK = 8 << 20
 CHECK_THREADS = min(4, os.cpu_count() or 1)
 
@@ -26,37 +34,82 @@ def crc32(path: str) -> str:
     return f"{crc:08x}"
 
 
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_digest(path: str, checksum: str = "crc32") -> str:
+    """The `checksum` ("crc32" or "sha256") of the file at `path`, as a manifest lists it."""
+    return {"crc32": crc32, "sha256": sha256}[checksum](path)
+
+
+def _digest_bytes(data: bytes, checksum: str) -> str:
+    return f"{zlib.crc32(data):08x}" if checksum == "crc32" else hashlib.sha256(data).hexdigest()
+
+
 def listing(root: str) -> list:
     """Every file below `root` but the manifest itself, relative to `root`, sorted."""
     out = []
     for d, _, names in os.walk(root):
         for n in names:
             rel = os.path.relpath(os.path.join(d, n), root)
-            if rel != MANIFEST:
+            if rel not in (MANIFEST, MANIFEST + ".tmp"):
                 out.append(rel)
     return sorted(out)
 
 
-def entries(root: str, files: list) -> dict:
-    """rel -> [size, crc32] of `files` (relative to `root`): what the manifest lists for them.
-    A multi-rank writer checksums a share of the files per rank and merges the dicts."""
+def entries(root: str, files: list, checksum: str = "crc32") -> dict:
+    """rel -> [size, checksum] of `files` (relative to `root`): what the manifest lists for
+    them. A multi-rank writer checksums a share of the files per rank and merges the dicts."""
     out = {}
     for rel in files:
         full = os.path.join(root, rel)
-        out[rel] = [os.path.getsize(full), crc32(full)]
+        out[rel] = [os.path.getsize(full), file_digest(full, checksum)]
     return out
 
 
-def write(root: str, files: dict | None = None, **header) -> None:
-    """Write `root/MANIFEST.json`, `header` first, over `files` (rel -> [size, crc32]; default:
-    every other file below `root`). Call it after the last write; it is fsynced."""
+def write(root: str, files: dict | None = None, checksum: str = "crc32", **header) -> None:
+    """Write `root/MANIFEST.json`, `header` first, over `files` (rel -> [size, checksum];
+    default: every other file below `root`). Call it after the last write; it is fsynced and
+    renamed into place, so a write cut short leaves the previous manifest as it was."""
+    if checksum not in CHECKSUMS:
+        raise ValueError(f"checksum {checksum!r}: valid are {', '.join(CHECKSUMS)}")
     if files is None:
-        files = entries(root, listing(root))
-    with open(os.path.join(root, MANIFEST), "w", encoding="utf-8") as f:
-        json.dump({**header, "checksum": "crc32",
-                   "total_bytes": sum(n for n, _ in files.values()), "files": files}, f, indent=2)
+        files = entries(root, listing(root), checksum)
+    path = os.path.join(root, MANIFEST)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"manifest_version": MANIFEST_VERSION, **header, "checksum": checksum,
+                   "total_bytes": sum(n for n, _ in files.values()), "files": files}, f,
+                  indent=2)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def load(path: str) -> dict:
+    """The manifest at `path`, checked for its shape and version (ValueError saying what is
+    wrong otherwise): version 2, or version 1 (no `manifest_version`, crc32). Its `files` may
+    be empty; a checkpoint's reader refuses that itself."""
+    with open(path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    if not isinstance(manifest, dict):
+        raise ValueError("not a JSON object")
+    version = manifest.get("manifest_version", 1)
+    if version not in (1, MANIFEST_VERSION):
+        raise ValueError(f"manifest_version {version!r}: this megaprm reads versions 1 and "
+                         f"{MANIFEST_VERSION} (written by a newer megaprm?)")
+    checksum = manifest.get("checksum", "crc32")
+    if checksum not in (("crc32",) if version == 1 else CHECKSUMS):
+        raise ValueError(f"checksum {checksum!r} is not one of version {version}'s")
+    files = manifest["files"]
+    if not isinstance(files, dict) or any(
+            not isinstance(e, list) or len(e) != 2 for e in files.values()):
+        raise ValueError("files: expected {path: [size, checksum]}")
+    return {**manifest, "manifest_version": version, "checksum": checksum}
 
 
 def _one_line(e: BaseException, limit: int) -> str:
@@ -64,10 +117,9 @@ def _one_line(e: BaseException, limit: int) -> str:
 
 
 def _load(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        manifest = json.load(f)
-    files = manifest["files"]
-    if not isinstance(files, dict) or not files:
+    """A checkpoint's manifest (`load`), which lists at least one file."""
+    manifest = load(path)
+    if not manifest["files"]:
         raise ValueError("no files listed")
     return manifest
 
@@ -93,12 +145,12 @@ def read_verified(ckpt_dir: str, rel: str) -> tuple:
     if problem:
         return None, problem
     try:
-        size, crc = manifest["files"][rel]
+        size, digest = manifest["files"][rel]
         with open(os.path.join(ckpt_dir, rel), "rb") as f:
             data = f.read()
     except (OSError, KeyError, ValueError, TypeError) as e:
         return None, f"{rel} cannot be checked ({_one_line(e, 400)})"
-    if len(data) != size or f"{zlib.crc32(data):08x}" != crc:
+    if len(data) != size or _digest_bytes(data, manifest["checksum"]) != digest:
         return None, f"{rel} does not match {MANIFEST} (torn or edited)"
     return data, None
 
@@ -117,9 +169,10 @@ def problems(ckpt_dir: str) -> list | None:
     else:
         return None
     try:
-        files = _load(mpath)["files"]
+        loaded = _load(mpath)
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         return [f"{mpath} is unreadable ({_one_line(e, 200)})"]
+    files, checksum = loaded["files"], loaded["checksum"]
     mine = {rel: v for rel, v in files.items() if rel.startswith(prefix)}
     if not mine:
         return [f"{mpath} lists no file of {ckpt_dir}"]
@@ -128,7 +181,8 @@ def problems(ckpt_dir: str) -> list | None:
     # zlib.crc32 releases the GIL: files are checked side by side (424 MB on 2 cores took 0.29 s
     # one after another when measured)
     with ThreadPoolExecutor(min(CHECK_THREADS, len(mine))) as pool:
-        out = list(pool.map(lambda item: file_problem(os.path.join(base, item[0]), item[1]),
+        out = list(pool.map(lambda item: file_problem(os.path.join(base, item[0]), item[1],
+                                                      checksum=checksum),
                             sorted(mine.items())))
     return [p for p in out if p]
 
@@ -164,17 +218,18 @@ def unsealed_problems(ckpt_dir: str) -> list:
     return found
 
 
-def file_problem(full: str, entry, name: str | None = None) -> str | None:
-    """What is wrong with file `full` against its manifest entry [size, crc32] (None when it
+def file_problem(full: str, entry, name: str | None = None,
+                 checksum: str = "crc32") -> str | None:
+    """What is wrong with file `full` against its manifest entry [size, checksum] (None when it
     matches); the line names it as `name` (default: its path)."""
     name = name or full
     try:
-        size, crc = entry
+        size, digest = entry
         if not os.path.isfile(full):
             return f"{name} is missing"
         if os.path.getsize(full) != size:
             return f"{name} has {os.path.getsize(full)} bytes, {MANIFEST} says {size}"
-        if crc32(full) != crc:
+        if file_digest(full, checksum) != digest:
             return f"{name} fails its checksum (its bytes changed)"
     except (OSError, ValueError, TypeError) as e:
         return f"{name} cannot be checked ({_one_line(e, 400)})"

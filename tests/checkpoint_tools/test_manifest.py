@@ -54,7 +54,9 @@ def test_import_writes_a_manifest_of_every_file(made):
 
     _, ck = made
     with open(os.path.join(ck, "MANIFEST.json")) as f:
-        files = json.load(f)["files"]
+        head = json.load(f)
+    assert head["manifest_version"] == manifest.MANIFEST_VERSION and head["checksum"] == "crc32"
+    files = head["files"]
     on_disk = sorted(os.path.relpath(os.path.join(d, n), ck) for d, _, ns in os.walk(ck)
                      for n in ns if n != "MANIFEST.json")
     assert sorted(files) == on_disk and "megaprm_checkpoint.json" in files
@@ -62,6 +64,63 @@ def test_import_writes_a_manifest_of_every_file(made):
         data = open(os.path.join(ck, rel), "rb").read()
         assert size == len(data) and crc == f"{zlib.crc32(data):08x}"
     assert manifest.problems(ck) == []
+
+
+def _rewrite(path, edit):
+    with open(path) as f:
+        head = json.load(f)
+    with open(path, "w") as f:
+        json.dump(edit(head), f)
+
+
+def test_a_version_1_manifest_is_read_and_a_newer_one_refused(made, tmp_path):
+    """A checkpoint sealed before `manifest_version` (version 1: crc32, no field) still
+    verifies, and a flipped byte is still found; a version this megaprm does not know is
+    unreadable, said in one line, not guessed at."""
+    _, ck = made
+    old = _copy(ck, tmp_path)
+    mpath = os.path.join(old, "MANIFEST.json")
+    _rewrite(mpath, lambda h: {k: v for k, v in h.items() if k != "manifest_version"})
+    assert manifest.read(old)[0]["manifest_version"] == 1 and manifest.problems(old) == []
+    assert manifest.read_verified(old, "megaprm_checkpoint.json")[1] is None
+    _flip(_distcp(old))
+    assert [p for p in manifest.problems(old) if "fails its checksum" in p]
+    _rewrite(mpath, lambda h: {**h, "manifest_version": 3})
+    (found,) = manifest.problems(old)
+    assert "unreadable" in found and "manifest_version 3" in found
+    assert "manifest_version 3" in manifest.read(old)[1]
+    _rewrite(mpath, lambda h: {**h, "manifest_version": 1, "checksum": "sha256"})
+    assert "checksum 'sha256' is not one of version 1's" in manifest.read(old)[1]
+
+
+def test_a_sha256_manifest_is_checked_with_sha256(tmp_path):
+    """The same writer and readers with sha256 entries (a comparison's state directory):
+    each entry is the file's hashlib sha256 and size; a changed byte, a missing file and a
+    wrong size are found."""
+    import hashlib
+
+    d = tmp_path / "d"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.bin").write_bytes(b"a" * 100)
+    (d / "sub" / "b.json").write_bytes(b'{"b": 1}')
+    manifest.write(str(d), checksum="sha256", format="test")
+    head = json.loads((d / "MANIFEST.json").read_text())
+    assert head["files"] == {rel: [len(data), hashlib.sha256(data).hexdigest()]
+                             for rel, data in (("a.bin", b"a" * 100),
+                                               ("sub/b.json", b'{"b": 1}'))}
+    assert (head["checksum"], head["format"], head["total_bytes"]) == ("sha256", "test", 108)
+    assert not (d / "MANIFEST.json.tmp").exists()
+    assert manifest.problems(str(d)) == []
+    assert manifest.read_verified(str(d), "sub/b.json") == (b'{"b": 1}', None)
+    (d / "a.bin").write_bytes(b"a" * 99 + b"b")
+    assert manifest.read_verified(str(d), "a.bin")[1] == "a.bin does not match MANIFEST.json " \
+        "(torn or edited)"
+    (d / "sub" / "b.json").write_bytes(b"{}")
+    assert sorted(manifest.problems(str(d))) == [
+        f"{d / 'a.bin'} fails its checksum (its bytes changed)",
+        f"{d / 'sub' / 'b.json'} has 2 bytes, MANIFEST.json says 8"]
+    with pytest.raises(ValueError, match="checksum 'md5': valid are crc32, sha256"):
+        manifest.write(str(d), checksum="md5")
 
 
 def test_export_and_verify_refuse_a_damaged_checkpoint(made, tmp_path):

@@ -27,10 +27,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import math
 import os
 import shutil
-import statistics
 import time
 from dataclasses import asdict
 
@@ -40,25 +38,13 @@ from megaprm.config import load_config
 from megaprm.digest import json_digest, source_digest
 from megaprm.experiments.arithmetic import run_state, stats
 from megaprm.rollout.config import RolloutConfig
-from megaprm.experiments.arithmetic.report import (
-    COLUMNS,
-    CURVE_KEYS,
-    EVAL_RATIOS,
-    PAIRED,
-    lookup,
-    markdown,
-    plot,
-)
+from megaprm.experiments.arithmetic.report import CURVE_KEYS, INTERVALS, markdown, plot
 from megaprm.experiments.arithmetic.runs import (
     MAX_TOKENS,
-    READS_STEP_SCORES,
-    REFERENCE,
     REPO_ROOT,
     RL_YAML,
-    VARIANTS,
     CompareConfig,
     RunSpec,
-    base_method,
     held_out_problems,
     plan,
     repo_relative,
@@ -358,11 +344,6 @@ def _curves(run_dir: str) -> dict:
     return {k: [r.get(k) for r in rows] for k in CURVE_KEYS if any(k in r for r in rows)}
 
 
-def _tail_mean(xs: list, n: int = 5) -> float | None:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return sum(xs[-n:]) / len(xs[-n:]) if xs else None
-
-
 def _relative_override(o: str) -> str:
     """A path override as a path relative to the repository (a committed result)."""
     k, _, v = o.partition("=")
@@ -502,7 +483,7 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
                           _cell_digest(base_digest, trained, *_eval_size(rec)), digest, overrides)
     if done is not None:
         done["curves"] = _curves(d)
-        done["train_end"] = {k: _tail_mean(v) for k, v in done["curves"].items()}
+        done["train_end"] = {k: stats.tail_mean(v) for k, v in done["curves"].items()}
         return done
     if only_finished:
         return None
@@ -521,296 +502,12 @@ def run_one(spec: RunSpec, ccfg: CompareConfig, groups: Groups, tok, sft_dir: st
     rec = {"digest": digest, **asdict(spec), "name": spec.name,
            "overrides": [_relative_override(o) for o in overrides], **ev, "rl_code": rl_code,
            "cpu": _cpu(),  # one pass may span machines (resumed elsewhere): each cell's own
-           "train_end": {k: _tail_mean(v) for k, v in curves.items()},
+           "train_end": {k: stats.tail_mean(v) for k, v in curves.items()},
            "curves": curves, "rl_s": rl_s, "eval_s": time.perf_counter() - t - rl_s}
     del trainer, history
     gc.collect()
     _write_json(res_path, rec, groups)
     return rec
-
-
-# ------------------------------------------------------------------------------ statistics
-
-def _counts(recs: list, label: str):
-    """[seeds, problems] numerator and denominator arrays of an evaluation column, or None when
-    a run lacks per-problem counts."""
-    import numpy as np
-
-    ev, num, den = EVAL_RATIOS[label]
-    nums, dens = [], []
-    for r in recs:
-        pp = lookup(r, (ev, "per_problem"))
-        if not pp:
-            return None
-        per = r[ev]["samples"] // max(r[ev]["problems"], 1)
-        nums.append(pp[num])
-        dens.append(pp[den] if den != "samples" else [per] * len(pp[num]))
-    return np.asarray(nums, float), np.asarray(dens, float)
-
-
-def _seed_wilson(recs: list, label: str) -> list:
-    """Each seed's Wilson 95% interval: the evaluation's binomial noise alone (the samples of
-    one run as the trials; for the wrong-step share, the correct answers)."""
-    ev, num, den = EVAL_RATIOS[label]
-    out = []
-    for r in recs:
-        pp = r[ev]["per_problem"]
-        k = sum(pp[num])
-        n = r[ev]["samples"] if den == "samples" else sum(pp[den])
-        out.append(list(stats.wilson(k, n)))
-    return out
-
-
-def _plateau(mean_curve: list, window: int = 10) -> dict:
-    """Where a (seed-averaged) training curve flattens: the first step whose trailing
-    `window`-step mean has made 90% of the rise from the first window to the last, and the
-    slope (per 100 steps) of a least-squares line through the last quarter of the steps."""
-    xs = [x for x in mean_curve if x is not None and math.isfinite(x)]
-    if len(xs) < 2 * window:
-        return {"steps": len(xs), "step90": None, "first": None, "last": None,
-                "slope_last_quarter": None}
-    trail = [sum(xs[i - window + 1:i + 1]) / window for i in range(window - 1, len(xs))]
-    first, last = trail[0], trail[-1]
-    rise = last - first
-    step90 = (next(i + window - 1 for i, v in enumerate(trail) if v >= first + 0.9 * rise)
-              if rise > 0 else None)
-    q = xs[-max(len(xs) // 4, 2):]
-    mx = (len(q) - 1) / 2
-    my = sum(q) / len(q)
-    slope = (sum((i - mx) * (y - my) for i, y in enumerate(q))
-             / sum((i - mx) ** 2 for i in range(len(q))))
-    return {"steps": len(xs), "step90": step90, "first": first, "last": last,
-            "slope_last_quarter": 100 * slope}
-
-
-def _by_start(recs: list) -> dict:
-    """start -> its cells sorted by seed (cells written before starts were a level: start 0)."""
-    out: dict = {}
-    for r in sorted(recs, key=lambda r: (r.get("start", 0), r["seed"])):
-        out.setdefault(r.get("start", 0), []).append(r)
-    return out
-
-
-def _start_counts(recs: list, label: str):
-    """Per start, the [seeds, problems] numerator and denominator arrays of a column (the
-    layout of `stats.hier_bootstrap3`), or None when a cell lacks per-problem counts."""
-    cnt = [_counts(g, label) for g in _by_start(recs).values()]
-    if any(c is None for c in cnt):
-        return None
-    return [c[0] for c in cnt], [c[1] for c in cnt]
-
-
-def _separated(boot: dict) -> bool:
-    return bool(boot["lo"] > 0 or boot["hi"] < 0)
-
-
-def aggregate(results: list, ccfg: CompareConfig) -> list:
-    """One row per (method, process reward), over every start and seed: per-cell values, mean
-    and intervals per column. An oracle row of a method that reads no step scores is its
-    learned row (same run).
-
-    Per evaluation column: `mean`, `lo`/`hi`, the three-level bootstrap's 95% interval of the
-    mean over starts of the mean over seeds (starts, then seeds, then problems;
-    `stats.hier_bootstrap3`; with one start it is the two-level bootstrap), `per_start` each
-    start's mean over its seeds, `ci95` the old t half-width over cells (kept for readers of
-    earlier reports), `wilson` every cell's Wilson interval, and `noise` (`stats.noise3`:
-    evaluation, seed and start SD of one run's value). `paired`: per column of PAIRED, the
-    row's difference from GRPO's run of the same start and seed, per cell, with the paired
-    three-level bootstrap's 95% interval over the cells both rows have; `separated` when it
-    excludes 0; `by_start`: the same per start (two levels: its seeds, then problems);
-    `noise`: the evaluation, seed and start SD of one run's difference."""
-
-    import numpy as np
-
-    rows, by_key = [], {}
-    for r in results:
-        if not r.get("hack"):
-            by_key.setdefault((r["method"], r["prm"]), []).append(r)
-    keys = list(by_key)
-    for m in ccfg.oracle:
-        if m not in READS_STEP_SCORES and (m, "oracle") not in by_key:
-            src = (m, "implicit" if base_method(m) == "prime" else "learned")
-            if src in by_key:
-                by_key[(m, "oracle")] = by_key[src]
-                keys.append((m, "oracle"))
-    ref = {(r.get("start", 0), r["seed"]): r for r in by_key.get((REFERENCE, "learned"), [])}
-    reps = ccfg.bootstrap_reps
-    for key in keys:
-        recs = [r for g in _by_start(by_key[key]).values() for r in g]
-        row = {"method": key[0], "prm": key[1], "seeds": [r["seed"] for r in recs],
-               "starts": [r.get("start", 0) for r in recs],
-               "same_run_as_learned": key[1] == "oracle" and key[0] not in READS_STEP_SCORES,
-               "variant_of": VARIANTS[key[0]][0] if key[0] in VARIANTS else None,
-               "variant_overrides": VARIANTS[key[0]][1] if key[0] in VARIANTS else []}
-        for label, path in COLUMNS:
-            vals = [_value(r, label, path) for r in recs]
-            row[label] = {"per_seed": vals, **stats.mean_ci(vals)}
-            cnt = _start_counts(recs, label) if label in EVAL_RATIOS else None
-            if cnt is not None:
-                boot = stats.hier_bootstrap3(*cnt, reps=reps)
-                row[label].update(mean=boot["mean"], lo=boot["lo"], hi=boot["hi"],
-                                  per_start=[float(x) for x in stats.start_values(*cnt)],
-                                  wilson=_seed_wilson(recs, label), noise=_noise3(*cnt),
-                                  design=_design(*cnt, k=1 if label.startswith("greedy")
-                                                 else ccfg.sampled_n))
-        both = [r for r in recs if (r.get("start", 0), r["seed"]) in ref]
-        if key != (REFERENCE, "learned") and not row["same_run_as_learned"] and both:
-            row["paired"] = {"reference": REFERENCE, "seeds": [r["seed"] for r in both],
-                             "starts": [r.get("start", 0) for r in both]}
-            for label in PAIRED:
-                mine = _start_counts(both, label)
-                theirs = _start_counts([ref[(r.get("start", 0), r["seed"])] for r in both],
-                                       label)
-                if mine is None or theirs is None:
-                    continue
-                boot = stats.hier_bootstrap3(*mine, *theirs, reps=reps)
-                path = dict(COLUMNS)[label]
-                by_start = {}
-                for k, (mn, md, tn, td) in zip(_by_start(both), zip(*mine, *theirs)):
-                    b = stats.hier_bootstrap(mn, md, tn, td, reps=reps)
-                    by_start[str(k)] = {"seeds": int(mn.shape[0]), "mean": b["mean"],
-                                        "lo": b["lo"], "hi": b["hi"], "separated": _separated(b)}
-                pairs = [(_value(r, label, path),
-                          _value(ref[(r.get("start", 0), r["seed"])], label, path)) for r in both]
-                row["paired"][label] = {
-                    "per_seed": [None if None in ab else ab[0] - ab[1] for ab in pairs],
-                    "mean": boot["mean"], "lo": boot["lo"], "hi": boot["hi"],
-                    "separated": _separated(boot), "by_start": by_start,
-                    "noise": _noise3(*mine, *theirs)}
-        curve = _mean_curve([r["curves"].get("reward/outcome_mean", []) for r in recs])
-        row["plateau"] = _plateau(curve)
-        row["plateau_wrong_step"] = _plateau(_mean_curve(
-            [r["curves"].get("exact/correct_with_wrong_step_frac", []) for r in recs]))
-        for name, k in (("step_auroc", "prm/step_auroc"),
-                        ("implicit_step_auroc", "prm/implicit_step_auroc")):
-            if any(r["curves"].get(k) for r in recs):
-                row[name] = _first_last([_finite(r["curves"].get(k, [])) for r in recs])
-        judged = [r["implicit_judged"] for r in recs if r.get("implicit_judged")]
-        if judged:  # the final implicit PRM of each run, judged on the judging set
-            row["implicit_judged"] = {
-                "cells": len(judged),
-                **{k: float(np.nanmean([j[k] for j in judged]))
-                   for k in ("f1", "acc_erroneous", "acc_correct", "step_auroc")}}
-        if base_method(key[0]) == "prime":  # the implicit PRM's loss: ln 2 = not learning
-            # steps where no row passed the accuracy filter train nothing (loss 0): left out;
-            # each run's own first and last 10 trained steps, so a run that trained on few
-            # steps (its filter kept no group) does not cut the others' curves short
-            row["implicit_prm_loss"] = _first_last([_trained(r["curves"]) for r in recs])
-        rows.append(row)
-    return rows
-
-
-def _value(r: dict, label: str, path: tuple):
-    """A run's value of a column; None for a ratio without a denominator: the wrong-step share
-    of a run with no correct answer, which the evaluation records as 0 (the bootstrap, the
-    noises and the design leave such a run out of that column too)."""
-    if label in EVAL_RATIOS:
-        ev, _, den = EVAL_RATIOS[label]
-        pp = lookup(r, (ev, "per_problem"))
-        if den != "samples" and pp and not sum(pp[den]):
-            return None
-    return lookup(r, path)
-
-
-def _noise3(num, den, ref_num=None, ref_den=None) -> dict:
-    """`stats.noise3` (of the paired difference with `ref_*`), or every component nan where no
-    run has the ratio defined (a wrong-step share of runs without a correct answer)."""
-    try:
-        return stats.noise3(num, den, ref_num, ref_den)
-    except ValueError:
-        return {"eval_sd": math.nan, "seed_sd": math.nan, "start_sd": math.nan}
-
-
-def _design(num, den, k: int) -> dict | None:
-    """Is the evaluation noise below the seed noise for this column, and how many held-out
-    problems (at k' samples each) would make it so (`stats.eval_design`); None where the
-    counts cannot say (no defined ratio, or too few runs for a seed spread)."""
-    try:
-        d = stats.eval_design(num, den, k=k)
-    except ValueError:
-        return None
-    return {"holds": d["holds"], "eval_sd": d["eval_sd"], "seed_sd": d["seed_sd"],
-            "problems_needed": {str(kk): n for kk, n in d["problems_needed"].items()}}
-
-
-def evaluation_sizes(rows: list, results: list) -> dict | None:
-    """The evaluation size to choose next (`stats.cheapest_evaluation`): the fewest decoded
-    sequences that put the evaluation SD below the seed SD in the most columns, for an
-    evaluation costing at most what the cell's RL costs (the cap: the cells' median RL
-    seconds over their median seconds per evaluated sequence). None without a noise split."""
-    import numpy as np
-
-    greedy, sampled = [], []
-    for r in rows:
-        if r["same_run_as_learned"]:
-            continue
-        for label in EVAL_RATIOS:
-            design = r.get(label, {}).get("design")
-            if design is not None and label != "greedy fully correct":
-                (greedy if label.startswith("greedy") else sampled).append(
-                    design["problems_needed"])
-    cells = [c for c in results if not c.get("hack") and c.get("eval_s")]
-    if not greedy or not cells:
-        return None
-    seq_s = float(np.median([c["eval_s"] / (c["greedy"]["samples"] + c["sampled"]["samples"])
-                             for c in cells]))
-    rl_s = float(np.median([c["rl_s"] for c in cells]))
-    cap = int(rl_s / seq_s)
-    return {"max_sequences": cap, "rl_s": rl_s, "seconds_per_sequence": seq_s,
-            "sizes": stats.cheapest_evaluation(greedy, sampled, max_sequences=cap)}
-
-
-def cells_to_go_s(done: list, todo: list) -> float | None:
-    """Seconds the cells in `todo` (RunSpecs) would take at the recorded cost (RL + evaluation
-    seconds) of the finished cells in `done` of the same kind (method, process reward, hack),
-    the median over those; of every finished cell for a kind none has finished yet. None
-    before any finished cell has a recorded cost. Cells of `todo` already finished on disk
-    would cost nothing: a resumed run's estimate is an upper bound until it passes them."""
-    cost: dict = {}
-    for r in done:
-        if r.get("rl_s") is not None:
-            kind = (r["method"], r["prm"], bool(r.get("hack")))
-            cost.setdefault(kind, []).append(r["rl_s"] + (r.get("eval_s") or 0.0))
-    if not cost:
-        return None
-    every = statistics.median(x for xs in cost.values() for x in xs)
-    return sum(statistics.median(cost.get((s.method, s.prm, s.hack), [every])) for s in todo)
-
-
-def _hours_or_min(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
-
-
-def _first_last(series: list, n: int = 10) -> dict:
-    """Mean over the runs of each run's first and last `n` defined values of a per-step
-    monitor that is undefined at some steps (a step AUROC: no right or no wrong step among the
-    rows scored), and how many steps each run had it defined."""
-    runs = [xs for xs in series if xs]
-    if not runs:
-        return {"first": None, "last": None, "defined_steps": []}
-    return {"first": sum(sum(x[:n]) / len(x[:n]) for x in runs) / len(runs),
-            "last": sum(sum(x[-n:]) / len(x[-n:]) for x in runs) / len(runs),
-            "defined_steps": [len(x) for x in series]}
-
-
-def _finite(xs: list) -> list:
-    return [x for x in xs if x is not None and math.isfinite(x)]
-
-
-def _trained(curves: dict) -> list:
-    """The implicit PRM's loss at the steps where it trained on some row."""
-    loss, rows = curves.get("prm/loss", []), curves.get("prm/trained_rows")
-    if rows is None:
-        return _finite(loss)
-    return [x for x, n in zip(loss, rows) if n and x is not None and math.isfinite(x)]
-
-
-def _mean_curve(series: list) -> list:
-    series = [s for s in series if s]
-    if not series:
-        return []
-    steps = min(map(len, series))
-    return [sum((s[i] or 0.0) for s in series) / len(series) for i in range(steps)]
 
 
 # ------------------------------------------------------------------------------ driver
@@ -821,14 +518,8 @@ RL_CODE = ("megaprm.trainer.rl.loop", "megaprm.trainer.rl.evaluate", "megaprm.ro
            "megaprm.experiments.arithmetic.runs")
 
 
-def _response_tokens(results: list) -> dict | None:
-    """The training responses' mean length (tokens) over the cells: first and last 5 steps."""
-    curves = [r["curves"].get("response/length_mean") for r in results if not r.get("hack")]
-    curves = [[x for x in c if x is not None] for c in curves if c]
-    if not curves:
-        return None
-    return {"first5": sum(sum(c[:5]) / len(c[:5]) for c in curves) / len(curves),
-            "last5": sum(sum(c[-5:]) / len(c[-5:]) for c in curves) / len(curves)}
+def _hours_or_min(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
 def _git_commit() -> dict:
@@ -892,16 +583,115 @@ def provenance(code: dict, rl_code: dict, results: list) -> dict:
             "cells_by_rl_code": versions, "cells_by_cpu": cpus, "torch": torch.__version__,
             "python": platform.python_version(), "cpu": _cpu()}
 
-INTERVALS = ("mean over seeds [95% percentile interval of a two-level bootstrap: seeds with "
-             "replacement, then held-out problems with replacement within each drawn seed; "
-             "paired rows share the draws with GRPO's run of the same seed]; per-seed Wilson "
-             "95% intervals for the evaluation's binomial part; ci95: the t half-width over "
-             "seeds of earlier reports")
-
-
 def _no_counts(v):
     """An evaluation without its per-problem counts (they stay in each run's result.json)."""
     return {k: x for k, x in v.items() if k != "per_problem"} if isinstance(v, dict) else v
+
+
+def _recorded_stages(ccfg: CompareConfig, groups: Groups, tok, k: int, code: dict,
+                     temperature: float) -> dict | None:
+    """`--only-finished`: start k's stages as they are on disk, built by whichever code (said
+    in the report); None where it was never built (its cells are missing). Nothing trains."""
+    rec = recorded_start(ccfg, k, code)
+    if rec is None:
+        return None
+    sft_dir, prm_dir = (os.path.join(ccfg.start_dir(k), d) for d in ("sft", "prm"))
+    sft, prm = rec["sft"], rec["prm"]
+    st = {"sft_dir": sft_dir, "prm_dir": prm_dir, "sft": sft, "prm": prm,
+          "baseline": baseline_stage(ccfg, groups, tok, sft_dir, sft["digest"], temperature, k),
+          "prm_judged": prm_judge_stage(ccfg, groups, k, prm_dir, prm["digest"]),
+          "base_digest": json_digest([sft["digest"], prm["digest"]]),
+          "same_code": rec["same_code"], "settings_checked": rec["settings_checked"],
+          "t_warm": 0.0, "t_prm": 0.0}
+    if not rec["same_code"]:
+        _say(groups, f"start {k}: reporting its warm-up and PRM as built by other code than this "
+                     "checkout's (compare.json: starts[].same_code)")
+    return st
+
+
+def _built_stages(ccfg: CompareConfig, groups: Groups, tok, k: int, code: dict,
+                  temperature: float) -> dict:
+    """Start k's stages (warm-up, PRM, its judgement, the baseline), built or read back from
+    their caches, with the seconds the warm-up and the PRM took."""
+    t = time.perf_counter()
+    sft_dir, sft = warmup_stage(ccfg, groups, tok, k, code)
+    t_warm = time.perf_counter() - t
+    prm_dir, prm = prm_stage(ccfg, groups, tok, k, code, sft_dir)
+    judged = prm_judge_stage(ccfg, groups, k, prm_dir, prm["digest"])
+    baseline = baseline_stage(ccfg, groups, tok, sft_dir, sft["digest"], temperature, k)
+    return {"sft_dir": sft_dir, "prm_dir": prm_dir, "sft": sft, "prm": prm,
+            "baseline": baseline, "prm_judged": judged,
+            "base_digest": json_digest([sft["digest"], prm["digest"]]),
+            "t_warm": t_warm, "t_prm": time.perf_counter() - t - t_warm}
+
+
+def _per_start(built: dict, results: list) -> list:
+    """compare.json's `starts`: each built start's stage records (less their cache keys and
+    per-problem counts) and how many of its cells are reported."""
+    return [{"start": k,
+             "warmup": {x: y for x, y in v["sft"].items() if x != "digest"},
+             "prm": {x: y for x, y in v["prm"].items() if x != "digest"},
+             "baseline": {x: _no_counts(y) for x, y in v["baseline"].items() if x != "digest"},
+             "prm_judged": {x: y for x, y in v["prm_judged"].items() if x != "digest"},
+             # built by this checkout's code (False: reported by --only-finished from an
+             # earlier commit's start; the provenance's start_code is this checkout's)
+             "same_code": v.get("same_code", True),
+             "settings_checked": v.get("settings_checked", True),
+             "cells": sum(r["start"] == k for r in results)}
+            for k, v in built.items()]
+
+
+def build_report(ccfg: CompareConfig, groups: Groups, runs: list, results: list, missing: list,
+                 starts: dict, code: dict, rl_code: dict, t0: float) -> dict:
+    """compare.json: the design, the starts, the rows and their statistics (`stats.aggregate`),
+    the reward-hacking run, times, load and provenance."""
+    hack = next((r for r in results if r.get("hack")), None)
+    built = {k: v for k, v in sorted(starts.items()) if v is not None}
+    first = next(iter(built.values()))
+    per_start = _per_start(built, results)
+    return {"methods": list(ccfg.methods), "seeds": ccfg.seeds, "rl_steps": ccfg.rl_steps,
+            "eval_problems": ccfg.eval_problems, "sampled_n": ccfg.sampled_n,
+            # run_dir relative to the repository: compare.json is committed
+            "config": {**asdict(ccfg), "run_dir": repo_relative(ccfg.run_dir)},
+            "task": ccfg.task, "task_config": repr(ccfg.arithmetic),
+            "max_tokens": MAX_TOKENS[ccfg.task],
+            "response_tokens": stats.response_tokens(results),
+            "starts": per_start,
+            # start 0's (the first built) stages: the single-start report's fields
+            "warmup": per_start[0]["warmup"], "prm": per_start[0]["prm"],
+            "baseline": per_start[0]["baseline"],
+            "planned": [f"start{s.start}/{s.name}" for s in runs], "missing": missing,
+            "eval_format": EVAL_FORMAT, "intervals": INTERVALS,
+            "rows": (rows := stats.aggregate(results, ccfg)),
+            "evaluation_sizes": stats.evaluation_sizes(rows, results),
+            "hack": ({k: _no_counts(hack[k])
+                      for k in ("seed", "greedy", "sampled", "train_end", "curves")}
+                     if hack else None),
+            "times_s": {"warmup": first["t_warm"], "prm": first["t_prm"],
+                        "runs": {f"start{r['start']}/{r['name']}": r["rl_s"] + r["eval_s"]
+                                 for r in results}},
+            "total_s": time.perf_counter() - t0,
+            # what the table cost when each part was built (cached parts keep their time)
+            "compute_s": {"warmup": sum(v["sft"].get("seconds") or 0 for v in built.values()),
+                          "prm_train": sum(v["prm"].get("train_s") or 0
+                                           for v in built.values()),
+                          "runs": sum(r["rl_s"] + r["eval_s"] for r in results)},
+            "device": f"CPU, {groups.world_size} torchrun rank(s)",
+            "load": [round(x, 2) for x in os.getloadavg()],
+            "provenance": provenance(code, rl_code, results)}
+
+
+def _progress(i: int, runs: list, key: str, rec: dict, results: list, t: float,
+              t0: float) -> str:
+    """The line said after cell i finished: its headline numbers, time and the time to go."""
+    to_go = stats.cells_to_go_s(results, runs[i + 1:])
+    return (f"({i + 1}/{len(runs)}) {key}: greedy accuracy "
+            f"{rec['greedy']['accuracy']:.3f}, correct with a wrong step "
+            f"{rec['greedy']['correct_with_wrong_step']:.3f} "
+            f"({time.perf_counter() - t:.0f} s; {(time.perf_counter() - t0) / 60:.1f} "
+            f"min so far" + ("" if not to_go else f", the {len(runs) - i - 1} cell(s) "
+                             f"to go ~{_hours_or_min(to_go)} at the finished ones' cost")
+            + f"; load {os.getloadavg()[0]:.1f})")
 
 
 def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False,
@@ -921,40 +711,6 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False,
     temperature = load_config(RL_YAML, list(ccfg.extra)).rollout.temperature
     starts: dict = {}  # k -> its stages, built (or read back) when its first cell comes
 
-    def stages(k: int) -> dict | None:
-        if k not in starts and only_finished:
-            rec = recorded_start(ccfg, k, code)
-            if rec is None:
-                starts[k] = None  # never built: its cells are missing, nothing is trained
-            else:  # as built, by whichever code (said in the report); nothing trains
-                sft_dir, prm_dir = (os.path.join(ccfg.start_dir(k), d) for d in ("sft", "prm"))
-                sft, prm = rec["sft"], rec["prm"]
-                starts[k] = {"sft_dir": sft_dir, "prm_dir": prm_dir, "sft": sft, "prm": prm,
-                             "baseline": baseline_stage(ccfg, groups, tok, sft_dir,
-                                                        sft["digest"], temperature, k),
-                             "prm_judged": prm_judge_stage(ccfg, groups, k, prm_dir,
-                                                           prm["digest"]),
-                             "base_digest": json_digest([sft["digest"], prm["digest"]]),
-                             "same_code": rec["same_code"],
-                             "settings_checked": rec["settings_checked"], "t_warm": 0.0,
-                             "t_prm": 0.0}
-                if not rec["same_code"]:
-                    _say(groups, f"start {k}: reporting its warm-up and PRM as built by other "
-                                 "code than this checkout's (compare.json: starts[].same_code)")
-        if k not in starts:
-            t = time.perf_counter()
-            sft_dir, sft = warmup_stage(ccfg, groups, tok, k, code)
-            t_warm = time.perf_counter() - t
-            prm_dir, prm = prm_stage(ccfg, groups, tok, k, code, sft_dir)
-            judged = prm_judge_stage(ccfg, groups, k, prm_dir, prm["digest"])
-            baseline = baseline_stage(ccfg, groups, tok, sft_dir, sft["digest"],
-                                      temperature, k)
-            starts[k] = {"sft_dir": sft_dir, "prm_dir": prm_dir, "sft": sft, "prm": prm,
-                         "baseline": baseline, "prm_judged": judged,
-                         "base_digest": json_digest([sft["digest"], prm["digest"]]),
-                         "t_warm": t_warm, "t_prm": time.perf_counter() - t - t_warm}
-        return starts[k]
-
     def keep_state() -> None:
         if state_dir and groups.rank == 0 and not only_finished:
             n = run_state.save(ccfg.run_dir, state_dir)
@@ -966,7 +722,10 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False,
     for i, spec in enumerate(runs):
         t = time.perf_counter()
         key = f"start{spec.start}/{spec.name}"
-        st = stages(spec.start)
+        if spec.start not in starts:  # --only-finished: as recorded, None if never built
+            starts[spec.start] = (_recorded_stages if only_finished else _built_stages)(
+                ccfg, groups, tok, spec.start, code, temperature)
+        st = starts[spec.start]
         keep_state()  # a start just built is kept before its first cell's minutes
         _say(groups, f"({i + 1}/{len(runs)}) {key} ...")
         rec = (None if st is None else
@@ -979,62 +738,11 @@ def run(ccfg: CompareConfig, groups: Groups, only_finished: bool = False,
         rec.setdefault("start", spec.start)  # results written before starts were a level
         results.append(rec)
         keep_state()
-        to_go = cells_to_go_s(results, runs[i + 1:])
-        _say(groups, f"({i + 1}/{len(runs)}) {key}: greedy accuracy "
-                     f"{rec['greedy']['accuracy']:.3f}, correct with a wrong step "
-                     f"{rec['greedy']['correct_with_wrong_step']:.3f} "
-                     f"({time.perf_counter() - t:.0f} s; {(time.perf_counter() - t0) / 60:.1f} "
-                     f"min so far" + ("" if not to_go else f", the {len(runs) - i - 1} cell(s) "
-                                      f"to go ~{_hours_or_min(to_go)} at the finished ones' cost")
-                     + f"; load {os.getloadavg()[0]:.1f})")
+        _say(groups, _progress(i, runs, key, rec, results, t, t0))
     if not results:
         raise ValueError(f"--only-finished: no finished run in {ccfg.run_dir}; run without the "
                          "flag first")
-    hack = next((r for r in results if r.get("hack")), None)
-    built = {k: v for k, v in sorted(starts.items()) if v is not None}
-    first = next(iter(built.values()))
-    per_start = [{"start": k,
-                  "warmup": {x: y for x, y in v["sft"].items() if x != "digest"},
-                  "prm": {x: y for x, y in v["prm"].items() if x != "digest"},
-                  "baseline": {x: _no_counts(y) for x, y in v["baseline"].items()
-                               if x != "digest"},
-                  "prm_judged": {x: y for x, y in v["prm_judged"].items() if x != "digest"},
-                  # built by this checkout's code (False: reported by --only-finished from an
-                  # earlier commit's start; the provenance's start_code is this checkout's)
-                  "same_code": v.get("same_code", True),
-                  "settings_checked": v.get("settings_checked", True),
-                  "cells": sum(r["start"] == k for r in results)}
-                 for k, v in built.items()]
-    report = {"methods": list(ccfg.methods), "seeds": ccfg.seeds, "rl_steps": ccfg.rl_steps,
-              "eval_problems": ccfg.eval_problems, "sampled_n": ccfg.sampled_n,
-              # run_dir relative to the repository: compare.json is committed
-              "config": {**asdict(ccfg), "run_dir": repo_relative(ccfg.run_dir)},
-              "task": ccfg.task, "task_config": repr(ccfg.arithmetic),
-              "max_tokens": MAX_TOKENS[ccfg.task],
-              "response_tokens": _response_tokens(results),
-              "starts": per_start,
-              # start 0's (the first built) stages: the single-start report's fields
-              "warmup": per_start[0]["warmup"], "prm": per_start[0]["prm"],
-              "baseline": per_start[0]["baseline"],
-              "planned": [f"start{s.start}/{s.name}" for s in runs], "missing": missing,
-              "eval_format": EVAL_FORMAT, "intervals": INTERVALS,
-              "rows": (rows := aggregate(results, ccfg)),
-              "evaluation_sizes": evaluation_sizes(rows, results),
-              "hack": ({k: _no_counts(hack[k])
-                        for k in ("seed", "greedy", "sampled", "train_end", "curves")}
-                       if hack else None),
-              "times_s": {"warmup": first["t_warm"], "prm": first["t_prm"],
-                          "runs": {f"start{r['start']}/{r['name']}": r["rl_s"] + r["eval_s"]
-                                   for r in results}},
-              "total_s": time.perf_counter() - t0,
-              # what the table cost when each part was built (cached parts keep their time)
-              "compute_s": {"warmup": sum(v["sft"].get("seconds") or 0 for v in built.values()),
-                            "prm_train": sum(v["prm"].get("train_s") or 0
-                                             for v in built.values()),
-                            "runs": sum(r["rl_s"] + r["eval_s"] for r in results)},
-              "device": f"CPU, {groups.world_size} torchrun rank(s)",
-              "load": [round(x, 2) for x in os.getloadavg()],
-              "provenance": provenance(code, rl_code, results)}
+    report = build_report(ccfg, groups, runs, results, missing, starts, code, rl_code, t0)
     if groups.rank == 0:
         with open(os.path.join(ccfg.run_dir, "compare.json"), "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2, default=float)

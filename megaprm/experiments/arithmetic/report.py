@@ -1,8 +1,8 @@
 """The comparison's report, a pure function of compare.json: the markdown table
 (`markdown`, docs/compare.md), README's block (`readme_table`, `write_docs`) and the plots
 (`plot`: bars per method, curves over RL steps, the reward-hacking monitors). The columns and
-the paired differences the table leads with are defined here; the driver (compare.py) computes
-them with the same definitions.
+the paired differences the table leads with are defined in stats.py, which computes them
+(`stats.aggregate`, called by the driver, compare.py); here they are formatted.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import math
 import os
 
 from megaprm.experiments.arithmetic.runs import TASKS
+from megaprm.experiments.arithmetic.stats import COLUMNS, PAIRED, lookup
 from megaprm.experiments.readme import replace_block
 
 
@@ -21,35 +22,12 @@ CURVE_KEYS = ("reward/outcome_mean", "exact/correct_with_wrong_step_frac",
               "actor/entropy")
 
 
-# (label, path into a result) of every column of the table
-COLUMNS = (("greedy accuracy", ("greedy", "accuracy")),
-           ("greedy fully correct", ("greedy", "all_steps_correct")),
-           ("greedy correct with a wrong step", ("greedy", "correct_with_wrong_step")),
-           ("sampled accuracy", ("sampled", "accuracy")),
-           ("sampled correct with a wrong step", ("sampled", "correct_with_wrong_step")),
-           ("train reward (last 5 steps)", ("train_end", "reward/outcome_mean")),
-           ("PRM/outcome agreement (last 5)", ("train_end", "prm/outcome_agreement")))
-
-
-# the evaluation columns as ratios of per-problem counts: label -> (evaluation, numerator,
-# denominator); "samples" is the samples per problem (1 greedy, sampled_n sampled)
-EVAL_RATIOS = {"greedy accuracy": ("greedy", "correct", "samples"),
-               "greedy fully correct": ("greedy", "clean", "samples"),
-               "greedy correct with a wrong step": ("greedy", "wrong_step", "correct"),
-               "sampled accuracy": ("sampled", "correct", "samples"),
-               "sampled correct with a wrong step": ("sampled", "wrong_step", "correct")}
-
-
-# the paired differences the report leads with
-PAIRED = ("greedy correct with a wrong step", "greedy accuracy",
-          "sampled correct with a wrong step", "sampled accuracy")
-
-
-def lookup(rec: dict, path: tuple):
-    """The value at `path` (keys) inside a result, None where a key is missing."""
-    for k in path:
-        rec = rec.get(k) if isinstance(rec, dict) else None
-    return rec
+# how compare.json's intervals are read (written into it as `intervals`)
+INTERVALS = ("mean over seeds [95% percentile interval of a two-level bootstrap: seeds with "
+             "replacement, then held-out problems with replacement within each drawn seed; "
+             "paired rows share the draws with GRPO's run of the same seed]; per-seed Wilson "
+             "95% intervals for the evaluation's binomial part; ci95: the t half-width over "
+             "seeds of earlier reports")
 
 
 def warmup_row(report: dict) -> tuple[str, dict]:
@@ -162,13 +140,8 @@ def verdict(r: dict) -> str:
             f"{say(a, 'greedy accuracy')} ({seeds}).{sampled}")
 
 
-def markdown(report: dict, title: bool = True) -> str:
-    """The report as markdown, a pure function of compare.json (docs and README are generated
-    from the committed JSON with it)."""
-    cols = [c for c, _ in COLUMNS]
-    (b_label, b), c = warmup_row(report), report["compute_s"]
-    seeds_note = ", ".join(f"{r['method']} {len(r['seeds'])}" for r in report["rows"]
-                           if r["prm"] != "oracle")
+def _head(report: dict, title: bool) -> list:
+    """The title, a partial run's note and the task's sentence."""
     lines = []
     if title:
         lines += [(f"# megaprm compare: {report['rl_steps']} RL steps, up to {report['seeds']} "
@@ -186,7 +159,16 @@ def markdown(report: dict, title: bool = True) -> str:
                    f"rollout.max_tokens {report.get('max_tokens')}). {len(starts)} independently "
                    "built start(s) (warm-up policy + PRM, seed k each): the outer level of the "
                    "design."), ""]
-    lines += [(f"PRM (learned, start 0): held-out step AUROC "
+    return lines
+
+
+def _main_table(report: dict) -> list:
+    """The PRM's sentence and the table: the warm-up row and every row's columns."""
+    cols = [c for c, _ in COLUMNS]
+    (b_label, b), c = warmup_row(report), report["compute_s"]
+    seeds_note = ", ".join(f"{r['method']} {len(r['seeds'])}" for r in report["rows"]
+                           if r["prm"] != "oracle")
+    lines = [(f"PRM (learned, start 0): held-out step AUROC "
               f"{report['prm'].get('auroc', float('nan')):.3f}"
               f" ({report['prm'].get('trunk', '')}). Cells per row: {seeds_note}. Cells: mean "
               f"over starts of the mean over seeds [95% interval of a three-level bootstrap: "
@@ -205,6 +187,13 @@ def markdown(report: dict, title: bool = True) -> str:
     for r in report["rows"]:
         lines.append(f"| {row_label(r)} | {_prm_label(r)} | "
                      + " | ".join(_fmt(r[c]) for c in cols) + " |")
+    return lines
+
+
+def _starts_table(report: dict) -> list:
+    """Each start's warm-up and PRM (with several starts, or a judged PRM)."""
+    starts = report.get("starts") or []
+    lines = []
     if len(starts) > 1 or any(s.get("prm_judged") for s in starts):
         lines += ["", "### The starts (each built from its own seeds)", "",
                   ("| start | warm-up greedy accuracy | warm-up greedy correct with a wrong step | "
@@ -217,6 +206,12 @@ def markdown(report: dict, title: bool = True) -> str:
                          f"{_fmt({'mean': g.get('correct_with_wrong_step')})} | "
                          f"{_fmt({'mean': (st.get('prm') or {}).get('auroc')})} | "
                          f"{_fmt({'mean': judged.get('f1')})} | {st.get('cells', '-')} |")
+    return lines
+
+
+def _paired_tables(report: dict) -> list:
+    """The paired differences from GRPO, pooled and (with several starts) start by start."""
+    lines = []
     paired = [r for r in report["rows"] if r.get("paired")]
     if paired:
         lines += ["", ("### Paired difference from GRPO (same start and seed: same warm-up, "
@@ -253,6 +248,12 @@ def markdown(report: dict, title: bool = True) -> str:
                     n = next((x["seeds"] for x in cells if x), "-")
                     lines.append(f"| {row_label(r)} | {r['prm']} | {k} | {n} | "
                                  + " | ".join(_fmt_diff(x) for x in cells) + " |")
+    return lines
+
+
+def _noise_table(report: dict) -> list:
+    """Each row's evaluation, seed and start noise, and the evaluation size to choose next."""
+    lines = []
     noisy = [r for r in report["rows"] if r.get("greedy accuracy", {}).get("noise")
              and not r["same_run_as_learned"]]
     if noisy:
@@ -285,6 +286,13 @@ def markdown(report: dict, title: bool = True) -> str:
                 f"{b['k']} samples ({b['met']} of {b['met'] + b['left_out']} columns"
                 + (f"; the other {b['left_out']}: seed SD 0, or a need beyond that cost)."
                    if b["left_out"] else ")."))]
+    return lines
+
+
+def _paired_noise_table(report: dict) -> list:
+    """The same noise split for the paired differences from GRPO."""
+    paired = [r for r in report["rows"] if r.get("paired")]
+    lines = []
     paired_noise = [r for r in paired if any((r["paired"].get(c) or {}).get("noise")
                                              for c in PAIRED)]
     if paired_noise:  # reports before 2026-11-29 have none
@@ -301,6 +309,12 @@ def markdown(report: dict, title: bool = True) -> str:
             (r["paired"].get(c) or {}).get("noise") for c in PAIRED])
         lines += table
         lines += ["", f"Evaluation below seed noise in {n_below} of {n_cells} paired cells."]
+    return lines
+
+
+def _plateau_table(report: dict) -> list:
+    """Where each row's training curves flatten."""
+    lines = []
     flat = [r for r in report["rows"] if r.get("plateau", {}).get("last") is not None
             and not r["same_run_as_learned"]]
     if flat:
@@ -317,6 +331,12 @@ def markdown(report: dict, title: bool = True) -> str:
             lines.append(f"| {row_label(r)} | {r['prm']} | {pl['first']:.3f} | {pl['last']:.3f} | "
                          f"{'-' if pl['step90'] is None else pl['step90']} | "
                          f"{pl['slope_last_quarter']:+.3f} | {wrong} |")
+    return lines
+
+
+def _prime_table(report: dict) -> list:
+    """PRIME's implicit PRM: its loss and step AUROC over the run, and its final judgement."""
+    lines = []
     prime = [r for r in report["rows"] if (r.get("implicit_prm_loss") or {}).get("last")
              is not None and not r["same_run_as_learned"]]
     if prime:
@@ -341,6 +361,12 @@ def markdown(report: dict, title: bool = True) -> str:
                          f"{_fmt({'mean': au.get('first')})} | {_fmt({'mean': au.get('last')})} "
                          f"| {_fmt({'mean': jd.get('f1')})} | "
                          f"{_fmt({'mean': jd.get('step_auroc')})} |")
+    return lines
+
+
+def _hack_table(report: dict) -> list:
+    """The reward-hacking run's monitors and its greedy evaluation."""
+    lines = []
     h = report.get("hack")
     if h:
         te = h["train_end"]
@@ -353,7 +379,17 @@ def markdown(report: dict, title: bool = True) -> str:
                              f"{_fmt({'mean': te.get(k)})} |")
         lines += ["", (f"after RL (greedy): accuracy {h['greedy']['accuracy']:.3f}, correct with a "
                       f"wrong step {h['greedy']['correct_with_wrong_step']:.3f}")]
+    return lines
+
+
+def markdown(report: dict, title: bool = True) -> str:
+    """The report as markdown, a pure function of compare.json (docs and README are generated
+    from the committed JSON with it): its sections in order, each a list of lines."""
+    lines = [*_head(report, title), *_main_table(report), *_starts_table(report),
+             *_paired_tables(report), *_noise_table(report), *_paired_noise_table(report),
+             *_plateau_table(report), *_prime_table(report), *_hack_table(report)]
     return "\n".join(lines) + "\n"
+
 
 
 def readme_table(report: dict) -> str:

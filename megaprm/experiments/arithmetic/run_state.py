@@ -9,7 +9,11 @@ stage record holding its cache key), its baseline and PRM judgement (`baseline.j
 Not kept: the RL checkpoints, samples and the random inits (a finished cell never reads them
 again), an unfinished cell (it restarts from step 0 anyway), superseded cells.
 
-The state directory holds a MANIFEST.json (sha256 and size of every file). `save` is
+The state directory holds a MANIFEST.json in checkpoint_tools.manifest's format (size and sha256
+of every file; `STATE_FORMAT` in its header). A state saved before that format was shared holds
+this module's first one, `{"format": 1, "files": {path: {"sha256", "bytes"}}}` (the committed
+docs/compare/*/run-state); `read_manifest` reads both, told apart by their version fields, and
+the next save that copies a file writes the shared format. `save` is
 incremental (a file whose hash is the manifest's is not copied again) and additive (a file gone
 from the run directory stays in the state), each file written to a temporary name and renamed,
 the manifest last, so a save cut short leaves the previous manifest true. `restore` verifies
@@ -20,12 +24,15 @@ directory, what is reused.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 
-MANIFEST = "MANIFEST.json"
+from checkpoint_tools import manifest
+
+MANIFEST = manifest.MANIFEST
+STATE_FORMAT = "megaprm-compare-state"  # the manifest header's "format"
+LEGACY_FORMAT = 1  # this module's own manifest before it used checkpoint_tools.manifest
 STAGES = ("sft", "prm")                          # a start's built models (stage record inside)
 START_FILES = ("baseline.json", "prm_judged.json")
 CELL_FILES = ("result.json", "metrics.jsonl")    # a finished cell: result.json is there
@@ -36,11 +43,7 @@ class StateError(ValueError):
 
 
 def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return manifest.file_digest(path, "sha256")
 
 
 def resumable_files(run_dir: str) -> list[str]:
@@ -65,14 +68,23 @@ def resumable_files(run_dir: str) -> list[str]:
 
 
 def read_manifest(state_dir: str) -> dict:
-    """{relative path: {"sha256", "bytes"}} of a state directory ({} when it has none yet)."""
+    """{relative path: [size, sha256]} of a state directory ({} when it has none yet), from
+    either format: checkpoint_tools.manifest's (any `manifest_version` it reads, with sha256
+    checksums) or, by its `"format": 1` and no `manifest_version`, this module's first."""
     path = os.path.join(state_dir, MANIFEST)
     if not os.path.isfile(path):
         return {}
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)["files"]
-    except (ValueError, KeyError, TypeError) as e:
+            raw = json.load(f)
+        if isinstance(raw, dict) and "manifest_version" not in raw \
+                and raw.get("format") == LEGACY_FORMAT:
+            return {rel: [e["bytes"], e["sha256"]] for rel, e in raw["files"].items()}
+        loaded = manifest.load(path)
+        if loaded["checksum"] != "sha256":
+            raise ValueError(f"its checksums are {loaded['checksum']}, a state's are sha256")
+        return loaded["files"]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise StateError(f"--state-dir {state_dir}: {MANIFEST} is not a state manifest ({e}); "
                          f"restore it (e.g. `git checkout -- {state_dir}`) or pass another "
                          "directory") from None
@@ -93,29 +105,27 @@ def save(run_dir: str, state_dir: str) -> int:
     for rel in resumable_files(run_dir):
         src, dest = os.path.join(run_dir, rel), os.path.join(state_dir, rel)
         digest = _sha256(src)
-        if files.get(rel, {}).get("sha256") == digest and os.path.isfile(dest):
+        if files.get(rel, [None, None])[1] == digest and os.path.isfile(dest):
             continue
         _copy(src, dest)
-        files[rel] = {"sha256": digest, "bytes": os.path.getsize(dest)}
+        files[rel] = [os.path.getsize(dest), digest]
         copied += 1
     if copied or not os.path.isfile(os.path.join(state_dir, MANIFEST)):
         os.makedirs(state_dir, exist_ok=True)
-        tmp = os.path.join(state_dir, MANIFEST + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"format": 1, "files": dict(sorted(files.items()))}, f, indent=1)
-        os.replace(tmp, os.path.join(state_dir, MANIFEST))
+        manifest.write(state_dir, dict(sorted(files.items())), checksum="sha256",
+                       format=STATE_FORMAT)
     return copied
 
 
 def verify(state_dir: str) -> dict:
     """The manifest, once every file it names is there with its sha256 (else StateError)."""
     files = read_manifest(state_dir)
-    for rel, want in files.items():
+    for rel, (_, digest) in files.items():
         path = os.path.join(state_dir, rel)
         if not os.path.isfile(path):
             raise StateError(f"--state-dir {state_dir}: {rel} is in {MANIFEST} but missing; "
                              f"restore it (e.g. `git checkout -- {state_dir}`)")
-        if _sha256(path) != want["sha256"]:
+        if _sha256(path) != digest:
             raise StateError(f"--state-dir {state_dir}: {rel} does not match its sha256 in "
                              f"{MANIFEST} (changed or cut short); restore it (e.g. `git "
                              f"checkout -- {state_dir}`)")

@@ -20,12 +20,27 @@
 A cell's statistic is a ratio of sums over problems: accuracy = sum(correct) / sum(samples),
 "correct with a wrong step" = sum(wrong-step) / sum(correct); per seed, then averaged over seeds
 (every seed weighs the same). Percentiles of ratios in [0, 1] stay in [0, 1].
+
+The comparison's rows (`aggregate`, the last section): what `megaprm compare` reports of its
+cells' records, every column's intervals, noise split and evaluation design, the paired
+differences from GRPO, the training monitors' means (`evaluation_sizes`, `cells_to_go_s`,
+`response_tokens` beside it). Pure functions of numbers and records: no file is read here
+(compare.py reads the cells) and nothing is formatted (report.py does).
 """
 from __future__ import annotations
 
 import math
+import statistics
 
 import numpy as np
+
+from megaprm.experiments.arithmetic.runs import (
+    READS_STEP_SCORES,
+    REFERENCE,
+    VARIANTS,
+    CompareConfig,
+    base_method,
+)
 
 Z95 = 1.959963984540054  # the standard normal's 0.975 quantile
 CHUNK = 256              # bootstrap replicates drawn at once
@@ -508,3 +523,351 @@ def cheapest_evaluation(greedy: list, sampled: list, *, max_sequences: int | Non
         out.append({"k": k, "problems": n, "sequences": n * (1 + k), "met": len(met),
                     "left_out": len(needs) - len(met)})
     return sorted(out, key=lambda d: (d["left_out"], d["sequences"], d["k"]))
+
+
+# ------------------------------------------------------------ the comparison's rows, from its cells
+#
+# What `megaprm compare` measures, from its cells' records (each cell's result.json, with its
+# curves read back from its metrics.jsonl): the columns and the paired differences the report
+# shows (report.py formats them), each row's intervals and noise split, and the monitors' means.
+
+# (label, path into a result) of every column of the table
+COLUMNS = (("greedy accuracy", ("greedy", "accuracy")),
+           ("greedy fully correct", ("greedy", "all_steps_correct")),
+           ("greedy correct with a wrong step", ("greedy", "correct_with_wrong_step")),
+           ("sampled accuracy", ("sampled", "accuracy")),
+           ("sampled correct with a wrong step", ("sampled", "correct_with_wrong_step")),
+           ("train reward (last 5 steps)", ("train_end", "reward/outcome_mean")),
+           ("PRM/outcome agreement (last 5)", ("train_end", "prm/outcome_agreement")))
+
+
+# the evaluation columns as ratios of per-problem counts: label -> (evaluation, numerator,
+# denominator); "samples" is the samples per problem (1 greedy, sampled_n sampled)
+EVAL_RATIOS = {"greedy accuracy": ("greedy", "correct", "samples"),
+               "greedy fully correct": ("greedy", "clean", "samples"),
+               "greedy correct with a wrong step": ("greedy", "wrong_step", "correct"),
+               "sampled accuracy": ("sampled", "correct", "samples"),
+               "sampled correct with a wrong step": ("sampled", "wrong_step", "correct")}
+
+
+# the paired differences the report leads with
+PAIRED = ("greedy correct with a wrong step", "greedy accuracy",
+          "sampled correct with a wrong step", "sampled accuracy")
+
+
+def lookup(rec: dict, path: tuple):
+    """The value at `path` (keys) inside a result, None where a key is missing."""
+    for k in path:
+        rec = rec.get(k) if isinstance(rec, dict) else None
+    return rec
+
+
+def tail_mean(xs: list, n: int = 5) -> float | None:
+    """The mean of the last `n` finite values of a per-step monitor (None without one)."""
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs[-n:]) / len(xs[-n:]) if xs else None
+
+
+def cells_by_start(recs: list) -> dict:
+    """start -> its cells sorted by seed (cells written before starts were a level: start 0)."""
+    out: dict = {}
+    for r in sorted(recs, key=lambda r: (r.get("start", 0), r["seed"])):
+        out.setdefault(r.get("start", 0), []).append(r)
+    return out
+
+
+def _counts(recs: list, label: str):
+    """[seeds, problems] numerator and denominator arrays of an evaluation column, or None when
+    a run lacks per-problem counts."""
+    ev, num, den = EVAL_RATIOS[label]
+    nums, dens = [], []
+    for r in recs:
+        pp = lookup(r, (ev, "per_problem"))
+        if not pp:
+            return None
+        per = r[ev]["samples"] // max(r[ev]["problems"], 1)
+        nums.append(pp[num])
+        dens.append(pp[den] if den != "samples" else [per] * len(pp[num]))
+    return np.asarray(nums, float), np.asarray(dens, float)
+
+
+def _start_counts(recs: list, label: str):
+    """Per start, the [seeds, problems] numerator and denominator arrays of a column (the
+    layout of `hier_bootstrap3`), or None when a cell lacks per-problem counts."""
+    cnt = [_counts(g, label) for g in cells_by_start(recs).values()]
+    if any(c is None for c in cnt):
+        return None
+    return [c[0] for c in cnt], [c[1] for c in cnt]
+
+
+def _seed_wilson(recs: list, label: str) -> list:
+    """Each seed's Wilson 95% interval: the evaluation's binomial noise alone (the samples of
+    one run as the trials; for the wrong-step share, the correct answers)."""
+    ev, num, den = EVAL_RATIOS[label]
+    out = []
+    for r in recs:
+        pp = r[ev]["per_problem"]
+        k = sum(pp[num])
+        n = r[ev]["samples"] if den == "samples" else sum(pp[den])
+        out.append(list(wilson(k, n)))
+    return out
+
+
+def cell_value(r: dict, label: str, path: tuple):
+    """A run's value of a column; None for a ratio without a denominator: the wrong-step share
+    of a run with no correct answer, which the evaluation records as 0 (the bootstrap, the
+    noises and the design leave such a run out of that column too)."""
+    if label in EVAL_RATIOS:
+        ev, _, den = EVAL_RATIOS[label]
+        pp = lookup(r, (ev, "per_problem"))
+        if den != "samples" and pp and not sum(pp[den]):
+            return None
+    return lookup(r, path)
+
+
+def _separated(boot: dict) -> bool:
+    return bool(boot["lo"] > 0 or boot["hi"] < 0)
+
+
+def _noise3_or_nan(num, den, ref_num=None, ref_den=None) -> dict:
+    """`noise3` (of the paired difference with `ref_*`), or every component nan where no run
+    has the ratio defined (a wrong-step share of runs without a correct answer)."""
+    try:
+        return noise3(num, den, ref_num, ref_den)
+    except ValueError:
+        return {"eval_sd": math.nan, "seed_sd": math.nan, "start_sd": math.nan}
+
+
+def _design(num, den, k: int) -> dict | None:
+    """Is the evaluation noise below the seed noise for this column, and how many held-out
+    problems (at k' samples each) would make it so (`eval_design`); None where the counts
+    cannot say (no defined ratio, or too few runs for a seed spread)."""
+    try:
+        d = eval_design(num, den, k=k)
+    except ValueError:
+        return None
+    return {"holds": d["holds"], "eval_sd": d["eval_sd"], "seed_sd": d["seed_sd"],
+            "problems_needed": {str(kk): n for kk, n in d["problems_needed"].items()}}
+
+
+def aggregate(results: list, ccfg: CompareConfig) -> list:
+    """One row per (method, process reward), over every start and seed: per-cell values, mean
+    and intervals per column. An oracle row of a method that reads no step scores is its
+    learned row (same run).
+
+    Per evaluation column: `mean`, `lo`/`hi`, the three-level bootstrap's 95% interval of the
+    mean over starts of the mean over seeds (starts, then seeds, then problems;
+    `hier_bootstrap3`; with one start it is the two-level bootstrap), `per_start` each
+    start's mean over its seeds, `ci95` the old t half-width over cells (kept for readers of
+    earlier reports), `wilson` every cell's Wilson interval, and `noise` (`noise3`:
+    evaluation, seed and start SD of one run's value). `paired`: per column of PAIRED, the
+    row's difference from GRPO's run of the same start and seed, per cell, with the paired
+    three-level bootstrap's 95% interval over the cells both rows have; `separated` when it
+    excludes 0; `by_start`: the same per start (two levels: its seeds, then problems);
+    `noise`: the evaluation, seed and start SD of one run's difference."""
+    by_key = {}
+    for r in results:
+        if not r.get("hack"):
+            by_key.setdefault((r["method"], r["prm"]), []).append(r)
+    keys = list(by_key)
+    for m in ccfg.oracle:
+        if m not in READS_STEP_SCORES and (m, "oracle") not in by_key:
+            src = (m, "implicit" if base_method(m) == "prime" else "learned")
+            if src in by_key:
+                by_key[(m, "oracle")] = by_key[src]
+                keys.append((m, "oracle"))
+    ref = {(r.get("start", 0), r["seed"]): r for r in by_key.get((REFERENCE, "learned"), [])}
+    rows = []
+    for key in keys:
+        recs = [r for g in cells_by_start(by_key[key]).values() for r in g]
+        row = {"method": key[0], "prm": key[1], "seeds": [r["seed"] for r in recs],
+               "starts": [r.get("start", 0) for r in recs],
+               "same_run_as_learned": key[1] == "oracle" and key[0] not in READS_STEP_SCORES,
+               "variant_of": VARIANTS[key[0]][0] if key[0] in VARIANTS else None,
+               "variant_overrides": VARIANTS[key[0]][1] if key[0] in VARIANTS else []}
+        row.update(_columns(recs, ccfg))
+        both = [r for r in recs if (r.get("start", 0), r["seed"]) in ref]
+        if key != (REFERENCE, "learned") and not row["same_run_as_learned"] and both:
+            row["paired"] = _paired(both, ref, ccfg.bootstrap_reps)
+        row.update(_monitors(recs, key[0]))
+        rows.append(row)
+    return rows
+
+
+def _columns(recs: list, ccfg: CompareConfig) -> dict:
+    """A row's columns (`aggregate`): label -> per-cell values, mean, t half-width and, for an
+    evaluation column with per-problem counts, the bootstrap interval, the per-start means,
+    the Wilson intervals, the noise split and the evaluation design."""
+    out = {}
+    for label, path in COLUMNS:
+        vals = [cell_value(r, label, path) for r in recs]
+        out[label] = {"per_seed": vals, **mean_ci(vals)}
+        cnt = _start_counts(recs, label) if label in EVAL_RATIOS else None
+        if cnt is not None:
+            boot = hier_bootstrap3(*cnt, reps=ccfg.bootstrap_reps)
+            out[label].update(mean=boot["mean"], lo=boot["lo"], hi=boot["hi"],
+                              per_start=[float(x) for x in start_values(*cnt)],
+                              wilson=_seed_wilson(recs, label), noise=_noise3_or_nan(*cnt),
+                              design=_design(*cnt, k=1 if label.startswith("greedy")
+                                             else ccfg.sampled_n))
+    return out
+
+
+def _paired(both: list, ref: dict, reps: int) -> dict:
+    """A row's paired differences from the reference (`aggregate`): its cells `both` that the
+    reference has too (`ref`: (start, seed) -> the reference's cell), per column of PAIRED."""
+    out = {"reference": REFERENCE, "seeds": [r["seed"] for r in both],
+           "starts": [r.get("start", 0) for r in both]}
+    theirs_recs = [ref[(r.get("start", 0), r["seed"])] for r in both]
+    for label in PAIRED:
+        mine = _start_counts(both, label)
+        theirs = _start_counts(theirs_recs, label)
+        if mine is None or theirs is None:
+            continue
+        boot = hier_bootstrap3(*mine, *theirs, reps=reps)
+        path = dict(COLUMNS)[label]
+        by_start = {}
+        for k, (mn, md, tn, td) in zip(cells_by_start(both), zip(*mine, *theirs)):
+            b = hier_bootstrap(mn, md, tn, td, reps=reps)
+            by_start[str(k)] = {"seeds": int(mn.shape[0]), "mean": b["mean"],
+                                "lo": b["lo"], "hi": b["hi"], "separated": _separated(b)}
+        pairs = [(cell_value(r, label, path), cell_value(t, label, path))
+                 for r, t in zip(both, theirs_recs)]
+        out[label] = {
+            "per_seed": [None if None in ab else ab[0] - ab[1] for ab in pairs],
+            "mean": boot["mean"], "lo": boot["lo"], "hi": boot["hi"],
+            "separated": _separated(boot), "by_start": by_start,
+            "noise": _noise3_or_nan(*mine, *theirs)}
+    return out
+
+
+def _monitors(recs: list, method: str) -> dict:
+    """A row's training monitors (`aggregate`): where its seed-averaged curves flatten, the
+    PRM's step AUROC first and last, the final implicit PRMs' judgement and PRIME's implicit
+    PRM loss."""
+    out = {"plateau": _plateau(_mean_curve(
+               [r["curves"].get("reward/outcome_mean", []) for r in recs])),
+           "plateau_wrong_step": _plateau(_mean_curve(
+               [r["curves"].get("exact/correct_with_wrong_step_frac", []) for r in recs]))}
+    for name, k in (("step_auroc", "prm/step_auroc"),
+                    ("implicit_step_auroc", "prm/implicit_step_auroc")):
+        if any(r["curves"].get(k) for r in recs):
+            out[name] = _first_last([_finite(r["curves"].get(k, [])) for r in recs])
+    judged = [r["implicit_judged"] for r in recs if r.get("implicit_judged")]
+    if judged:  # the final implicit PRM of each run, judged on the judging set
+        out["implicit_judged"] = {
+            "cells": len(judged),
+            **{k: float(np.nanmean([j[k] for j in judged]))
+               for k in ("f1", "acc_erroneous", "acc_correct", "step_auroc")}}
+    if base_method(method) == "prime":  # the implicit PRM's loss: ln 2 = not learning
+        # steps where no row passed the accuracy filter train nothing (loss 0): left out;
+        # each run's own first and last 10 trained steps, so a run that trained on few
+        # steps (its filter kept no group) does not cut the others' curves short
+        out["implicit_prm_loss"] = _first_last([_trained(r["curves"]) for r in recs])
+    return out
+
+
+def _plateau(mean_curve: list, window: int = 10) -> dict:
+    """Where a (seed-averaged) training curve flattens: the first step whose trailing
+    `window`-step mean has made 90% of the rise from the first window to the last, and the
+    slope (per 100 steps) of a least-squares line through the last quarter of the steps."""
+    xs = [x for x in mean_curve if x is not None and math.isfinite(x)]
+    if len(xs) < 2 * window:
+        return {"steps": len(xs), "step90": None, "first": None, "last": None,
+                "slope_last_quarter": None}
+    trail = [sum(xs[i - window + 1:i + 1]) / window for i in range(window - 1, len(xs))]
+    first, last = trail[0], trail[-1]
+    rise = last - first
+    step90 = (next(i + window - 1 for i, v in enumerate(trail) if v >= first + 0.9 * rise)
+              if rise > 0 else None)
+    q = xs[-max(len(xs) // 4, 2):]
+    mx = (len(q) - 1) / 2
+    my = sum(q) / len(q)
+    slope = (sum((i - mx) * (y - my) for i, y in enumerate(q))
+             / sum((i - mx) ** 2 for i in range(len(q))))
+    return {"steps": len(xs), "step90": step90, "first": first, "last": last,
+            "slope_last_quarter": 100 * slope}
+
+
+def evaluation_sizes(rows: list, results: list) -> dict | None:
+    """The evaluation size to choose next (`cheapest_evaluation`): the fewest decoded
+    sequences that put the evaluation SD below the seed SD in the most columns, for an
+    evaluation costing at most what the cell's RL costs (the cap: the cells' median RL
+    seconds over their median seconds per evaluated sequence). None without a noise split."""
+    greedy, sampled = [], []
+    for r in rows:
+        if r["same_run_as_learned"]:
+            continue
+        for label in EVAL_RATIOS:
+            design = r.get(label, {}).get("design")
+            if design is not None and label != "greedy fully correct":
+                (greedy if label.startswith("greedy") else sampled).append(
+                    design["problems_needed"])
+    cells = [c for c in results if not c.get("hack") and c.get("eval_s")]
+    if not greedy or not cells:
+        return None
+    seq_s = float(np.median([c["eval_s"] / (c["greedy"]["samples"] + c["sampled"]["samples"])
+                             for c in cells]))
+    rl_s = float(np.median([c["rl_s"] for c in cells]))
+    cap = int(rl_s / seq_s)
+    return {"max_sequences": cap, "rl_s": rl_s, "seconds_per_sequence": seq_s,
+            "sizes": cheapest_evaluation(greedy, sampled, max_sequences=cap)}
+
+
+def cells_to_go_s(done: list, todo: list) -> float | None:
+    """Seconds the cells in `todo` (RunSpecs) would take at the recorded cost (RL + evaluation
+    seconds) of the finished cells in `done` of the same kind (method, process reward, hack),
+    the median over those; of every finished cell for a kind none has finished yet. None
+    before any finished cell has a recorded cost. Cells of `todo` already finished on disk
+    would cost nothing: a resumed run's estimate is an upper bound until it passes them."""
+    cost: dict = {}
+    for r in done:
+        if r.get("rl_s") is not None:
+            kind = (r["method"], r["prm"], bool(r.get("hack")))
+            cost.setdefault(kind, []).append(r["rl_s"] + (r.get("eval_s") or 0.0))
+    if not cost:
+        return None
+    every = statistics.median(x for xs in cost.values() for x in xs)
+    return sum(statistics.median(cost.get((s.method, s.prm, s.hack), [every])) for s in todo)
+
+
+def _first_last(series: list, n: int = 10) -> dict:
+    """Mean over the runs of each run's first and last `n` defined values of a per-step
+    monitor that is undefined at some steps (a step AUROC: no right or no wrong step among the
+    rows scored), and how many steps each run had it defined."""
+    runs = [xs for xs in series if xs]
+    if not runs:
+        return {"first": None, "last": None, "defined_steps": []}
+    return {"first": sum(sum(x[:n]) / len(x[:n]) for x in runs) / len(runs),
+            "last": sum(sum(x[-n:]) / len(x[-n:]) for x in runs) / len(runs),
+            "defined_steps": [len(x) for x in series]}
+
+
+def _finite(xs: list) -> list:
+    return [x for x in xs if x is not None and math.isfinite(x)]
+
+
+def _trained(curves: dict) -> list:
+    """The implicit PRM's loss at the steps where it trained on some row."""
+    loss, rows = curves.get("prm/loss", []), curves.get("prm/trained_rows")
+    if rows is None:
+        return _finite(loss)
+    return [x for x, n in zip(loss, rows) if n and x is not None and math.isfinite(x)]
+
+
+def _mean_curve(series: list) -> list:
+    series = [s for s in series if s]
+    if not series:
+        return []
+    steps = min(map(len, series))
+    return [sum((s[i] or 0.0) for s in series) / len(series) for i in range(steps)]
+
+
+def response_tokens(results: list) -> dict | None:
+    """The training responses' mean length (tokens) over the cells: first and last 5 steps."""
+    curves = [r["curves"].get("response/length_mean") for r in results if not r.get("hack")]
+    curves = [[x for x in c if x is not None] for c in curves if c]
+    if not curves:
+        return None
+    return {"first5": sum(sum(c[:5]) / len(c[:5]) for c in curves) / len(curves),
+            "last5": sum(sum(c[-5:]) / len(c[-5:]) for c in curves) / len(curves)}

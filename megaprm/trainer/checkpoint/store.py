@@ -139,7 +139,8 @@ def verify(path: str, groups: Groups) -> list:
     if problem:
         return [problem]
     files = sorted(manifest["files"])
-    mine = [manifest_file.file_problem(os.path.join(path, rel), manifest["files"][rel], rel)
+    mine = [manifest_file.file_problem(os.path.join(path, rel), manifest["files"][rel], rel,
+                                       checksum=manifest["checksum"])
             for rel in files[groups.rank::groups.world_size]]
     mine = [p for p in mine if p]
     if not any_rank(bool(mine), groups):

@@ -2,20 +2,19 @@
 1 seed, learned and oracle process rewards, the reward-hacking run; killed after its first cell
 and resumed, then re-evaluated at a larger size from its final checkpoints; its evaluation
 against an independent greedy decode by transformers and the exact checker; the paired design
-(same seed, same step-0 samples across methods); the docs generated from the report; the
-table's statistics against the statistics module; bad input -> one line, exit 2. the
-statistics: test_stats.py; the tables: test_report.py."""
+(same seed, same step-0 samples across methods); the docs generated from the report; bad
+input -> one line, exit 2. The statistics (the rows `stats.aggregate` makes of the cells
+included): test_stats.py; the tables: test_report.py."""
 import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import time
 
 import pytest
 
-from megaprm.experiments.arithmetic import compare, report, runs, stats
+from megaprm.experiments.arithmetic import compare, report, runs
 from tests.test_megaprm_cli import MEGAPRM, ROOT, one_line_error, run
 
 TINY = ["--methods", "grpo,prof_grpo", "--seeds", "1", "--oracle", "grpo,prof_grpo",
@@ -266,25 +265,6 @@ def test_compare_tiny_end_to_end_killed_and_resumed(tmp_path):
     assert _load(rd / "compare.json")["eval_problems"] == 48
 
 
-def test_mean_ci_matches_statistics_module():
-    xs = [0.62, 0.70, 0.81]
-    got = stats.mean_ci(xs)
-    assert got["mean"] == pytest.approx(statistics.mean(xs))
-    # t_{0.975, 2} = 4.303 (two-sided 95%, 2 degrees of freedom)
-    assert got["ci95"] == pytest.approx(4.303 * statistics.stdev(xs) / 3 ** 0.5)
-    assert stats.mean_ci([0.5])["ci95"] is None and stats.mean_ci([])["mean"] is None
-
-
-def _fake_eval(rng, p_correct, p_wrong, problems=60, n=1):
-    correct = [int(x) for x in rng.binomial(n, p_correct, size=problems)]
-    wrong = [int(rng.binomial(c, p_wrong)) for c in correct]
-    tot = problems * n
-    return {"accuracy": sum(correct) / tot, "all_steps_correct": (sum(correct) - sum(wrong)) / tot,
-            "correct_with_wrong_step": sum(wrong) / max(sum(correct), 1), "problems": problems,
-            "samples": tot, "per_problem": {"correct": correct, "wrong_step": wrong,
-                                            "clean": [c - w for c, w in zip(correct, wrong)]}}
-
-
 def test_plan_is_seed_major_with_fewer_seeds_for_some_rows():
     ccfg = runs.CompareConfig(methods=("grpo", "papo", "prime_scaled"), seeds=2,
                                  method_seeds={"prime_scaled": 1}, oracle=("grpo", "papo"))
@@ -306,145 +286,6 @@ def test_plan_is_seed_major_with_fewer_seeds_for_some_rows():
     assert "trainer.seed=1" in ov
     assert "trainer.seed=1" in runs.run_overrides(runs.RunSpec("grpo", "learned", 1),
                                                      ccfg, "S", "P")
-
-
-def test_aggregate_rows_paired_differences_and_sentences(tmp_path):
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    ccfg = runs.CompareConfig(methods=("grpo", "papo", "pure"), seeds=3,
-                                 method_seeds={"pure": 2}, oracle=("grpo", "papo"),
-                                 bootstrap_reps=500)
-    # pure: far fewer wrong steps than GRPO (separated); papo: the same as GRPO
-    p_wrong = {"grpo": 0.4, "papo": 0.4, "pure": 0.05}
-    results = []
-    for r in runs.plan(ccfg):
-        results.append({**r.__dict__, "name": r.name,
-                        "greedy": _fake_eval(rng, 0.5, p_wrong[r.method], problems=300),
-                        "sampled": _fake_eval(rng, 0.4, p_wrong[r.method], problems=300, n=2),
-                        "train_end": {"reward/outcome_mean": 0.3},
-                        "curves": {"reward/outcome_mean": [min(0.1 + 0.01 * i, 0.4)
-                                                           for i in range(60)]}})
-    rows = {(r["method"], r["prm"]): r for r in compare.aggregate(results, ccfg)}
-    assert rows[("grpo", "oracle")]["same_run_as_learned"]
-    assert "paired" not in rows[("grpo", "learned")] and "paired" not in rows[("grpo", "oracle")]
-    assert ("pure", "learned") not in rows or rows[("pure", "learned")]["seeds"] == [0, 1]
-    by = {(r["method"], r["prm"], r["seed"]): r for r in results if not r["hack"]}
-    for key, seeds in ((("papo", "oracle"), [0, 1, 2]), (("pure", "learned"), [0, 1])):
-        p = rows[key]["paired"]
-        assert p["seeds"] == seeds
-        for label, path in (("greedy accuracy", ("greedy", "accuracy")),
-                            ("sampled correct with a wrong step",
-                             ("sampled", "correct_with_wrong_step"))):
-            want = [by[(*key, s)][path[0]][path[1]] - by[("grpo", "learned", s)][path[0]][path[1]]
-                    for s in seeds]
-            assert p[label]["per_seed"] == pytest.approx(want)
-            assert p[label]["mean"] == pytest.approx(sum(want) / len(want))
-            assert p[label]["lo"] <= p[label]["mean"] <= p[label]["hi"]
-    w = rows[("pure", "learned")]["paired"]["greedy correct with a wrong step"]
-    assert w["separated"] and w["hi"] < 0
-    assert not rows[("papo", "learned")]["paired"]["greedy accuracy"]["separated"]
-    cell = rows[("papo", "learned")]["greedy accuracy"]
-    assert 0 <= cell["lo"] <= cell["mean"] <= cell["hi"] <= 1 and len(cell["wilson"]) == 3
-    assert cell["noise"]["eval_sd"] == pytest.approx((0.25 / 300) ** 0.5, rel=0.25)
-    # the curves rise over 30 steps, then stay: 90% of the rise is made by then
-    pl = rows[("grpo", "learned")]["plateau"]
-    assert 24 <= pl["step90"] <= 36 and pl["slope_last_quarter"] == pytest.approx(0.0, abs=1e-9)
-    rep = {"rows": list(rows.values()), "baseline": {"greedy": results[0]["greedy"]},
-           "rl_steps": 60, "eval_problems": 300, "seeds": 3, "sampled_n": 2,
-           "prm": {"auroc": 0.9}, "compute_s": {"warmup": 1, "prm_train": 1, "runs": 1},
-           "device": "CPU", "load": [1.0], "total_s": 1, "hack": None}
-    md = report.markdown(rep)
-    assert "below GRPO in the greedy wrong-step share" in md
-    assert "**papo / learned**" in md and "not separated from GRPO in greedy accuracy" in md
-    table = report.readme_table(rep)
-    assert "| pure, learned | 2 |" in table and "grpo, oracle" not in table
-    # the plots of these rows, the reward-hacking one included
-    rep["hack"] = {"seed": 0, "curves": {"reward/outcome_mean": [0.1] * 60}}
-    written = report.plot(rep, results, str(tmp_path))
-    assert [os.path.basename(p) for p in written] == [
-        "compare_bars.png", "compare_paired.png", "compare_curves.png", "reward_hacking.png"]
-    assert all(os.path.getsize(p) > 10_000 for p in written)
-
-
-def test_a_run_without_a_correct_answer_has_no_wrong_step_share(tmp_path):
-    """A collapsed run (0 correct answers) records its wrong-step share as 0; the row leaves it
-    out (None per seed, the mean over the other seeds) instead of averaging a 0 in."""
-    import numpy as np
-
-    rng = np.random.default_rng(1)
-    ccfg = runs.CompareConfig(methods=("grpo", "pure"), seeds=3, oracle=(), bootstrap_reps=200)
-    results = []
-    for r in runs.plan(ccfg):
-        collapsed = r.method == "pure" and r.seed == 1
-        results.append({**r.__dict__, "name": r.name,
-                        "greedy": _fake_eval(rng, 0.0 if collapsed else 0.5, 0.9, problems=200),
-                        "sampled": _fake_eval(rng, 0.4, 0.9, problems=200, n=2),
-                        "train_end": {}, "curves": {"reward/outcome_mean": [0.1] * 60}})
-    rows = {(r["method"], r["prm"]): r for r in compare.aggregate(results, ccfg)}
-    pure = {r["seed"]: r["greedy"] for r in results if r["method"] == "pure" and not r["hack"]}
-    assert pure[1]["correct_with_wrong_step"] == 0.0  # what the evaluation records
-    cell = rows[("pure", "learned")]["greedy correct with a wrong step"]
-    assert cell["per_seed"][1] is None and cell["n"] == 2
-    want = [sum(pure[s]["per_problem"]["wrong_step"]) / sum(pure[s]["per_problem"]["correct"])
-            for s in (0, 2)]
-    assert cell["per_seed"][0] == pytest.approx(want[0])
-    assert cell["mean"] == pytest.approx(sum(want) / 2)  # the bootstrap's point, same rule
-    paired = rows[("pure", "learned")]["paired"]["greedy correct with a wrong step"]
-    assert paired["per_seed"][1] is None and None not in paired["per_seed"][::2]
-    # the accuracy of that run is a real 0, kept
-    assert rows[("pure", "learned")]["greedy accuracy"]["per_seed"][1] == 0.0
-    rep = {"rows": list(rows.values()), "hack": None,
-           "baseline": {"greedy": results[0]["greedy"], "sampled": results[0]["sampled"]}}
-    assert "compare_paired.png" in [os.path.basename(p) for p in report.plot(rep, results,
-                                                                              str(tmp_path))]
-
-
-def test_the_implicit_prm_loss_is_each_runs_first_and_last_trained_steps():
-    """PRIME's implicit-PRM loss in the report: each run's first and last 10 steps on which it
-    trained some row (a step whose accuracy filter kept no group trains nothing and is left
-    out), averaged over the runs; a run that trained on only 12 steps counts with those, and
-    does not cut the other runs short (as a mean curve over the shortest run would)."""
-    import numpy as np
-
-    rng = np.random.default_rng(1)
-    ccfg = runs.CompareConfig(methods=("grpo", "prime"), seeds=2, oracle=(), bootstrap_reps=50)
-    losses = {0: [0.70] * 10 + [0.80] * 40 + [0.95] * 10,       # trained on all 60 steps
-              1: [0.60] * 12}                                   # trained on 12 of 60
-    results = []
-    for r in runs.plan(ccfg):
-        curves = {"reward/outcome_mean": [0.2] * 60}
-        if r.method == "prime":
-            trained = losses[r.seed]
-            rows = [8] * len(trained) + [0] * (60 - len(trained))
-            curves.update({"prm/loss": trained + [0.0] * (60 - len(trained)),
-                           "prm/trained_rows": rows})
-        results.append({**r.__dict__, "name": r.name,
-                        "greedy": _fake_eval(rng, 0.5, 0.3, problems=100),
-                        "sampled": _fake_eval(rng, 0.4, 0.3, problems=100, n=2),
-                        "train_end": {}, "curves": curves})
-    rows = {(r["method"], r["prm"]): r for r in compare.aggregate(results, ccfg)}
-    pl = rows[("prime", "implicit")]["implicit_prm_loss"]
-    assert pl["first"] == pytest.approx((0.70 + 0.60) / 2)
-    assert pl["last"] == pytest.approx((0.95 + 0.60) / 2)
-    assert pl["defined_steps"] == [60, 12]
-    assert "implicit_prm_loss" not in rows[("grpo", "learned")]
-
-
-def test_the_time_to_go_is_each_kinds_median_recorded_cost():
-    """The progress line's estimate, by hand: GRPO cells cost 100 and 300 s (median 200),
-    PRIME's 600 s; of the three cells to go, GRPO's costs 200, PRIME's 600 and PURE's, a kind
-    none has finished, the median of every finished cell (300)."""
-    spec = compare.RunSpec
-    done = [{"method": "grpo", "prm": "learned", "rl_s": 90.0, "eval_s": 10.0},
-            {"method": "grpo", "prm": "learned", "rl_s": 280.0, "eval_s": 20.0},
-            {"method": "prime", "prm": "implicit", "rl_s": 550.0, "eval_s": 50.0}]
-    todo = [spec("grpo", "learned", 1), spec("prime", "implicit", 1), spec("pure", "learned", 1)]
-    assert compare.cells_to_go_s(done, todo) == pytest.approx(200 + 600 + 300)
-    # the hack run is a kind of its own (not GRPO's 200); nothing finished: no estimate
-    assert compare.cells_to_go_s(done, [spec("grpo", "learned", 0, hack=True)]) == 300
-    assert compare.cells_to_go_s([], todo) is None
-    assert compare.cells_to_go_s(done, []) == 0
 
 
 def test_method_seeds_checked():
@@ -531,91 +372,6 @@ def test_a_second_compare_on_one_run_dir_is_refused(tmp_path, monkeypatch, capsy
         assert str(os.getpid()) in err[0], err
     finally:
         first.release()
-
-
-def test_aggregate_over_starts_and_the_report_of_each_start(tmp_path):
-    """Starts are the outer level: a row's value is the mean over starts of the mean over
-    seeds (checked by a loop), its paired difference pairs (start, seed) with GRPO's, each
-    start has its own paired difference, and the noise splits into evaluation, seed and start;
-    the report shows the starts' table and the per-start differences."""
-    import numpy as np
-
-    rng = np.random.default_rng(1)
-    ccfg = runs.CompareConfig(methods=("grpo", "pure"), seeds=2, oracle=(), starts=3,
-                              hack_steps=0, bootstrap_reps=300)
-    # start 2 is a weak start: every run there is less accurate; PURE helps on starts 0-1 only
-    acc = {0: 0.6, 1: 0.55, 2: 0.3}
-    wrong = {("grpo", 0): 0.4, ("grpo", 1): 0.4, ("grpo", 2): 0.4,
-             ("pure", 0): 0.1, ("pure", 1): 0.1, ("pure", 2): 0.4}
-    results = []
-    for r in runs.plan(ccfg):
-        results.append({**r.__dict__, "name": r.name,
-                        "greedy": _fake_eval(rng, acc[r.start], wrong[(r.method, r.start)], 400),
-                        "sampled": _fake_eval(rng, acc[r.start], wrong[(r.method, r.start)], 400,
-                                              n=2),
-                        "train_end": {}, "curves": {}})
-    rows = {(r["method"], r["prm"]): r for r in compare.aggregate(results, ccfg)}
-    pure = rows[("pure", "learned")]
-    assert pure["starts"] == [0, 0, 1, 1, 2, 2] and pure["seeds"] == [0, 1] * 3
-    cell = pure["greedy accuracy"]
-    by = {(r["method"], r["start"], r["seed"]): r for r in results}
-    want = [np.mean([by[("pure", k, s)]["greedy"]["accuracy"] for s in (0, 1)])
-            for k in range(3)]
-    assert cell["per_start"] == pytest.approx(want)
-    assert cell["mean"] == pytest.approx(np.mean(want))
-    assert cell["lo"] <= cell["mean"] <= cell["hi"]
-    assert cell["noise"]["start_sd"] > 0.05  # start 2 is far from the others
-    d = pure["paired"]["greedy correct with a wrong step"]
-    assert d["per_seed"] == pytest.approx([
-        by[("pure", k, s)]["greedy"]["correct_with_wrong_step"]
-        - by[("grpo", k, s)]["greedy"]["correct_with_wrong_step"]
-        for k in range(3) for s in (0, 1)])
-    per = d["by_start"]
-    assert per["0"]["separated"] and per["1"]["separated"] and per["0"]["hi"] < 0
-    assert not per["2"]["separated"]  # the weak start disagrees: no effect there
-    # the difference's evaluation SD, by a loop: each run's ratio moves by sum_p z_p under a
-    # resampling of the problems (z_p = (num_p - R den_p) / sum(den)); the two runs of a pair
-    # share the problems, so the difference moves by sum_p (z_p - z_ref,p)
-    def z(rec):
-        pp = rec["greedy"]["per_problem"]
-        num, den = pp["wrong_step"], pp["correct"]
-        ratio = sum(num) / sum(den)
-        return [(a - ratio * b) / sum(den) for a, b in zip(num, den)]
-
-    var = [sum((a - b) ** 2 for a, b in zip(z(by[("pure", k, s)]), z(by[("grpo", k, s)])))
-           for k in range(3) for s in (0, 1)]
-    assert d["noise"]["eval_sd"] == pytest.approx((sum(var) / len(var)) ** 0.5)
-    assert d["noise"]["start_sd"] > 0.05  # PURE's effect differs between the starts
-    rep = {"rows": list(rows.values()), "baseline": {"greedy": results[0]["greedy"]},
-           "rl_steps": 60, "eval_problems": 400, "seeds": 2, "sampled_n": 2,
-           "prm": {"auroc": 0.9}, "compute_s": {"warmup": 1, "prm_train": 1, "runs": 1},
-           "device": "CPU", "load": [1.0], "total_s": 1, "hack": None, "task": "long",
-           "task_config": "ArithmeticConfig(...)", "max_tokens": 224,
-           "response_tokens": {"first5": 150, "last5": 152},
-           "starts": [{"start": k, "baseline": {"greedy": {"accuracy": acc[k]}},
-                       "prm": {"auroc": 0.9}, "prm_judged": {"f1": 0.8}, "cells": 4}
-                      for k in range(3)]}
-    md = report.markdown(rep)
-    # the next evaluation size: the columns it leaves out are named only where there are some
-    size = {"k": 2, "problems": 300, "sequences": 900, "met": 8, "left_out": 0}
-    sizes = {"max_sequences": 1000, "rl_s": 10.0, "seconds_per_sequence": 0.01, "sizes": [size]}
-    assert "300 problems x 2 samples (8 of 8 columns)." in report.markdown(
-        {**rep, "evaluation_sizes": sizes})
-    assert "(6 of 8 columns; the other 2: seed SD 0" in report.markdown(
-        {**rep, "evaluation_sizes": {**sizes, "sizes": [{**size, "met": 6, "left_out": 2}]}})
-    assert "Task **long**" in md and "### The starts" in md
-    assert "| 2 | 0.300 | - | 0.900 | 0.800 | 4 |" in md
-    assert "The paired differences start by start" in md and "| pure | learned | 2 | 2 |" in md
-    nz = d["noise"]
-    cell = (f"{nz['eval_sd']:.3f} / {nz['seed_sd']:.3f} / {nz['start_sd']:.3f}"
-            + (" ✓" if nz["eval_sd"] < nz["seed_sd"] else ""))
-    table = md.split("### The same split for the paired differences from GRPO")[1]
-    assert f"| pure | learned | {cell} |" in table
-    below = sum(pure["paired"][c]["noise"]["eval_sd"] < pure["paired"][c]["noise"]["seed_sd"]
-                for c in report.PAIRED)
-    assert f"Evaluation below seed noise in {below} of 4 paired cells." in table
-    assert report.block_name({"task": "long"}) == "compare-long"
-    assert report.block_name({"task": "ArithmeticConfig(num_ops=(2, 4))"}) == "compare"
 
 
 def test_the_long_task_runs_to_150_tokens_with_its_own_overrides():

@@ -11,8 +11,12 @@ import os
 
 import pytest
 
+from checkpoint_tools import manifest
 from megaprm.experiments.arithmetic import run_state
 from tests.test_megaprm_cli import MEGAPRM, one_line_error, run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 
 
 def _write(path, data: bytes):
@@ -62,10 +66,13 @@ def test_save_keeps_exactly_what_a_resumed_run_reads_back(tmp_path):
     assert run_state.save(rd, sd) == len(kept)
     tree = _tree(sd)
     assert sorted(tree) == sorted([*kept, "MANIFEST.json"])
-    man = json.loads(tree["MANIFEST.json"])["files"]
-    for rel in kept:  # the manifest is each file's own sha256 and size
+    head = json.loads(tree["MANIFEST.json"])  # checkpoint_tools.manifest's format, sha256
+    assert (head["manifest_version"], head["checksum"], head["format"]) == (
+        manifest.MANIFEST_VERSION, "sha256", run_state.STATE_FORMAT)
+    man = head["files"]
+    for rel in kept:  # the manifest is each file's own size and sha256
         data = open(os.path.join(rd, rel), "rb").read()
-        assert man[rel] == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        assert man[rel] == [len(data), hashlib.sha256(data).hexdigest()]
         assert tree[rel] == data
     # incremental: nothing changed, nothing copied; one cell finishes, its two files are copied
     assert run_state.save(rd, sd) == 0
@@ -133,3 +140,53 @@ def test_compare_with_a_damaged_state_is_one_line_before_any_rank(tmp_path):
                                                  "but missing")
     # the lock the preflight took goes with the error, and the run directory it made
     assert not os.path.exists(tmp_path / "x")
+
+
+def _legacy(sd):
+    """Rewrite state `sd`'s manifest in run_state's first format (as the committed
+    docs/compare/*/run-state hold it): {"format": 1, "files": {path: {"sha256", "bytes"}}}."""
+    files = run_state.read_manifest(sd)
+    with open(os.path.join(sd, "MANIFEST.json"), "w", encoding="utf-8") as f:
+        json.dump({"format": 1, "files": {rel: {"sha256": digest, "bytes": size}
+                                          for rel, (size, digest) in files.items()}}, f)
+    return files
+
+
+def test_a_state_of_the_first_format_is_read_and_the_next_save_writes_the_shared_one(tmp_path):
+    """Both formats read to the same entries; a restore from the first format fills a run
+    directory; the next save that copies a file writes checkpoint_tools.manifest's format."""
+    rd, sd = str(tmp_path / "run"), str(tmp_path / "state")
+    kept, _ = _run_dir(rd)
+    run_state.save(rd, sd)
+    shared = run_state.read_manifest(sd)
+    assert _legacy(sd) == shared and run_state.read_manifest(sd) == shared
+    assert "manifest_version" not in json.load(open(os.path.join(sd, "MANIFEST.json")))
+    assert run_state.restore(sd, str(tmp_path / "fresh")) == (6, 0)
+    assert run_state.save(rd, sd) == 0  # nothing new: the first format stays as it is
+    _write(os.path.join(rd, "start0/rl/pure-learned-s0/result.json"), b'{"digest": "b"}')
+    assert run_state.save(rd, sd) == 2  # the cell finished: its result.json and metrics.jsonl
+    head = json.load(open(os.path.join(sd, "MANIFEST.json")))
+    assert head["manifest_version"] == manifest.MANIFEST_VERSION and head["checksum"] == "sha256"
+    assert {k: v for k, v in run_state.verify(sd).items()
+            if not k.startswith("start0/rl/pure-learned-s0/")} == shared
+
+
+@pytest.mark.parametrize("head,needle", [
+    ({"manifest_version": 99, "checksum": "sha256"}, "manifest_version 99"),
+    ({"manifest_version": 2, "checksum": "crc32"}, "a state's are sha256"),
+    ({"format": 2}, "checksum"),  # neither format: a version-1 checkpoint manifest is crc32
+])
+def test_a_manifest_of_another_version_or_checksum_is_not_a_state_manifest(tmp_path, head,
+                                                                          needle):
+    sd = tmp_path / "state"
+    _write(str(sd / "MANIFEST.json"), json.dumps({**head, "files": {}}).encode())
+    with pytest.raises(run_state.StateError, match=f"is not a state manifest .*{needle}"):
+        run_state.read_manifest(str(sd))
+
+
+@pytest.mark.parametrize("state", ["docs/compare/run-state", "docs/compare/long/run-state"])
+def test_the_committed_states_read_and_verify(state):
+    """The committed run states (saved in the first format, not rewritten) still restore:
+    every file they list is there with its sha256."""
+    files = run_state.verify(os.path.join(ROOT, state))
+    assert len(files) > 100 and all(len(d) == 64 for _, d in files.values())
