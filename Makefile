@@ -6,9 +6,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.megaprm-installed
 NPROC  ?= 2
 # pytest-xdist workers for the suite (each test module stays on one worker: its module-scoped
-# runs are built once); docs/testing.md has the measured wall times
+# runs are built once), modules in tests/conftest.py's order (slowest first; xdist would
+# otherwise start the modules with the most tests first, leaving a long one-test module last);
+# docs/testing-durations.md has the measured wall time
 WORKERS ?= 2
-PYTEST  = $(PY) -m pytest -q -x -n $(WORKERS) --dist loadfile --timeout=900 --durations=25
+PYTEST  = $(PY) -m pytest -q -x -n $(WORKERS) --dist loadfile --no-loadscope-reorder --timeout=900 \
+          --durations=25
 
 .PHONY: install test test-fast test-learning demo bench lint clean
 

@@ -25,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "docs", "testing-durations.md")
 VERSION = 1  # of the page's header line (`durations-snapshot v1`), which its test reads
 # `make test`'s pytest, as the Makefile runs it (workers, marker), plus the JUnit report
-SUITE = ["-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "--timeout=900",
+SUITE = ["-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder",
+         "--timeout=900",
          "-m", "not second_path", "tests"]
 
 

@@ -6,8 +6,10 @@
 - The order modules run in: the slowest files of the committed snapshot
   (docs/testing-durations.md, scripts/test_durations.py) first, so that under pytest-xdist
   (`make test`: two workers, a module per worker) the long modules start early and the last
-  minutes are not one worker finishing a long module while the other idles. Tests keep their
-  order inside a module; a module the snapshot does not list runs after the listed ones.
+  minutes are not one worker finishing a long module while the other idles (the Makefile passes
+  `--no-loadscope-reorder`, or xdist would start the modules with the most tests first). Tests
+  keep their order inside a module; a module the snapshot does not list runs after the listed
+  ones.
 """
 import os
 import re
